@@ -1,0 +1,337 @@
+"""The layout planner: where every parameter lives in flat buffers, buckets and shards.
+
+[Note: layout]
+
+``plan_layout`` is pure: it takes ``ParamSpec`` metadata and returns frozen data, with no
+tensors and no process group, so it is identical on every rank and cheap to test. Every
+other module reads offsets from it and never computes its own.
+
+Rules (after Megatron-Core's ``_ParamAndGradBuffer``):
+
+* one buffer per (param dtype, grad dtype), in first-seen registration order;
+* inside a buffer, params are laid out in *reverse* registration order, which is the order
+  in which backward produces their grads, so the first bucket is ready first;
+* a param is never split across buckets; a bucket closes as soon as it holds at least
+  ``bucket_size`` elements (``None``: one bucket per buffer); a param with
+  ``own_bucket=True`` sits alone in its bucket; a bucket also closes where the ``unit`` of
+  consecutive params changes, so a unit's params never share a bucket with another unit's;
+* when ``shard``: every param starts at a multiple of ``PARAM_ALIGN`` (64) elements and every
+  bucket's end is padded to a multiple of ``lcm(world_size, 128)`` (``lcm(world_size, 128,
+  2**16)`` with ``pad_for_high_busbw``), so each bucket splits into ``world_size`` equal
+  shards and each shard starts on a 128-element (256-byte for 16-bit) boundary.
+
+Invariants (tested property-based in ``tests/test_layout.py``):
+
+1. params of one buffer never overlap, and each lies inside exactly one bucket;
+2. buckets tile their buffer: ``buckets[0].start == 0``, ``buckets[j].end ==
+   buckets[j + 1].start``, ``buckets[-1].end == buffer.numel``;
+3. when ``shard``: param starts are multiples of 64 and bucket sizes of ``pad_multiple``;
+4. when ``shard``: every param element lies in exactly one rank's shard, and the four ranges
+   of a param in a shard describe the same elements (their sizes are equal and they map
+   into each other by the bucket start, the shard start and the param start).
+
+The four ranges of a param in one rank's shard (all half-open ``[start, end)``):
+
+* ``in_buffer``: the elements' offsets in the flat buffer;
+* ``in_bucket``: the same, relative to the bucket's start;
+* ``in_shard``: the same, relative to the rank's shard start (where they sit in a shard
+  tensor such as a main-param shard);
+* ``in_param``: the same, relative to the param's own start (offsets into ``param.view(-1)``).
+
+Without ``shard`` (stage 0), a rank's "shard" of a bucket is the whole bucket on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+
+PARAM_ALIGN = 64
+"""Elements: every param of a sharded layout starts at a multiple of this."""
+BUCKET_ALIGN = 128
+"""Every bucket of a sharded layout ends at a multiple of lcm(world_size, this)."""
+HIGH_BUSBW_ALIGN = 2**16
+
+
+class Range(NamedTuple):
+    """A half-open range ``[start, end)`` of elements."""
+
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def shift(self, offset: int) -> Range:
+        """The same range seen from a frame that starts at ``offset``."""
+        return Range(self.start - offset, self.end - offset)
+
+    def intersect(self, other: Range) -> Range | None:
+        start, end = max(self.start, other.start), min(self.end, other.end)
+        return Range(start, end) if start < end else None
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """What the planner needs to know of one parameter (no tensor).
+
+    ``unit`` names the stage-3 gather unit the param belongs to (``None``: no unit
+    boundary is imposed).
+    """
+
+    name: str
+    numel: int
+    dtype: torch.dtype
+    grad_dtype: torch.dtype
+    own_bucket: bool = False
+    unit: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.numel <= 0:
+            raise ValueError(f"ParamSpec {self.name!r}: numel must be positive, got {self.numel}")
+        for field, value in (("dtype", self.dtype), ("grad_dtype", self.grad_dtype)):
+            if not isinstance(value, torch.dtype):
+                raise TypeError(f"ParamSpec {self.name!r}: {field} must be a torch.dtype, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ParamSlot:
+    """One param's place in its buffer: ``[start, end)`` in buffer elements."""
+
+    name: str
+    index: int  # position in the ``specs`` given to plan_layout (registration order)
+    start: int
+    end: int
+    bucket: int
+
+    @property
+    def range(self) -> Range:
+        return Range(self.start, self.end)
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+
+class ShardRanges(NamedTuple):
+    """The four ranges of the part of a param that lies in one rank's shard."""
+
+    name: str
+    in_buffer: Range
+    in_bucket: Range
+    in_shard: Range
+    in_param: Range
+
+
+@dataclass(frozen=True)
+class BucketLayout:
+    index: int
+    start: int
+    end: int  # padded, exclusive
+    numel_unpadded: int  # end of the last param minus start
+    params: tuple[ParamSlot, ...]
+    world_size: int
+    sharded: bool
+
+    @property
+    def numel(self) -> int:
+        return self.end - self.start
+
+    @property
+    def range(self) -> Range:
+        return Range(self.start, self.end)
+
+    @property
+    def shard_size(self) -> int:
+        return self.numel // self.world_size if self.sharded else self.numel
+
+    def shard_range(self, rank: int) -> Range:
+        """This rank's shard of the bucket, in buffer offsets."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside the layout's world of size {self.world_size}")
+        if not self.sharded:
+            return self.range
+        start = self.start + rank * self.shard_size
+        return Range(start, start + self.shard_size)
+
+    def local_ranges(self, rank: int) -> list[ShardRanges]:
+        """The four ranges of every param with elements in ``rank``'s shard, in buffer order."""
+        shard = self.shard_range(rank)
+        out = []
+        for slot in self.params:
+            part = slot.range.intersect(shard)
+            if part is None:
+                continue
+            out.append(
+                ShardRanges(
+                    slot.name,
+                    in_buffer=part,
+                    in_bucket=part.shift(self.start),
+                    in_shard=part.shift(shard.start),
+                    in_param=part.shift(slot.start),
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class BufferLayout:
+    index: int
+    dtype: torch.dtype
+    grad_dtype: torch.dtype
+    numel: int  # padded total
+    buckets: tuple[BucketLayout, ...]
+
+    @property
+    def params(self) -> Iterator[ParamSlot]:
+        for bucket in self.buckets:
+            yield from bucket.params
+
+    @property
+    def numel_unpadded(self) -> int:
+        """Elements that belong to params (alignment gaps and end padding excluded)."""
+        return sum(slot.numel for slot in self.params)
+
+    def shard_numel(self, rank: int = 0) -> int:
+        """Elements of this buffer held in ``rank``'s shards (padding included)."""
+        return sum(b.shard_range(rank).size for b in self.buckets)
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    sharded: bool
+    bucket_size: int | None
+    pad_multiple: int
+    buffers: tuple[BufferLayout, ...]
+
+    def slot(self, name: str) -> tuple[BufferLayout, ParamSlot]:
+        """The buffer and slot of the param called ``name``."""
+        for buffer in self.buffers:
+            for slot in buffer.params:
+                if slot.name == name:
+                    return buffer, slot
+        raise KeyError(f"no param named {name!r} in this layout")
+
+    def param_ranges(self, name: str, rank: int) -> ShardRanges | None:
+        """The four ranges of ``name`` in ``rank``'s shard, or None if none of it is there."""
+        buffer, slot = self.slot(name)
+        for ranges in buffer.buckets[slot.bucket].local_ranges(rank):
+            if ranges.name == name:
+                return ranges
+        return None
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buffers)
+
+    def __str__(self) -> str:
+        return format_layout(self)
+
+
+def pad_multiple(world_size: int, *, pad_for_high_busbw: bool = False) -> int:
+    """The multiple every sharded bucket's size is padded to."""
+    multiple = math.lcm(world_size, BUCKET_ALIGN)
+    return math.lcm(multiple, HIGH_BUSBW_ALIGN) if pad_for_high_busbw else multiple
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def plan_layout(
+    specs: Sequence[ParamSpec],
+    *,
+    world_size: int,
+    bucket_size: int | None = None,
+    shard: bool = True,
+    pad_for_high_busbw: bool = False,
+) -> Layout:
+    """Plan buffers, buckets and shards for ``specs`` (given in module registration order).
+
+    See [Note: layout] at the top of this module for the rules and invariants.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if bucket_size is not None and bucket_size < 1:
+        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size}")
+    names = [s.name for s in specs]
+    if len(set(names)) != len(names):
+        dup = next(n for n in names if names.count(n) > 1)
+        raise ValueError(f"param name {dup!r} appears more than once in specs")
+    multiple = pad_multiple(world_size, pad_for_high_busbw=pad_for_high_busbw)
+    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    for i, spec in enumerate(specs):
+        groups.setdefault((spec.dtype, spec.grad_dtype), []).append(i)
+    buffers = []
+    for b, ((dtype, grad_dtype), indices) in enumerate(groups.items()):
+        ordered = [specs[i] for i in reversed(indices)]
+        buckets = _plan_buckets(ordered, list(reversed(indices)), bucket_size, shard, multiple, world_size)
+        buffers.append(BufferLayout(b, dtype, grad_dtype, buckets[-1].end, tuple(buckets)))
+    return Layout(world_size, shard, bucket_size, multiple if shard else 1, tuple(buffers))
+
+
+def _plan_buckets(
+    specs: list[ParamSpec],
+    indices: list[int],
+    bucket_size: int | None,
+    shard: bool,
+    multiple: int,
+    world_size: int,
+) -> list[BucketLayout]:
+    """Lay ``specs`` (already in buffer order) into consecutive buckets."""
+    buckets: list[BucketLayout] = []
+    pending: list[ParamSlot] = []
+    start = cursor = 0
+    specs_unit: str | None = None
+
+    def close() -> None:
+        nonlocal start, cursor, pending
+        end = _round_up(cursor, multiple) if shard else cursor
+        unpadded = pending[-1].end - start
+        buckets.append(BucketLayout(len(buckets), start, end, unpadded, tuple(pending), world_size, shard))
+        start = cursor = end
+        pending = []
+
+    for spec, index in zip(specs, indices, strict=True):
+        if pending and (spec.own_bucket or spec.unit != specs_unit):
+            close()
+        specs_unit = spec.unit
+        param_start = _round_up(cursor, PARAM_ALIGN) if shard else cursor
+        pending.append(ParamSlot(spec.name, index, param_start, param_start + spec.numel, len(buckets)))
+        cursor = param_start + spec.numel
+        if spec.own_bucket or (bucket_size is not None and cursor - start >= bucket_size):
+            close()
+    if pending:
+        close()
+    return buckets
+
+
+def format_layout(layout: Layout) -> str:
+    """A readable table of buffers, buckets, params and padding."""
+    kind = f"sharded over {layout.world_size} ranks" if layout.sharded else "replicated (unsharded)"
+    lines = [f"Layout: {len(layout.buffers)} buffer(s), {layout.numel:,} elements, {kind}"]
+    for buf in layout.buffers:
+        pad = buf.numel - buf.numel_unpadded
+        lines.append(
+            f"buffer {buf.index}: param {_dtype_name(buf.dtype)}, grad {_dtype_name(buf.grad_dtype)},"
+            f" {buf.numel:,} elements ({pad:,} padding)"
+        )
+        lines.append(f"  {'bucket':>6} {'start':>12} {'end':>12} {'unpadded':>12} {'shard':>10}  params")
+        for bucket in buf.buckets:
+            lines.append(
+                f"  {bucket.index:>6} {bucket.start:>12,} {bucket.end:>12,} {bucket.numel_unpadded:>12,}"
+                f" {bucket.shard_size:>10,}  {len(bucket.params)}"
+            )
+            for slot in bucket.params:
+                lines.append(f"  {'':>6} {slot.start:>12,} {slot.end:>12,} {slot.numel:>12,} {'':>10}  {slot.name}")
+    return "\n".join(lines)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")

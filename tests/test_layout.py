@@ -1,0 +1,199 @@
+"""Invariants of the pure layout planner ([Note: layout] in flatshard/layout.py)."""
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from flatshard import ParamSpec, plan_layout
+from flatshard.layout import PARAM_ALIGN
+
+DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+
+
+@st.composite
+def layouts(draw):
+    n = draw(st.integers(1, 24))
+    specs = []
+    for i in range(n):
+        dtype, grad_dtype = draw(st.sampled_from(DTYPES))
+        specs.append(
+            ParamSpec(
+                f"p{i}",
+                draw(st.integers(1, 3000)),
+                dtype,
+                grad_dtype,
+                own_bucket=draw(st.booleans()) and draw(st.booleans()),
+                unit=draw(st.sampled_from([None, None, "u0", "u1"])),
+            )
+        )
+    world = draw(st.integers(1, 8))
+    bucket_size = draw(st.sampled_from([None, 1, 100, 1000, 5000]))
+    shard = draw(st.booleans())
+    high = draw(st.booleans()) and draw(st.booleans())
+    layout = plan_layout(specs, world_size=world, bucket_size=bucket_size, shard=shard, pad_for_high_busbw=high)
+    return specs, layout
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_params_disjoint_and_inside_their_bucket(case):
+    specs, layout = case
+    seen = set()
+    for buf in layout.buffers:
+        last_end = 0
+        for bucket in buf.buckets:
+            for slot in bucket.params:
+                assert bucket.start <= slot.start < slot.end <= bucket.start + bucket.numel_unpadded
+                assert slot.start >= last_end, "params overlap"
+                assert slot.numel == specs[slot.index].numel
+                assert slot.bucket == bucket.index
+                last_end = slot.end
+                seen.add(slot.name)
+    assert seen == {s.name for s in specs}
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_buckets_tile_buffer_and_respect_dtype_and_order(case):
+    specs, layout = case
+    first_seen = list(dict.fromkeys((s.dtype, s.grad_dtype) for s in specs))
+    assert [(b.dtype, b.grad_dtype) for b in layout.buffers] == first_seen
+    for buf in layout.buffers:
+        assert buf.buckets[0].start == 0 and buf.buckets[-1].end == buf.numel
+        for a, b in zip(buf.buckets, buf.buckets[1:], strict=False):
+            assert a.end == b.start
+        indices = [slot.index for slot in buf.params]
+        assert indices == sorted(indices, reverse=True), "params must be in reverse registration order"
+        for slot in buf.params:
+            spec = specs[slot.index]
+            assert (spec.dtype, spec.grad_dtype) == (buf.dtype, buf.grad_dtype)
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_bucket_closing_rules(case):
+    specs, layout = case
+    size = layout.bucket_size
+    for buf in layout.buffers:
+        for bucket, following in zip(buf.buckets, [*buf.buckets[1:], None], strict=True):
+            slots = bucket.params
+            if any(specs[s.index].own_bucket for s in slots):
+                assert len(slots) == 1
+            assert len({specs[s.index].unit for s in slots}) == 1
+            if size is not None and len(slots) > 1:
+                # still open before its last param: it held fewer than bucket_size elements
+                assert slots[-2].end - bucket.start < size
+            if following is not None:  # it closed for a reason
+                nxt = specs[following.params[0].index]
+                assert (
+                    (size is not None and bucket.numel_unpadded >= size)
+                    or nxt.own_bucket
+                    or specs[slots[0].index].own_bucket
+                    or nxt.unit != specs[slots[0].index].unit
+                )
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_sharded_alignment_and_padding(case):
+    _, layout = case
+    if not layout.sharded:
+        for buf in layout.buffers:
+            assert buf.numel == buf.numel_unpadded
+        return
+    multiple = math.lcm(layout.world_size, 128)
+    assert layout.pad_multiple % multiple == 0
+    for buf in layout.buffers:
+        for bucket in buf.buckets:
+            assert bucket.numel % layout.pad_multiple == 0
+            assert bucket.shard_size * layout.world_size == bucket.numel
+            for slot in bucket.params:
+                assert slot.start % PARAM_ALIGN == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_every_element_owned_once_and_ranges_consistent(case):
+    specs, layout = case
+    for buf in layout.buffers:
+        for bucket in buf.buckets:
+            owners = {slot.name: [0] * slot.numel for slot in bucket.params}
+            for rank in range(layout.world_size):
+                shard = bucket.shard_range(rank)
+                for r in bucket.local_ranges(rank):
+                    _, slot = layout.slot(r.name)
+                    sizes = {r.in_buffer.size, r.in_bucket.size, r.in_shard.size, r.in_param.size}
+                    assert len(sizes) == 1 and r.in_buffer.size > 0
+                    assert r.in_bucket.start == r.in_buffer.start - bucket.start
+                    assert r.in_shard.start == r.in_buffer.start - shard.start
+                    assert r.in_param.start == r.in_buffer.start - slot.start
+                    assert 0 <= r.in_shard.start and r.in_shard.end <= shard.size
+                    assert 0 <= r.in_param.start and r.in_param.end <= slot.numel
+                    for k in range(r.in_param.start, r.in_param.end):
+                        owners[r.name][k] += 1
+                    assert layout.param_ranges(r.name, rank) == r
+            expected = 1 if layout.sharded else layout.world_size
+            for name, counts in owners.items():
+                assert set(counts) == {expected}, f"{name}: elements owned {set(counts)} times"
+
+
+def _spec(name, numel, dtype=torch.float32, **kw):
+    return ParamSpec(name, numel, dtype, torch.float32, **kw)
+
+
+def test_megatron_example_by_hand():
+    # registration order a, b, c; laid out c, b, a; bucket closes once it holds >= 200
+    specs = [_spec("a", 100), _spec("b", 150), _spec("c", 70)]
+    layout = plan_layout(specs, world_size=3, bucket_size=200)
+    (buf,) = layout.buffers
+    assert [[s.name for s in b.params] for b in buf.buckets] == [["c", "b"], ["a"]]
+    c, b = buf.buckets[0].params
+    assert (c.start, c.end, b.start, b.end) == (0, 70, 128, 278)
+    assert buf.buckets[0].end == 384 and buf.buckets[0].numel_unpadded == 278
+    assert buf.buckets[1].start == 384 and buf.buckets[1].end == 768
+    # rank 1 owns [128, 256) of bucket 0: the first 128 elements of b
+    (r,) = buf.buckets[0].local_ranges(1)
+    assert r.name == "b" and r.in_param == (0, 128) and r.in_shard == (0, 128)
+
+
+def test_high_busbw_padding_and_own_bucket():
+    specs = [_spec("emb", 500, own_bucket=True), _spec("w", 10)]
+    layout = plan_layout(specs, world_size=4, pad_for_high_busbw=True)
+    (buf,) = layout.buffers
+    assert [[s.name for s in b.params] for b in buf.buckets] == [["w"], ["emb"]]
+    assert all(b.numel == 2**16 for b in buf.buckets)
+
+
+def test_unsharded_layout_has_no_padding_and_whole_bucket_shards():
+    layout = plan_layout([_spec("a", 5), _spec("b", 7)], world_size=4, shard=False)
+    (buf,) = layout.buffers
+    assert buf.numel == 12 and buf.buckets[0].shard_range(3) == (0, 12)
+
+
+def test_str_is_a_table():
+    text = str(plan_layout([_spec("w", 100), _spec("h", 10, torch.bfloat16)], world_size=2))
+    assert "buffer 0: param float32" in text and "buffer 1: param bfloat16" in text and " w" in text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"world_size": 2, "bucket_size": 0}, "bucket_size"),
+    ],
+)
+def test_bad_arguments_name_the_value(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        plan_layout([_spec("a", 1)], **kwargs)
+
+
+def test_bad_specs_name_the_param():
+    with pytest.raises(ValueError, match="'x'"):
+        _spec("x", 0)
+    with pytest.raises(ValueError, match="'a' appears more than once"):
+        plan_layout([_spec("a", 1), _spec("a", 2)], world_size=1)
+    with pytest.raises(ValueError, match="rank 5"):
+        plan_layout([_spec("a", 1)], world_size=2).buffers[0].buckets[0].shard_range(5)
