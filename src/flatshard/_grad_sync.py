@@ -1,0 +1,222 @@
+"""Gradient synchronization: accumulate grads into flat buffers and reduce them in buckets.
+
+[Note: grad sync]
+
+* A post-accumulate-grad hook on every trainable param moves the new grad into
+  ``param.main_grad`` and marks the param ready in its bucket group.
+* Bucket groups are launched strictly in one fixed order (the order backward is expected
+  to complete them: the group holding the last-registered param first). A complete group
+  launches once every group before it has; so every rank issues the same collectives in
+  the same order even when control flow differs, and a mismatch can never pair two
+  different tensors in one collective.
+* At the first hook of a backward an end-of-backward callback is queued with autograd's
+  engine. It launches the groups still waiting (their unused params contribute zeros),
+  waits for every collective, and resets per-backward state. So when ``backward()``
+  returns, grads are reduced: nothing can read them early.
+* Under ``no_sync`` nothing is launched; grads keep accumulating in ``main_grad``.
+
+Two kinds of buffers:
+
+* *exposed* (the param dtype equals the grad dtype, e.g. fp32 at stage 0): ``param.grad`` is
+  ``param.main_grad`` itself between steps, so torch optimizers work unchanged. A grad of
+  None means "zero" exactly as in torch: the next backward overwrites ``main_grad`` instead
+  of adding to it, so ``optimizer.zero_grad()`` needs no help from us.
+* *hidden* (16-bit params with fp32 grads): ``param.grad`` is dropped after each
+  accumulation; ``main_grad`` holds the sum since the last ``zero_grad`` of the module or the
+  flatshard optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from flatshard._bucket_group import BucketGroup
+from flatshard._buffer import FlatBuffer
+from flatshard._collectives import CommStats, all_reduce
+from flatshard._world import World
+from flatshard.layout import Layout
+
+
+@dataclass
+class BufferSet:
+    """All flat buffers of one world (the main data-parallel group, or an expert group)."""
+
+    world: World
+    layout: Layout
+    buffers: list[FlatBuffer]
+    params: list[nn.Parameter]  # in layout-spec order (slot.index)
+    names: list[str]
+    scale: float  # multiplier applied to grads before the sum over ``world``
+
+
+def build_bucket_groups(
+    sets: Sequence[BufferSet], buckets_per_group: int | None, stats: CommStats
+) -> list[BucketGroup]:
+    """Bucket groups of every buffer, in launch order (see [Note: grad sync])."""
+    found = []
+    for bset in sets:
+        for buffer in bset.buffers:
+            buckets = buffer.layout.buckets
+            step = len(buckets) if buckets_per_group is None else buckets_per_group
+            for i in range(0, len(buckets), step):
+                chunk = buckets[i : i + step]
+                slots = [slot for bucket in chunk for slot in bucket.params]
+                params = [bset.params[s.index] for s in slots]
+                key = max(s.index for s in slots)
+                found.append((-key, len(found), bset, buffer, chunk, params, [s.name for s in slots]))
+    found.sort(key=lambda item: item[:2])
+    return [
+        BucketGroup(i, buffer, chunk, params, names, bset.world, bset.scale, stats)
+        for i, (_, _, bset, buffer, chunk, params, names) in enumerate(found)
+    ]
+
+
+class GradSync:
+    """The state machine of [Note: grad sync] for one wrapped module."""
+
+    def __init__(
+        self,
+        sets: Sequence[BufferSet],
+        groups: Sequence[BucketGroup],
+        *,
+        find_unused_parameters: bool,
+        stats: CommStats,
+    ) -> None:
+        self.sets = list(sets)
+        self.groups = list(groups)
+        self.find_unused_parameters = find_unused_parameters
+        self.stats = stats
+        self.sync_enabled = True
+        self._group_of: dict[int, BucketGroup] = {}
+        self._exposed: set[int] = set()
+        self._name: dict[int, str] = {}
+        for group in self.groups:
+            exposed = group.buffer.layout.dtype == group.buffer.layout.grad_dtype
+            for name, p in zip(group.names, group.params, strict=True):
+                self._group_of[id(p)] = group
+                self._name[id(p)] = name
+                if exposed:
+                    self._exposed.add(id(p))
+        self._written: set[int] = set()  # hidden params whose main_grad holds a sum
+        self._next = 0  # first group not yet launched in this backward
+        self._in_backward = False
+        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for s in sets for p in s.params]
+
+    # -- hooks -------------------------------------------------------------------------
+    def on_backward_start(self) -> None:
+        """Queue the end-of-backward callback once per backward (called from autograd)."""
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+
+    def _on_grad(self, param: nn.Parameter) -> None:
+        self.on_backward_start()
+        key = id(param)
+        group = self._group_of[key]
+        if group.launched:
+            raise RuntimeError(
+                f"param {self._name[key]!r} got a gradient after its bucket group's reduction had "
+                "started in this backward (is it used again after its grad was final, e.g. by "
+                "reentrant activation checkpointing?)"
+            )
+        grad, main_grad = param.grad, param.main_grad
+        if grad is not main_grad:
+            if key in self._exposed or key not in self._written:
+                main_grad.copy_(grad)
+            else:
+                main_grad.add_(grad)
+            param.grad = main_grad if key in self._exposed else None
+        self._written.add(key)
+        if group.mark_ready(param) and self.sync_enabled:
+            self._launch_ready()
+
+    def _launch_ready(self) -> None:
+        groups = self.groups
+        while self._next < len(groups) and groups[self._next].complete:
+            groups[self._next].start_sync()
+            self._next += 1
+
+    # -- end of backward -----------------------------------------------------------------
+    def finish(self) -> None:
+        """Launch what is left, wait for every reduction, reset for the next backward."""
+        if not self._in_backward:
+            return
+        try:
+            if self.sync_enabled:
+                self._finish_sync()
+        finally:
+            for group in self.groups:
+                group.reset()
+            self._next = 0
+            self._in_backward = False
+
+    def _finish_sync(self) -> None:
+        locally_unused: list[nn.Parameter] = []
+        for group in self.groups[self._next :]:
+            for _, param in group.pending_params():
+                if not self._holds_grad(param):
+                    param.main_grad.zero_()
+                    if id(param) in self._exposed:
+                        locally_unused.append(param)
+            group.start_sync()
+        self._next = len(self.groups)
+        usage = self._start_usage_exchange() if self.find_unused_parameters else None
+        for group in self.groups:
+            group.finish_sync()
+        globally_unused = self._globally_unused(usage)
+        for param in locally_unused:
+            if id(param) not in globally_unused:
+                param.grad = param.main_grad
+
+    def _holds_grad(self, param: nn.Parameter) -> bool:
+        """Whether ``main_grad`` holds a real sum; adopts a grad the user assigned directly."""
+        key = id(param)
+        if key not in self._exposed:
+            return key in self._written
+        grad = param.grad
+        if grad is None:
+            return False
+        if grad is not param.main_grad:
+            param.main_grad.copy_(grad)
+            param.grad = param.main_grad
+        return True
+
+    def _start_usage_exchange(self) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
+        """Per world, a MAX all-reduce of which exposed params hold a grad on any rank."""
+        out = []
+        for bset in self.sets:
+            params = [p for p in bset.params if id(p) in self._exposed]
+            if not params:
+                continue
+            flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+            all_reduce(flags, bset.world, stats=self.stats, op="max").wait()
+            out.append((params, flags))
+        return out
+
+    @staticmethod
+    def _globally_unused(usage: list[tuple[list[nn.Parameter], torch.Tensor]] | None) -> set[int]:
+        if not usage:
+            return set()
+        return {id(p) for params, flags in usage for p, f in zip(params, flags.tolist(), strict=True) if not f}
+
+    # -- user-facing state -----------------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
+        self._written.clear()
+        if not set_to_none:
+            for bset in self.sets:
+                for buffer in bset.buffers:
+                    buffer.grad_data.zero_()
+            for bset in self.sets:
+                for p in bset.params:
+                    if id(p) in self._exposed:
+                        p.grad = p.main_grad
+
+    def remove_hooks(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()

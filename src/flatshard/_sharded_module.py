@@ -1,0 +1,85 @@
+"""The mixin every module returned by ``flatshard.shard`` gains (its class is swapped, as in
+FSDP2, so the user's ``forward``, parameter names and state-dict keys stay as they were)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+from torch import nn
+
+from flatshard._collectives import CommStats
+from flatshard._grad_sync import BufferSet, GradSync
+from flatshard.layout import Layout
+
+
+@dataclass
+class ShardState:
+    """Everything flatshard attaches to a wrapped module."""
+
+    stage: int
+    sets: dict[str, BufferSet]  # "main", and "expert" when an ExpertGroup is given
+    grad_sync: GradSync
+    stats: CommStats
+
+
+class ShardedModule(nn.Module):
+    """Methods added to a module by ``flatshard.shard``."""
+
+    _flatshard: ShardState
+
+    @property
+    def flatshard_state(self) -> ShardState:
+        return self._flatshard
+
+    @property
+    def layouts(self) -> dict[str, Layout]:
+        """The layout of each world's buffers ("main", and "expert" if any)."""
+        return {key: bset.layout for key, bset in self._flatshard.sets.items()}
+
+    @property
+    def comm_stats(self) -> CommStats:
+        """Collectives issued for this module and the bytes they moved (resettable)."""
+        return self._flatshard.stats
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool) -> None:
+        """Whether the next backward passes reduce grads (False: accumulate locally)."""
+        self._flatshard.grad_sync.sync_enabled = bool(requires_gradient_sync)
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Accumulate grads of the backward passes inside the block without communicating."""
+        sync = self._flatshard.grad_sync
+        previous = sync.sync_enabled
+        sync.sync_enabled = False
+        try:
+            yield
+        finally:
+            sync.sync_enabled = previous
+
+    def finish_grad_sync(self) -> None:
+        """Wait for grad reductions; only needed if a backward was interrupted by hand.
+
+        Backward already waits for them in its end-of-backward callback.
+        """
+        self._flatshard.grad_sync.finish()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        self._flatshard.grad_sync.zero_grad(set_to_none=set_to_none)
+
+
+_CLASS_CACHE: dict[type, type] = {}
+
+
+def make_sharded(module: nn.Module, state: ShardState) -> ShardedModule:
+    """Swap ``module``'s class for a subclass that mixes in ``ShardedModule``."""
+    cls = module.__class__
+    new_cls = _CLASS_CACHE.get(cls)
+    if new_cls is None:
+        new_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+        _CLASS_CACHE[cls] = new_cls
+    module.__class__ = new_cls
+    module._flatshard = state
+    return module  # type: ignore[return-value]

@@ -1,0 +1,87 @@
+"""The data-parallel group ("world") a set of buffers communicates over."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+
+@dataclass(frozen=True)
+class World:
+    """A process group with its rank and size; ``group is None`` means a world of one."""
+
+    group: ProcessGroup | None
+    rank: int
+    size: int
+
+    @property
+    def backend(self) -> str:
+        return "none" if self.group is None else str(dist.get_backend(self.group))
+
+    def __str__(self) -> str:
+        return f"world(rank {self.rank} of {self.size}, {self.backend})"
+
+
+def resolve_world(group: object = None) -> World:
+    """Turn ``group`` (a ProcessGroup, a 1-D DeviceMesh or None) into a ``World``.
+
+    ``None`` means the default process group when one is initialized, else a world of one.
+    """
+    if group is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            return World(None, 0, 1)
+        group = dist.group.WORLD
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type):
+        if group.ndim != 1:
+            raise ValueError(
+                f"group: a DeviceMesh must be 1-D here, got a {group.ndim}-D mesh of shape "
+                f"{tuple(group.shape)} (2-D replicate x shard meshes need stage >= 1 hybrid sharding)"
+            )
+        group = group.get_group()
+    if not isinstance(group, ProcessGroup):
+        raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
+    size = dist.get_world_size(group)
+    if size == 1:
+        return World(None, 0, 1)
+    return World(group, dist.get_rank(group), size)
+
+
+def _device_mesh_type() -> type | None:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - builds without distributed
+        return None
+    return DeviceMesh
+
+
+def check_ranks_agree(world: World, description: list[str], what: str) -> None:
+    """Raise on every rank if ranks' ``description`` lines differ, naming the first difference.
+
+    One all-gather of a 64-bit digest in the common case; the lines themselves are exchanged
+    only when the digests disagree.
+    """
+    if world.group is None:
+        return
+    digest = hashlib.sha256("\n".join(description).encode()).digest()[:8]
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    everyone = [torch.empty_like(mine) for _ in range(world.size)]
+    dist.all_gather(everyone, mine, group=world.group)
+    if all(int(t) == int(mine) for t in everyone):
+        return
+    lines: list[list[str] | None] = [None] * world.size
+    dist.all_gather_object(lines, description, group=world.group)
+    ref = lines[0]
+    for rank, other in enumerate(lines):
+        if other == ref:
+            continue
+        for i in range(max(len(ref), len(other))):
+            a = ref[i] if i < len(ref) else "<nothing>"
+            b = other[i] if i < len(other) else "<nothing>"
+            if a != b:
+                raise ValueError(f"ranks disagree on {what}: rank {rank} has {b!r} where rank 0 has {a!r}")
+    raise AssertionError("digests differ but descriptions are equal")  # pragma: no cover

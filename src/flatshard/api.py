@@ -1,0 +1,184 @@
+"""``flatshard.shard``: the public entry point, and its small policies."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from flatshard._buffer import FlatBuffer
+from flatshard._collectives import CommStats, broadcast
+from flatshard._grad_sync import BufferSet, GradSync, build_bucket_groups
+from flatshard._sharded_module import ShardedModule, ShardState, make_sharded
+from flatshard._world import World, check_ranks_agree, resolve_world
+from flatshard.layout import ParamSpec, plan_layout
+
+DEFAULT_BUCKET_SIZE = 2**22
+"""Elements per bucket by default (16 MiB of fp32 grads)."""
+IMPLEMENTED_STAGES = (0,)
+
+
+@dataclass(frozen=True)
+class ExpertGroup:
+    """Params that are data-parallel over another group (e.g. mixture-of-experts experts).
+
+    ``match(name, param)`` selects them; they get their own buffers, reduce over ``group``
+    and scale their grads by ``grad_scale`` (None: ``1 / size of group``).
+    """
+
+    group: object
+    match: Callable[[str, nn.Parameter], bool]
+    grad_scale: float | None = None
+
+
+def shard(
+    module: nn.Module,
+    *,
+    stage: int = 0,
+    group: object = None,
+    bucket_size: int | None = DEFAULT_BUCKET_SIZE,
+    buckets_per_group: int | None = 1,
+    grad_scale: float | None = None,
+    expert: ExpertGroup | None = None,
+    find_unused_parameters: bool = False,
+    sync_module_states: bool = False,
+    pad_for_high_busbw: bool = False,
+) -> ShardedModule:
+    """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
+
+    The module keeps its class's behaviour, parameter names and state-dict keys; its
+    trainable params become views into flat buffers (``param.main_grad`` too), and each
+    backward reduces their grads bucket by bucket while backward is still running.
+
+    Args:
+        stage: ZeRO stage. 0 is DDP: every rank keeps full params, grads and optimizer.
+        group: a ProcessGroup or a 1-D DeviceMesh (default: the default group, or a world of
+            one when torch.distributed is not initialized).
+        bucket_size: elements per bucket (a bucket closes once it holds at least this
+            many); None for one bucket per buffer.
+        buckets_per_group: buckets reduced by one collective; None puts all of a buffer's
+            buckets in one group.
+        grad_scale: factor applied to grads before the sum over ranks; None averages
+            (``1 / world size``); e.g. 1.0 for a loss already summed over tokens.
+        expert: params that reduce over another group (see ``ExpertGroup``).
+        find_unused_parameters: as in DDP: a param that got no grad on any rank keeps
+            ``grad=None`` (one extra small all-reduce per step); otherwise its grad is zero.
+        sync_module_states: start from rank 0's params and buffers.
+        pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
+    """
+    _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale)
+    world = resolve_world(group)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
+    _check_devices(named)
+    tied = _tied_params(module)
+    parts: list[tuple[str, World, list[tuple[str, nn.Parameter]], float | None]] = []
+    if expert is not None:
+        expert_world = resolve_world(expert.group)
+        chosen = [(n, p) for n, p in named if expert.match(n, p)]
+        named = [(n, p) for n, p in named if not expert.match(n, p)]
+        if chosen:
+            parts.append(("expert", expert_world, chosen, expert.grad_scale))
+    if named:
+        parts.insert(0, ("main", world, named, grad_scale))
+    config = (
+        f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
+        f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters}"
+    )
+    sets = {}
+    for key, part_world, part, scale in parts:
+        check_ranks_agree(part_world, [config, *_describe(part, key)], f"the {key} params")
+        sets[key] = _build_set(part_world, part, tied, stage, bucket_size, pad_for_high_busbw, scale)
+    if sync_module_states:
+        _broadcast_states(module, world, list(sets.values()))
+    stats = CommStats()
+    groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats)
+    sync = GradSync(list(sets.values()), groups, find_unused_parameters=find_unused_parameters, stats=stats)
+    sharded = make_sharded(module, ShardState(stage, sets, sync, stats))
+    sharded.register_forward_hook(_backward_start_hook(sync))
+    return sharded
+
+
+def _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ShardedModule):
+        raise ValueError(f"{type(module).__name__} is already sharded")
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage not in IMPLEMENTED_STAGES:
+        raise NotImplementedError(f"stage {stage} is not implemented yet (available: {IMPLEMENTED_STAGES})")
+    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
+        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
+    if buckets_per_group is not None and (not isinstance(buckets_per_group, int) or buckets_per_group < 1):
+        raise ValueError(f"buckets_per_group must be a positive int or None, got {buckets_per_group!r}")
+    if grad_scale is not None and not grad_scale > 0:
+        raise ValueError(f"grad_scale must be positive or None, got {grad_scale!r}")
+
+
+def _check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
+    device = named[0][1].device
+    for name, p in named:
+        if p.device != device:
+            raise ValueError(f"param {name!r} is on {p.device} but {named[0][0]!r} is on {device}: one device")
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"param {name!r} has layout {p.layout}; only dense params can be flattened")
+
+
+def _tied_params(module: nn.Module) -> set[int]:
+    """Params registered under more than one name (e.g. embeddings tied to the output layer)."""
+    counts = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
+    return {key for key, n in counts.items() if n > 1}
+
+
+def _describe(named: list[tuple[str, nn.Parameter]], key: str) -> list[str]:
+    return [f"{key} {n} {tuple(p.shape)} {p.dtype}" for n, p in named]
+
+
+def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale) -> BufferSet:
+    grad_dtype = torch.float32
+    specs = [
+        ParamSpec(n, p.numel(), p.dtype, grad_dtype if p.dtype.is_floating_point else p.dtype, id(p) in tied)
+        for n, p in named
+    ]
+    layout = plan_layout(
+        specs, world_size=world.size, bucket_size=bucket_size, shard=stage > 0, pad_for_high_busbw=pad_for_high_busbw
+    )
+    params = [p for _, p in named]
+    buffers = []
+    for buffer_layout in layout.buffers:
+        buffer = FlatBuffer(buffer_layout, params[0].device)
+        buffer.bind(params)
+        buffers.append(buffer)
+    return BufferSet(world, layout, buffers, params, [n for n, _ in named], 1.0 / world.size if scale is None else scale)
+
+
+def _broadcast_states(module: nn.Module, world: World, sets: list[BufferSet]) -> None:
+    """Copy rank 0's params (one broadcast per flat buffer) and module buffers everywhere."""
+    in_buffers = {id(p) for s in sets for p in s.params}
+    tensors = [b.param_data for s in sets for b in s.buffers]
+    tensors += [p.data for p in module.parameters() if id(p) not in in_buffers]
+    tensors += list(module.buffers())
+    handles = [broadcast(t, world) for t in tensors]
+    for h in handles:
+        h.wait()
+
+
+def _backward_start_hook(sync: GradSync):
+    """A forward hook that queues the end-of-backward callback when backward reaches the
+    module's output, so a rank whose params get no grad still joins the reductions."""
+
+    def hook(module: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled():
+            return
+        tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            register_multi_grad_hook(tensors, lambda grad: sync.on_backward_start(), mode="any")
+
+    return hook

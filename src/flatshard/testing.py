@@ -1,0 +1,135 @@
+"""Run a function on N real processes joined in a gloo process group: the test harness.
+
+``run_distributed(fn, world_size, *args)`` returns ``[fn(*args) on rank 0, ..., rank N-1]``.
+Each rank is a separate process forked from a forkserver that has torch already imported
+(so a rank starts in milliseconds, without inheriting the parent's threads); the parent
+hosts the rendezvous store on a port the OS picks. A rank that raises makes the call raise
+``RankError`` with that rank's traceback; a run past ``timeout`` seconds is killed and
+raises ``TimeoutError`` naming the ranks that had not finished: a hang fails, it never
+stalls.
+
+``fn`` must be importable by name (a module-level function), as must its arguments.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import time
+import traceback
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_CONTEXT: Any = None
+
+
+class RankError(RuntimeError):
+    """A rank of ``run_distributed`` raised; the message carries its traceback."""
+
+    def __init__(self, rank: int, trace: str, others: dict[int, str]) -> None:
+        self.rank = rank
+        self.trace = trace
+        note = f" (ranks {sorted(others)} failed too)" if others else ""
+        super().__init__(f"rank {rank} failed{note}:\n{trace}")
+
+
+def _context() -> Any:
+    global _CONTEXT
+    if _CONTEXT is None:
+        _CONTEXT = mp.get_context("forkserver")
+        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "flatshard"])
+    return _CONTEXT
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    timeout: float = 120.0,
+    backend: str = "gloo",
+    threads: int = 1,
+    **kwargs: Any,
+) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
+    ctx = _context()
+    results: Any = ctx.Queue()
+    procs = [
+        ctx.Process(
+            target=_rank_main,
+            args=(fn, args, kwargs, rank, world_size, store.port, backend, threads, timeout, results),
+            daemon=True,
+        )
+        for rank in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        return _collect(procs, results, world_size, timeout)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(timeout=5)
+        results.close()
+        del store
+
+
+def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
+    deadline = time.monotonic() + timeout
+    done: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    first_error_at: float | None = None
+    while len(done) + len(errors) < world_size:
+        now = time.monotonic()
+        # after a failure, give the other ranks a moment to report their own errors
+        if first_error_at is not None and now - first_error_at > 2.0:
+            break
+        if now > deadline:
+            missing = sorted(set(range(world_size)) - set(done) - set(errors))
+            if errors:
+                break
+            raise TimeoutError(f"run_distributed timed out after {timeout:.0f}s; ranks {missing} had not finished")
+        try:
+            rank, ok, payload = results.get(timeout=0.1)
+        except queue.Empty:
+            for rank, p in enumerate(procs):
+                if p.exitcode not in (None, 0) and rank not in done and rank not in errors:
+                    errors[rank] = f"rank {rank} exited with code {p.exitcode} without reporting"
+                    first_error_at = first_error_at or time.monotonic()
+            continue
+        if ok:
+            done[rank] = payload
+        else:
+            errors[rank] = payload
+            first_error_at = first_error_at or time.monotonic()
+    if errors:
+        first = min(errors)
+        raise RankError(first, errors[first], {r: t for r, t in errors.items() if r != first})
+    return [done[r] for r in range(world_size)]
+
+
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeout, results) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(
+        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+    )
+    try:
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+        dist.init_process_group(
+            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+        )
+        out = fn(*args, **kwargs)
+        results.put((rank, True, out))
+    except BaseException:
+        results.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
