@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import queue
 import time
 import traceback
@@ -106,7 +107,7 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
                     first_error_at = first_error_at or time.monotonic()
             continue
         if ok:
-            done[rank] = payload
+            done[rank] = pickle.loads(payload)
         else:
             errors[rank] = payload
             first_error_at = first_error_at or time.monotonic()
@@ -126,7 +127,9 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeo
         dist.init_process_group(
             backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
         )
-        out = fn(*args, **kwargs)
+        # plain pickle copies tensors by value; the queue's own pickler would share them
+        # through file descriptors that vanish when this process exits
+        out = pickle.dumps(fn(*args, **kwargs))
         results.put((rank, True, out))
     except BaseException:
         results.put((rank, False, traceback.format_exc()))

@@ -1,0 +1,275 @@
+"""Stage-0 semantics beyond the DDP grid: control flow, dtypes, groups, errors, accounting."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatshard
+from flatshard.testing import RankError, run_distributed
+
+
+class TwoPaths(nn.Module):
+    """Rank-dependent control flow: ``branch`` is used only when asked for."""
+
+    def __init__(self):
+        super().__init__()
+        self.trunk = nn.Linear(8, 8)
+        self.branch = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, use_branch):
+        h = torch.tanh(self.trunk(x))
+        if use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h).pow(2).mean()
+
+
+def _divergent_control_flow(bucket_size):
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = TwoPaths()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ours = flatshard.shard(model, bucket_size=bucket_size, find_unused_parameters=True)
+    out = []
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        use = (rank + step) % 2 == 0 if world > 1 else step == 0
+        ref(x, use).backward()
+        ours(x, use).backward()
+        for (name, p), q in zip(ours.named_parameters(), ref.module.parameters(), strict=True):
+            assert (p.grad is None) == (q.grad is None), name
+            if p.grad is not None:
+                torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+        out.append([p.grad is None for p in ours.parameters()])
+        ours.zero_grad()
+        ref.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("bucket_size", [None, 1])
+def test_params_unused_on_some_ranks_do_not_hang_and_match_ddp(world_size, bucket_size):
+    run_distributed(_divergent_control_flow, world_size, bucket_size, timeout=60)
+
+
+def _bf16_grads_accumulate_in_fp32(world_size):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)).to(torch.bfloat16)
+    plain = copy.deepcopy(model)
+    ours = flatshard.shard(model, bucket_size=100)
+    (buffer,) = ours.flatshard_state.sets["main"].buffers
+    assert buffer.param_data.dtype == torch.bfloat16 and buffer.grad_data.dtype == torch.float32
+    expected = [torch.zeros(p.shape) for p in plain.parameters()]
+    for micro in range(3):  # two accumulated micro-batches, then a synced one
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(10 * rank + micro)).bfloat16()
+        with ours.no_sync() if micro < 2 else torch.enable_grad():
+            ours(x).float().square().mean().backward()
+        plain(x).float().square().mean().backward()
+        for e, p in zip(expected, plain.parameters(), strict=True):
+            e += p.grad.float()
+            p.grad = None
+    for e in expected:
+        dist.all_reduce(e)
+        e /= world_size
+    for p, e in zip(ours.parameters(), expected, strict=True):
+        assert p.grad is None, "16-bit params expose grads only as main_grad"
+        torch.testing.assert_close(p.main_grad, e, rtol=1e-5, atol=1e-6)
+    ours.zero_grad()
+    x = torch.randn(8, 16).bfloat16()
+    ours(x).float().sum().backward()  # after zero_grad the sum restarts
+    plain(x).float().sum().backward()
+    local = [p.grad.float() for p in plain.parameters()]
+    for t in local:
+        dist.all_reduce(t)
+        t /= world_size
+    for p, e in zip(ours.parameters(), local, strict=True):
+        torch.testing.assert_close(p.main_grad, e, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_bf16_params_accumulate_fp32_main_grads(world_size):
+    run_distributed(_bf16_grads_accumulate_in_fp32, world_size, world_size, timeout=60)
+
+
+class TinyMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(6, 6)
+        self.expert = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return (self.expert(torch.relu(self.router(x))) ** 2).mean()
+
+
+def _expert_params_reduce_over_their_group():
+    rank = dist.get_rank()
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    torch.manual_seed(0)
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    expert = flatshard.ExpertGroup(pair, lambda name, p: name.startswith("expert."), grad_scale=0.25)
+    ours = flatshard.shard(model, expert=expert, bucket_size=1)
+    assert set(ours.layouts) == {"main", "expert"} and ours.layouts["expert"].world_size == 2
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    ours(x).backward()
+    plain(x).backward()
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters(), strict=True):
+        g = q.grad.clone()
+        if name.startswith("expert."):
+            dist.all_reduce(g, group=pair)
+            g *= 0.25
+        else:
+            dist.all_reduce(g)
+            g /= 4
+        torch.testing.assert_close(p.grad, g, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_expert_params_get_their_own_group_and_scale():
+    run_distributed(_expert_params_reduce_over_their_group, 4, timeout=60)
+
+
+def _mismatched_models():
+    width = 8 if dist.get_rank() == 0 else 9
+    flatshard.shard(nn.Linear(width, 2))
+
+
+def test_ranks_with_different_models_fail_at_wrap_time_naming_the_param():
+    with pytest.raises(RankError, match=r"rank 1 has .*weight.*\(2, 9\).* where rank 0 has .*\(2, 8\)"):
+        run_distributed(_mismatched_models, 2, timeout=60)
+
+
+def _comm_accounting():
+    torch.manual_seed(0)
+    model = flatshard.shard(nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3)), bucket_size=20)
+    stats = model.comm_stats
+    numel = sum(p.numel() for p in model.parameters())
+    x = torch.randn(4, 10)
+    with model.no_sync():
+        model(x).sum().backward()
+    assert stats.total_wire_bytes == 0 and not stats.calls, "no_sync must not communicate"
+    model(x).sum().backward()
+    n_buckets = len(model.layouts["main"].buffers[0].buckets)
+    return dict(stats.calls), stats.payload_bytes["all_reduce"], stats.wire_bytes["all_reduce"], numel, n_buckets
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_bytes_moved_per_step_match_theory(world_size):
+    calls, payload, wire, numel, n_buckets = run_distributed(_comm_accounting, world_size, timeout=60)[0]
+    if world_size == 1:
+        assert calls == {} and payload == 0
+    else:
+        assert calls == {"all_reduce": n_buckets} and n_buckets > 1
+        assert payload == 4 * numel
+        assert wire == sum(2 * (world_size - 1) * b // world_size for b in _bucket_bytes(numel, n_buckets))
+
+
+def _bucket_bytes(numel, n_buckets):
+    # the buckets of the two-layer model at bucket_size=20: recomputed from the layout
+    layout = flatshard.plan_layout(
+        [flatshard.ParamSpec(n, k, torch.float32, torch.float32) for n, k in
+         [("0.weight", 100), ("0.bias", 10), ("1.weight", 30), ("1.bias", 3)]],
+        world_size=1, bucket_size=20, shard=False,
+    )
+    sizes = [4 * b.numel for b in layout.buffers[0].buckets]
+    assert sum(sizes) == 4 * numel and len(sizes) == n_buckets
+    return sizes
+
+
+def _mesh_group_and_module_states():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(rank)  # different init on every rank
+    model = nn.Linear(4, 4)
+    model.register_buffer("running", torch.full((2,), float(rank)))
+    ours = flatshard.shard(model, group=mesh, sync_module_states=True)
+    return ours.weight.detach().clone(), ours.running.clone()
+
+
+def test_device_mesh_group_and_sync_module_states():
+    results = run_distributed(_mesh_group_and_module_states, 3, timeout=60)
+    for w, b in results:
+        torch.testing.assert_close(w, results[0][0], rtol=0, atol=0)
+        assert b.tolist() == [0.0, 0.0]
+
+
+def _sum_of_token_losses():
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    plain = copy.deepcopy(model)
+    ours = flatshard.shard(model, grad_scale=1.0)
+    x = torch.randn(2, 3, generator=torch.Generator().manual_seed(dist.get_rank()))
+    ours(x).sum().backward()
+    plain(x).sum().backward()
+    g = plain.weight.grad.clone()
+    dist.all_reduce(g)
+    torch.testing.assert_close(ours.weight.grad, g)
+
+
+def test_grad_scale_one_sums_instead_of_averaging():
+    run_distributed(_sum_of_token_losses, 2, timeout=60)
+
+
+def test_world_of_one_without_torch_distributed():
+    assert not dist.is_initialized()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+    plain = copy.deepcopy(model)
+    ours = flatshard.shard(model, bucket_size=1)
+    x = torch.randn(6, 3)
+    for _ in range(2):  # without zero_grad the grads accumulate, as in torch
+        ours(x).sum().backward()
+        plain(x).sum().backward()
+    for p, q in zip(ours.parameters(), plain.parameters(), strict=True):
+        assert p.grad is p.main_grad
+        torch.testing.assert_close(p.grad, q.grad)
+    ours.zero_grad(set_to_none=False)
+    assert all(p.grad is not None and not p.grad.any() for p in ours.parameters())
+
+
+def test_params_are_views_into_the_flat_buffers_and_keep_values():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    frozen = model[0].bias.requires_grad_(False)
+    ours = flatshard.shard(model, bucket_size=None)
+    (buffer,) = ours.flatshard_state.sets["main"].buffers
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p, before[name], rtol=0, atol=0)
+        if p is frozen:
+            assert not hasattr(p, "main_grad"), "frozen params stay out of the buffers"
+        else:
+            assert p.untyped_storage().data_ptr() == buffer.param_data.untyped_storage().data_ptr()
+            assert p.main_grad.untyped_storage().data_ptr() == buffer.grad_data.untyped_storage().data_ptr()
+    assert [n for n, _ in ours.named_parameters()] == list(before), "names are kept"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"stage": 5}, ValueError, "stage must be 0, 1, 2 or 3, got 5"),
+        ({"stage": 2}, NotImplementedError, "stage 2"),
+        ({"bucket_size": 0}, ValueError, "bucket_size .* got 0"),
+        ({"buckets_per_group": 0}, ValueError, "buckets_per_group .* got 0"),
+        ({"grad_scale": -1.0}, ValueError, "grad_scale .* got -1.0"),
+        ({"group": "world"}, TypeError, "group must be .* got str"),
+    ],
+)
+def test_bad_arguments_get_clear_errors(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        flatshard.shard(nn.Linear(2, 2), **kwargs)
+
+
+def test_module_without_trainable_params_and_double_wrap_are_rejected():
+    frozen = nn.Linear(2, 2).requires_grad_(False)
+    with pytest.raises(ValueError, match="Linear has no parameter that requires grad"):
+        flatshard.shard(frozen)
+    wrapped = flatshard.shard(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="already sharded"):
+        flatshard.shard(wrapped)
