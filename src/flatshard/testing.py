@@ -112,7 +112,7 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
             errors[rank] = payload
             first_error_at = first_error_at or time.monotonic()
     if errors:
-        first = min(errors)
+        first = next(iter(errors))  # the first to report is the cause; the rest follow from it
         raise RankError(first, errors[first], {r: t for r, t in errors.items() if r != first})
     return [done[r] for r in range(world_size)]
 
