@@ -72,6 +72,9 @@ def train_side_by_side(
         opt_ref.zero_grad()
         opt.zero_grad()
         param_diffs.append(
-            max(max_rel_diff(p, q) for p, q in zip(ours.parameters(), reference.module.parameters(), strict=True))
+            max(
+                max_rel_diff(p, q)
+                for p, q in zip(ours.parameters(), reference.module.parameters(), strict=True)
+            )
         )
     return {"losses": losses, "loss_diffs": loss_diffs, "param_diffs": param_diffs}

@@ -28,7 +28,7 @@ def _rank_one_raises():
 
 def test_a_failing_rank_raises_with_its_traceback():
     start = time.monotonic()
-    with pytest.raises(RankError, match="(?s)rank 1 failed.*KeyError.*the failing rank's own message"):
+    with pytest.raises(RankError, match=r"(?s)rank 1 failed.*KeyError.*the failing rank's own message"):
         run_distributed(_rank_one_raises, 2, timeout=60)
     assert time.monotonic() - start < 30, "the other rank must be killed, not waited for"
 

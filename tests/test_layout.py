@@ -10,7 +10,11 @@ from hypothesis import strategies as st
 from flatshard import ParamSpec, plan_layout
 from flatshard.layout import PARAM_ALIGN
 
-DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float32)]
+DTYPES = [
+    (torch.float32, torch.float32),
+    (torch.bfloat16, torch.float32),
+    (torch.float16, torch.float32),
+]
 
 
 @st.composite
@@ -33,7 +37,9 @@ def layouts(draw):
     bucket_size = draw(st.sampled_from([None, 1, 100, 1000, 5000]))
     shard = draw(st.booleans())
     high = draw(st.booleans()) and draw(st.booleans())
-    layout = plan_layout(specs, world_size=world, bucket_size=bucket_size, shard=shard, pad_for_high_busbw=high)
+    layout = plan_layout(
+        specs, world_size=world, bucket_size=bucket_size, shard=shard, pad_for_high_busbw=high
+    )
     return specs, layout
 
 
@@ -117,7 +123,7 @@ def test_sharded_alignment_and_padding(case):
 @settings(max_examples=200, deadline=None)
 @given(layouts())
 def test_every_element_owned_once_and_ranges_consistent(case):
-    specs, layout = case
+    _, layout = case
     for buf in layout.buffers:
         for bucket in buf.buckets:
             owners = {slot.name: [0] * slot.numel for slot in bucket.params}
@@ -130,8 +136,8 @@ def test_every_element_owned_once_and_ranges_consistent(case):
                     assert r.in_bucket.start == r.in_buffer.start - bucket.start
                     assert r.in_shard.start == r.in_buffer.start - shard.start
                     assert r.in_param.start == r.in_buffer.start - slot.start
-                    assert 0 <= r.in_shard.start and r.in_shard.end <= shard.size
-                    assert 0 <= r.in_param.start and r.in_param.end <= slot.numel
+                    assert r.in_shard.start >= 0 and r.in_shard.end <= shard.size
+                    assert r.in_param.start >= 0 and r.in_param.end <= slot.numel
                     for k in range(r.in_param.start, r.in_param.end):
                         owners[r.name][k] += 1
                     assert layout.param_ranges(r.name, rank) == r

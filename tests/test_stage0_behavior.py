@@ -154,7 +154,13 @@ def _comm_accounting():
     assert stats.total_wire_bytes == 0 and not stats.calls, "no_sync must not communicate"
     model(x).sum().backward()
     n_buckets = len(model.layouts["main"].buffers[0].buckets)
-    return dict(stats.calls), stats.payload_bytes["all_reduce"], stats.wire_bytes["all_reduce"], numel, n_buckets
+    return (
+        dict(stats.calls),
+        stats.payload_bytes["all_reduce"],
+        stats.wire_bytes["all_reduce"],
+        numel,
+        n_buckets,
+    )
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
@@ -171,9 +177,13 @@ def test_bytes_moved_per_step_match_theory(world_size):
 def _bucket_bytes(numel, n_buckets):
     # the buckets of the two-layer model at bucket_size=20: recomputed from the layout
     layout = flatshard.plan_layout(
-        [flatshard.ParamSpec(n, k, torch.float32, torch.float32) for n, k in
-         [("0.weight", 100), ("0.bias", 10), ("1.weight", 30), ("1.bias", 3)]],
-        world_size=1, bucket_size=20, shard=False,
+        [
+            flatshard.ParamSpec(n, k, torch.float32, torch.float32)
+            for n, k in [("0.weight", 100), ("0.bias", 10), ("1.weight", 30), ("1.bias", 3)]
+        ],
+        world_size=1,
+        bucket_size=20,
+        shard=False,
     )
     sizes = [4 * b.numel for b in layout.buffers[0].buckets]
     assert sum(sizes) == 4 * numel and len(sizes) == n_buckets

@@ -11,9 +11,8 @@ params are held to 1e-2 while the losses and SGD params stay at 1e-5.
 import pytest
 import torch
 
-from flatshard.testing import run_distributed
-
 from _parity import train_side_by_side
+from flatshard.testing import run_distributed
 
 BUCKETINGS = {
     "one_bucket": {"bucket_size": None},
@@ -45,6 +44,10 @@ def test_stage0_matches_ddp_adamw(world_size, bucketing):
 @pytest.mark.parametrize("bucketing", ["one_bucket", "bucket_per_param"])
 def test_stage0_matches_ddp_sgd_momentum(world_size, bucketing):
     results = run_distributed(
-        train_side_by_side, world_size, BUCKETINGS[bucketing], make_optimizer=_sgd_momentum, timeout=180
+        train_side_by_side,
+        world_size,
+        BUCKETINGS[bucketing],
+        make_optimizer=_sgd_momentum,
+        timeout=180,
     )
     _check(results, 1e-5)

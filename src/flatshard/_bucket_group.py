@@ -78,5 +78,6 @@ class BucketGroup:
 
     def __repr__(self) -> str:
         buckets = ",".join(str(b.index) for b in self.buckets)
-        return f"BucketGroup({self.index}, buffer={self.buffer.layout.index}, buckets=[{buckets}], {self.world})"
-
+        return (
+            f"BucketGroup({self.index}, buffer={self.buffer.layout.index}, buckets=[{buckets}], {self.world})"
+        )

@@ -64,7 +64,11 @@ class CommStats:
 
     def as_dict(self) -> dict[str, dict[str, int]]:
         return {
-            op: {"calls": self.calls[op], "payload_bytes": self.payload_bytes[op], "wire_bytes": self.wire_bytes[op]}
+            op: {
+                "calls": self.calls[op],
+                "payload_bytes": self.payload_bytes[op],
+                "wire_bytes": self.wire_bytes[op],
+            }
             for op in sorted(self.calls)
         }
 
@@ -73,7 +77,9 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def all_reduce(tensor: torch.Tensor, world: World, *, stats: CommStats | None = None, op: str = "sum") -> Handle:
+def all_reduce(
+    tensor: torch.Tensor, world: World, *, stats: CommStats | None = None, op: str = "sum"
+) -> Handle:
     """Sum (or max) ``tensor`` in place across ``world``; asynchronous."""
     if world.group is None:
         return DONE

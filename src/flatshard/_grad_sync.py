@@ -201,7 +201,9 @@ class GradSync:
     def _globally_unused(usage: list[tuple[list[nn.Parameter], torch.Tensor]] | None) -> set[int]:
         if not usage:
             return set()
-        return {id(p) for params, flags in usage for p, f in zip(params, flags.tolist(), strict=True) if not f}
+        return {
+            id(p) for params, flags in usage for p, f in zip(params, flags.tolist(), strict=True) if not f
+        }
 
     # -- user-facing state -----------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

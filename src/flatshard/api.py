@@ -126,7 +126,9 @@ def _check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
     device = named[0][1].device
     for name, p in named:
         if p.device != device:
-            raise ValueError(f"param {name!r} is on {p.device} but {named[0][0]!r} is on {device}: one device")
+            raise ValueError(
+                f"param {name!r} is on {p.device} but {named[0][0]!r} is on {device}: one device"
+            )
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"param {name!r} has layout {p.layout}; only dense params can be flattened")
 
@@ -144,11 +146,21 @@ def _describe(named: list[tuple[str, nn.Parameter]], key: str) -> list[str]:
 def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale) -> BufferSet:
     grad_dtype = torch.float32
     specs = [
-        ParamSpec(n, p.numel(), p.dtype, grad_dtype if p.dtype.is_floating_point else p.dtype, id(p) in tied)
+        ParamSpec(
+            n,
+            p.numel(),
+            p.dtype,
+            grad_dtype if p.dtype.is_floating_point else p.dtype,
+            id(p) in tied,
+        )
         for n, p in named
     ]
     layout = plan_layout(
-        specs, world_size=world.size, bucket_size=bucket_size, shard=stage > 0, pad_for_high_busbw=pad_for_high_busbw
+        specs,
+        world_size=world.size,
+        bucket_size=bucket_size,
+        shard=stage > 0,
+        pad_for_high_busbw=pad_for_high_busbw,
     )
     params = [p for _, p in named]
     buffers = []
@@ -156,7 +168,14 @@ def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale
         buffer = FlatBuffer(buffer_layout, params[0].device)
         buffer.bind(params)
         buffers.append(buffer)
-    return BufferSet(world, layout, buffers, params, [n for n, _ in named], 1.0 / world.size if scale is None else scale)
+    return BufferSet(
+        world,
+        layout,
+        buffers,
+        params,
+        [n for n, _ in named],
+        1.0 / world.size if scale is None else scale,
+    )
 
 
 def _broadcast_states(module: nn.Module, world: World, sets: list[BufferSet]) -> None:

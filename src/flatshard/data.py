@@ -23,7 +23,9 @@ class SyntheticCorpus:
         gen = torch.Generator().manual_seed(seed)
         weights = torch.tensor([2.0**-i for i in range(branching)])
         self.probs = weights / weights.sum()  # shared by every row
-        self.successors = torch.stack([torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)])
+        self.successors = torch.stack(
+            [torch.randperm(vocab_size, generator=gen)[:branching] for _ in range(vocab_size)]
+        )
 
     @property
     def entropy_rate(self) -> float:

@@ -329,7 +329,9 @@ def format_layout(layout: Layout) -> str:
                 f" {bucket.shard_size:>10,}  {len(bucket.params)}"
             )
             for slot in bucket.params:
-                lines.append(f"  {'':>6} {slot.start:>12,} {slot.end:>12,} {slot.numel:>12,} {'':>10}  {slot.name}")
+                lines.append(
+                    f"  {'':>6} {slot.start:>12,} {slot.end:>12,} {slot.numel:>12,} {'':>10}  {slot.name}"
+                )
     return "\n".join(lines)
 
 

@@ -65,7 +65,18 @@ def run_distributed(
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(fn, args, kwargs, rank, world_size, store.port, backend, threads, timeout, results),
+            args=(
+                fn,
+                args,
+                kwargs,
+                rank,
+                world_size,
+                store.port,
+                backend,
+                threads,
+                timeout,
+                results,
+            ),
             daemon=True,
         )
         for rank in range(world_size)
@@ -97,7 +108,9 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
             missing = sorted(set(range(world_size)) - set(done) - set(errors))
             if errors:
                 break
-            raise TimeoutError(f"run_distributed timed out after {timeout:.0f}s; ranks {missing} had not finished")
+            raise TimeoutError(
+                f"run_distributed timed out after {timeout:.0f}s; ranks {missing} had not finished"
+            )
         try:
             rank, ok, payload = results.get(timeout=0.1)
         except queue.Empty:
@@ -120,12 +133,21 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeout, results) -> None:
     torch.set_num_threads(threads)
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
     )
     try:
-        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout))
+        store = dist.TCPStore(
+            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
+        )
         dist.init_process_group(
-            backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout)
+            backend,
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout),
         )
         # plain pickle copies tensors by value; the queue's own pickler would share them
         # through file descriptors that vanish when this process exits

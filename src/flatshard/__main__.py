@@ -1,0 +1,5 @@
+import sys
+
+from flatshard.cli import main
+
+sys.exit(main())

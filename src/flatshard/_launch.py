@@ -1,0 +1,62 @@
+"""Start N local ranks of a command with torchrun's environment, or detect torchrun's."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def launched() -> bool:
+    """Whether this process is one rank of a launched job (ours or torchrun's)."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_local(argv: list[str], nproc: int, *, threads_per_rank: int | None = None) -> int:
+    """Run ``python -m flatshard *argv`` as ``nproc`` ranks; return the first failing exit
+    code (the others are stopped), or 0."""
+    threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
+    port = str(free_port())
+    procs = []
+    for rank in range(nproc):
+        env = {
+            **os.environ,
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": port,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "OMP_NUM_THREADS": str(threads),
+        }
+        procs.append(subprocess.Popen([sys.executable, "-m", "flatshard", *argv], env=env))
+    code = 0
+    try:
+        while any(p.poll() is None for p in procs):
+            failed = [p for p in procs if p.returncode not in (None, 0)]
+            if failed:
+                code = failed[0].returncode
+                break
+            time.sleep(0.05)
+        else:
+            code = next((p.returncode for p in procs if p.returncode), 0)
+    except KeyboardInterrupt:
+        code = 130
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+    return code

@@ -1,0 +1,58 @@
+"""Resident model-state memory on this rank, counted from real storages."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes of unique storages on this rank, by role (each storage counted once)."""
+
+    params: int
+    grads: int
+    main_params: int
+    optimizer_state: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.main_params + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "total": self.total}
+
+
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+    total = 0
+    for t in tensors:
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in seen or storage.nbytes() == 0:
+            continue
+        seen.add(key)
+        total += storage.nbytes()
+    return total
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+    """Count the params, grads, main params and optimizer state that ``model`` and
+    ``optimizer`` keep on this rank. Flat buffers count once however many params view
+    them; a storage shared by two roles counts for the first (params, grads, state)."""
+    seen: set[int] = set()
+    params = list(model.parameters())
+    param_bytes = _storage_bytes(params, seen)
+    grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+    grad_bytes = _storage_bytes(grads, seen)
+    main_bytes = 0
+    state_bytes = 0
+    if optimizer is not None:
+        main_params = getattr(optimizer, "main_params", None)
+        if callable(main_params):
+            main_bytes = _storage_bytes(main_params(), seen)
+        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        state_bytes = _storage_bytes(state, seen)
+    return MemoryReport(param_bytes, grad_bytes, main_bytes, state_bytes)
