@@ -283,3 +283,43 @@ def test_module_without_trainable_params_and_double_wrap_are_rejected():
     wrapped = flatshard.shard(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already sharded"):
         flatshard.shard(wrapped)
+
+
+class ReusedUnderCheckpoint(nn.Module):
+    """``shared`` is used inside a reentrant checkpoint and outside it, so its grad arrives
+    twice in one backward (once per autograd graph task)."""
+
+    def __init__(self):
+        super().__init__()
+        self.first = nn.Linear(4, 4)
+        self.shared = nn.Linear(4, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        h = checkpoint(self.shared, self.first(x), use_reentrant=True)
+        return self.shared(torch.tanh(h)).square().sum()
+
+
+def _grad_arriving_twice(accumulate):
+    torch.manual_seed(0)
+    model = ReusedUnderCheckpoint()
+    plain = copy.deepcopy(model)
+    calls = []
+    model.shared.weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
+    ours = flatshard.shard(model, bucket_size=None)
+    for micro in range(2 if accumulate else 1):
+        x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + micro))
+        with ours.no_sync() if accumulate and micro == 0 else torch.enable_grad():
+            ours(x).backward()
+        plain(x).backward()
+    assert len(calls) == (4 if accumulate else 2), "the test needs two grads per backward"
+    for (name, p), q in zip(ours.named_parameters(), plain.parameters(), strict=True):
+        g = q.grad.clone()
+        dist.all_reduce(g)
+        torch.testing.assert_close(p.grad, g / dist.get_world_size(), msg=name)
+
+
+@pytest.mark.parametrize("accumulate", [False, True])
+def test_a_grad_arriving_twice_in_one_backward_is_summed_once_scaled(accumulate):
+    run_distributed(_grad_arriving_twice, 2, accumulate, timeout=60)

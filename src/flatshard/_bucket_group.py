@@ -16,8 +16,9 @@ class BucketGroup:
     """Consecutive buckets of one ``FlatBuffer``, reduced by one collective over ``world``.
 
     The group is *complete* in a backward once every one of its params has had its grad
-    accumulated; ``start_sync`` scales the group's grad range by ``scale`` and launches the
-    all-reduce on it (one contiguous tensor: the buckets are adjacent in the buffer).
+    accumulated (already multiplied by ``scale``, see [Note: grad sync]); ``start_sync``
+    launches the all-reduce on the group's grad range (one contiguous tensor: the buckets
+    are adjacent in the buffer).
     """
 
     def __init__(
@@ -49,6 +50,9 @@ class BucketGroup:
     def complete(self) -> bool:
         return not self._pending
 
+    def is_ready(self, param: nn.Parameter) -> bool:
+        return id(param) not in self._pending
+
     def mark_ready(self, param: nn.Parameter) -> bool:
         """Record that ``param``'s grad is final for this backward; True once all are."""
         self._pending.discard(id(param))
@@ -62,8 +66,6 @@ class BucketGroup:
         if self.launched:
             raise RuntimeError(f"bucket group {self.index} was launched twice in one backward")
         self.launched = True
-        if self.scale != 1.0:
-            self.grad.mul_(self.scale)
         self._handle = all_reduce(self.grad, self.world, stats=self.stats)
 
     def finish_sync(self) -> None:

@@ -102,6 +102,7 @@ class GradSync:
                 if exposed:
                     self._exposed.add(id(p))
         self._written: set[int] = set()  # hidden params whose main_grad holds a sum
+        self._fired: list[nn.Parameter] = []  # exposed params whose grad returns after sync
         self._next = 0  # first group not yet launched in this backward
         self._in_backward = False
         self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for s in sets for p in s.params]
@@ -123,16 +124,49 @@ class GradSync:
                 "started in this backward (is it used again after its grad was final, e.g. by "
                 "reentrant activation checkpointing?)"
             )
-        grad, main_grad = param.grad, param.main_grad
-        if grad is not main_grad:
-            if key in self._exposed or key not in self._written:
-                main_grad.copy_(grad)
-            else:
-                main_grad.add_(grad)
-            param.grad = main_grad if key in self._exposed else None
+        if self.sync_enabled:
+            self._accumulate_scaled(param, group)
+        else:
+            self._accumulate(param)
         self._written.add(key)
         if group.mark_ready(param) and self.sync_enabled:
             self._launch_ready()
+
+    def _accumulate(self, param: nn.Parameter) -> None:
+        """Add the new grad into ``main_grad`` unscaled (a backward that does not sync)."""
+        key = id(param)
+        grad, main_grad = param.grad, param.main_grad
+        if grad is main_grad:  # autograd already added in place
+            return
+        if key in self._exposed or key not in self._written:
+            main_grad.copy_(grad)
+        else:
+            main_grad.add_(grad)
+        param.grad = main_grad if key in self._exposed else None
+
+    def _accumulate_scaled(self, param: nn.Parameter, group: BucketGroup) -> None:
+        """Fold the new grad into ``main_grad`` and apply the group's scale in the same pass.
+
+        From a param's first grad in a syncing backward until the sync finishes,
+        ``main_grad`` holds the *scaled* sum and ``param.grad`` is None, so a second grad in
+        the same backward arrives fresh and is added with the scale too.
+        """
+        key = id(param)
+        grad, main_grad, scale = param.grad, param.main_grad, group.scale
+        if group.is_ready(param):  # second grad in this backward
+            main_grad.add_(grad, alpha=scale)
+        else:
+            if grad is main_grad:  # autograd added in place onto the unscaled sum
+                main_grad.mul_(scale)
+            elif key in self._exposed:  # fresh sum, same dtype: one fused pass
+                torch.mul(grad, scale, out=main_grad)
+            elif key not in self._written:  # fresh sum of a 16-bit grad: scale in fp32
+                main_grad.copy_(grad).mul_(scale)
+            else:
+                main_grad.add_(grad).mul_(scale)
+            if key in self._exposed:
+                self._fired.append(param)
+        param.grad = None
 
     def _launch_ready(self) -> None:
         groups = self.groups
@@ -151,6 +185,7 @@ class GradSync:
         finally:
             for group in self.groups:
                 group.reset()
+            self._fired.clear()
             self._next = 0
             self._in_backward = False
 
@@ -158,12 +193,16 @@ class GradSync:
         locally_unused: list[nn.Parameter] = []
         for group in self.groups[self._next :]:
             for _, param in group.pending_params():
-                if not self._holds_grad(param):
+                if self._holds_grad(param):  # accumulated under no_sync, none this backward
+                    param.main_grad.mul_(group.scale)
+                else:
                     param.main_grad.zero_()
                     if id(param) in self._exposed:
                         locally_unused.append(param)
             group.start_sync()
         self._next = len(self.groups)
+        for param in self._fired:  # nobody reads a grad before backward returns
+            param.grad = param.main_grad
         usage = self._start_usage_exchange() if self.find_unused_parameters else None
         for group in self.groups:
             group.finish_sync()

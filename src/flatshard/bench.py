@@ -1,0 +1,162 @@
+"""Side-by-side step-time benchmark of flatshard and its peers, in one run on the same ranks.
+
+Every peer trains its own copy of the same model on the same data. Peers take turns in
+rounds (the order rotates every round) so that the machine's drift hits them all alike;
+the reported time is the median step over all rounds, and the ratio is to torch DDP's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from datetime import date
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatshard
+from flatshard.data import SyntheticCorpus
+from flatshard.memory import memory_report
+from flatshard.models import GPT, PRESETS
+from flatshard.testing import run_distributed
+
+
+def _ddp(model: nn.Module, bucket_size: int | None) -> nn.Module:
+    return DDP(model, gradient_as_bucket_view=True)
+
+
+def _flatshard(stage: int) -> Callable[[nn.Module, int | None], nn.Module]:
+    def wrap(model: nn.Module, bucket_size: int | None) -> nn.Module:
+        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
+        return flatshard.shard(model, stage=stage, **kwargs)
+
+    return wrap
+
+
+PEERS: dict[str, Callable[[nn.Module, int | None], nn.Module]] = {
+    "ddp": _ddp,
+    **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
+}
+
+
+def _rank_bench(preset: str, peers: list[str], steps: int, rounds: int, batch: int, bucket_size) -> dict:
+    rank = dist.get_rank()
+    cfg = PRESETS[preset]
+    torch.manual_seed(0)
+    base = GPT(cfg)
+    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
+    runs = {}
+    for name in peers:
+        model = PEERS[name](copy.deepcopy(base), bucket_size)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        runs[name] = {"model": model, "opt": optimizer, "times": [], "losses": [], "step": 0}
+    data = [corpus.batch(i, rank, batch) for i in range(steps)]
+
+    def one_step(run: dict, measure: bool = False) -> None:
+        x, y = data[run["step"] % steps]
+        loss = run["model"](x, y)
+        loss.backward()
+        run["opt"].step()
+        if measure:  # before zero_grad, so grads held in buckets count for every peer
+            run["memory"] = memory_report(run["model"], run["opt"]).total
+        run["opt"].zero_grad()
+        run["losses"].append(loss.item())
+        run["step"] += 1
+
+    for name in peers:  # warm-up: first-iteration allocations, DDP's bucket rebuild
+        for i in range(2):
+            one_step(runs[name], measure=i == 1)
+    for r in range(rounds):
+        order = peers[r % len(peers) :] + peers[: r % len(peers)]
+        for name in order:
+            run = runs[name]
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                one_step(run)
+                run["times"].append(time.perf_counter() - start)
+    return {
+        name: {
+            "step_times": run["times"],
+            "final_loss": run["losses"][-1],
+            "model_state_bytes": run["memory"],
+            "threads": torch.get_num_threads(),
+        }
+        for name, run in runs.items()
+    }
+
+
+def run_bench(
+    *,
+    world_size: int = 2,
+    preset: str = "small",
+    peers: list[str] | None = None,
+    steps: int = 10,
+    rounds: int = 6,
+    batch: int = 16,
+    bucket_size: int | None = None,
+) -> dict:
+    """Run every peer on ``world_size`` local ranks; return a JSON-ready result."""
+    peers = peers or list(PEERS)
+    unknown = [p for p in peers if p not in PEERS]
+    if unknown:
+        raise ValueError(f"unknown peer(s) {unknown}; known: {sorted(PEERS)}")
+    per_rank = run_distributed(
+        _rank_bench, world_size, preset, peers, steps, rounds, batch, bucket_size, timeout=1800
+    )
+    results = {}
+    for name in peers:
+        # a step is as slow as its slowest rank
+        times = [max(ts) for ts in zip(*(r[name]["step_times"] for r in per_rank), strict=True)]
+        results[name] = {
+            "median_step_s": statistics.median(times),
+            "final_loss": per_rank[0][name]["final_loss"],
+            "model_state_bytes": per_rank[0][name]["model_state_bytes"],
+        }
+    ddp = results.get("ddp", {}).get("median_step_s")
+    for r in results.values():
+        r["ratio_to_ddp"] = r["median_step_s"] / ddp if ddp else None
+    return {
+        "date": date.today().isoformat(),
+        "machine": f"{platform.machine()}, {per_rank[0][peers[0]]['threads']} torch thread(s)/rank, "
+        f"{_cpu_count()} CPUs, torch {torch.__version__}",
+        "world_size": world_size,
+        "model": preset,
+        "params": sum(p.numel() for p in GPT(PRESETS[preset]).parameters()),
+        "steps_per_round": steps,
+        "rounds": rounds,
+        "batch_per_rank": batch,
+        "peers": results,
+    }
+
+
+def _cpu_count() -> int:
+    import os
+
+    return os.cpu_count() or 1
+
+
+def format_table(result: dict) -> str:
+    lines = [
+        f"{result['model']} GPT ({result['params']:,} params), {result['world_size']} ranks, "
+        f"{result['rounds']} rounds x {result['steps_per_round']} steps, {result['date']}, {result['machine']}",
+        f"{'peer':<14} {'median step':>12} {'vs DDP':>8} {'model state/rank':>18} {'final loss':>11}",
+    ]
+    for name, r in result["peers"].items():
+        ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
+        lines.append(
+            f"{name:<14} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>8} "
+            f"{r['model_state_bytes'] / 2**20:>14.2f} MiB {r['final_loss']:>11.4f}"
+        )
+    return "\n".join(lines)
+
+
+def write_json(result: dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2)

@@ -1,0 +1,49 @@
+"""The flatshard command line, end to end (real processes)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+
+def _flatshard(*args, timeout=240):
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    return subprocess.run(
+        [sys.executable, "-m", "flatshard", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def test_train_starts_its_ranks_and_the_loss_falls():
+    out = _flatshard("train", "--world-size", "2", "--model", "tiny", "--steps", "60", "--lr", "1e-2")
+    assert out.returncode == 0, out.stderr
+    assert "tiny GPT" in out.stdout and "2 rank(s)" in out.stdout
+    line = next(x for x in out.stdout.splitlines() if x.strip().startswith("loss"))
+    first, final = (float(v) for v in line.split()[1:4:2])
+    uniform = float(line.split("uniform guess ")[1].split(",")[0])
+    assert final < first - 0.5 and final < uniform - 0.5, line
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["train", "--stage", "7"], "argument --stage: invalid choice: 7"),
+        (["train", "--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
+        (["train", "--model", "huge"], "argument --model: invalid choice: 'huge'"),
+        (["train", "--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
+        (["frobnicate"], "invalid choice: 'frobnicate'"),
+    ],
+)
+def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
+    out = _flatshard(*args, timeout=60)
+    assert out.returncode == 2
+    assert reason in out.stderr.strip().splitlines()[-1]
+
+
+def test_help_lists_every_train_option():
+    out = _flatshard("train", "--help", timeout=60)
+    assert out.returncode == 0
+    for option in ("--world-size", "--stage", "--model", "--steps", "--batch-size", "--lr", "--bucket-size"):
+        assert option in out.stdout
