@@ -23,7 +23,9 @@ def test_readme_top_shows_two_commands_and_ci_runs_the_test_one():
 
 def test_lint_and_format_are_clean():
     paths = ["src", "tests", "benchmarks"]
-    check = subprocess.run([sys.executable, "-m", "ruff", "check", *paths], cwd=ROOT, capture_output=True, text=True)
+    check = subprocess.run(
+        [sys.executable, "-m", "ruff", "check", *paths], cwd=ROOT, capture_output=True, text=True
+    )
     assert check.returncode == 0, check.stdout + check.stderr
     fmt = subprocess.run(
         [sys.executable, "-m", "ruff", "format", "--check", *paths], cwd=ROOT, capture_output=True, text=True

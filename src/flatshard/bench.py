@@ -145,7 +145,8 @@ def _cpu_count() -> int:
 def format_table(result: dict) -> str:
     lines = [
         f"{result['model']} GPT ({result['params']:,} params), {result['world_size']} ranks, "
-        f"{result['rounds']} rounds x {result['steps_per_round']} steps, {result['date']}, {result['machine']}",
+        f"{result['rounds']} rounds x {result['steps_per_round']} steps, {result['date']},",
+        f"  {result['machine']}",
         f"{'peer':<14} {'median step':>12} {'vs DDP':>8} {'model state/rank':>18} {'final loss':>11}",
     ]
     for name, r in result["peers"].items():
