@@ -73,8 +73,7 @@ def check_ranks_agree(world: World, description: list[str], what: str) -> None:
     dist.all_gather(everyone, mine, group=world.group)
     if all(int(t) == int(mine) for t in everyone):
         return
-    lines: list[list[str] | None] = [None] * world.size
-    dist.all_gather_object(lines, description, group=world.group)
+    lines = [blob.decode().split("\n") for blob in all_gather_bytes("\n".join(description).encode(), world)]
     ref = lines[0]
     for rank, other in enumerate(lines):
         if other == ref:
@@ -85,3 +84,16 @@ def check_ranks_agree(world: World, description: list[str], what: str) -> None:
             if a != b:
                 raise ValueError(f"ranks disagree on {what}: rank {rank} has {b!r} where rank 0 has {a!r}")
     raise AssertionError("digests differ but descriptions are equal")  # pragma: no cover
+
+
+def all_gather_bytes(data: bytes, world: World) -> list[bytes]:
+    """Every rank's ``data``, in rank order (``all_gather_object`` without its numpy need)."""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    sizes = [torch.empty_like(size) for _ in range(world.size)]
+    dist.all_gather(sizes, size, group=world.group)
+    longest = max(int(s) for s in sizes)
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    everyone = [torch.empty_like(mine) for _ in range(world.size)]
+    dist.all_gather(everyone, mine, group=world.group)
+    return [bytes(t[: int(n)].tolist()) for t, n in zip(everyone, sizes, strict=True)]
