@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -14,17 +13,23 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch_local(argv: list[str], nproc: int, *, threads_per_rank: int | None = None) -> int:
     """Run ``python -m flatshard *argv`` as ``nproc`` ranks; return the first failing exit
-    code (the others are stopped), or 0."""
+    code (the others are stopped), or 0.
+
+    Like torchrun's agent, this process hosts the rendezvous store (on a port the OS picks,
+    so no race for a free port) and outlives every rank, so no rank loses the store while
+    another is still shutting down.
+    """
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
-    port = str(free_port())
+    store = dist.TCPStore(
+        "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
+    )
+    port = str(store.port)
     procs = []
     for rank in range(nproc):
         env = {
@@ -36,6 +41,7 @@ def launch_local(argv: list[str], nproc: int, *, threads_per_rank: int | None = 
             "WORLD_SIZE": str(nproc),
             "LOCAL_WORLD_SIZE": str(nproc),
             "OMP_NUM_THREADS": str(threads),
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
         procs.append(subprocess.Popen([sys.executable, "-m", "flatshard", *argv], env=env))
     code = 0

@@ -40,7 +40,10 @@ def run(cfg: TrainConfig) -> dict:
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     try:
-        return _train(cfg, device, rank, world)
+        summary = _train(cfg, device, rank, world)
+        if dist.is_initialized():
+            dist.barrier()  # no rank tears down its connections while a peer still uses them
+        return summary
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
