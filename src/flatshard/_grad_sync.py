@@ -105,7 +105,9 @@ class GradSync:
         self._fired: list[nn.Parameter] = []  # exposed params whose grad returns after sync
         self._next = 0  # first group not yet launched in this backward
         self._in_backward = False
-        self._handles = [p.register_post_accumulate_grad_hook(self._on_grad) for s in sets for p in s.params]
+        for bset in sets:
+            for p in bset.params:
+                p.register_post_accumulate_grad_hook(self._on_grad)
 
     # -- hooks -------------------------------------------------------------------------
     def on_backward_start(self) -> None:
@@ -203,7 +205,7 @@ class GradSync:
         self._next = len(self.groups)
         for param in self._fired:  # nobody reads a grad before backward returns
             param.grad = param.main_grad
-        usage = self._start_usage_exchange() if self.find_unused_parameters else None
+        usage = self._exchange_usage() if self.find_unused_parameters else None
         for group in self.groups:
             group.finish_sync()
         globally_unused = self._globally_unused(usage)
@@ -224,8 +226,9 @@ class GradSync:
             param.grad = param.main_grad
         return True
 
-    def _start_usage_exchange(self) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
-        """Per world, a MAX all-reduce of which exposed params hold a grad on any rank."""
+    def _exchange_usage(self) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
+        """Per world, a MAX all-reduce of which exposed params hold a grad on any rank
+        (queued behind the grad reductions, so waiting on it costs no extra stall)."""
         out = []
         for bset in self.sets:
             params = [p for p in bset.params if id(p) in self._exposed]
@@ -256,8 +259,3 @@ class GradSync:
                 for p in bset.params:
                     if id(p) in self._exposed:
                         p.grad = p.main_grad
-
-    def remove_hooks(self) -> None:
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
