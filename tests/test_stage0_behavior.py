@@ -323,3 +323,24 @@ def _grad_arriving_twice(accumulate):
 @pytest.mark.parametrize("accumulate", [False, True])
 def test_a_grad_arriving_twice_in_one_backward_is_summed_once_scaled(accumulate):
     run_distributed(_grad_arriving_twice, 2, accumulate, timeout=60)
+
+
+def _sync_states_keeps_experts_distinct():
+    rank = dist.get_rank()
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    torch.manual_seed(rank)  # every rank starts different
+    model = TinyMoE()
+    expert = flatshard.ExpertGroup(pair, lambda name, p: name.startswith("expert."))
+    ours = flatshard.shard(model, expert=expert, sync_module_states=True)
+    return ours.router.weight.detach().clone(), ours.expert.weight.detach().clone()
+
+
+def test_sync_module_states_takes_experts_from_their_own_group():
+    (r0, e0), (r1, e1), (r2, e2), (r3, e3) = run_distributed(
+        _sync_states_keeps_experts_distinct, 4, timeout=60
+    )
+    for r in (r1, r2, r3):
+        torch.testing.assert_close(r, r0, rtol=0, atol=0)
+    torch.testing.assert_close(e1, e0, rtol=0, atol=0)
+    torch.testing.assert_close(e3, e2, rtol=0, atol=0)
+    assert not torch.equal(e0, e2), "each expert group keeps its own experts"

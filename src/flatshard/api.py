@@ -81,8 +81,9 @@ def shard(
     parts: list[tuple[str, World, list[tuple[str, nn.Parameter]], float | None]] = []
     if expert is not None:
         expert_world = resolve_world(expert.group)
-        chosen = [(n, p) for n, p in named if expert.match(n, p)]
-        named = [(n, p) for n, p in named if not expert.match(n, p)]
+        is_expert = [bool(expert.match(n, p)) for n, p in named]
+        chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
+        named = [np for np, e in zip(named, is_expert, strict=True) if not e]
         if chosen:
             parts.append(("expert", expert_world, chosen, expert.grad_scale))
     if named:
@@ -150,7 +151,7 @@ def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale
             n,
             p.numel(),
             p.dtype,
-            grad_dtype if p.dtype.is_floating_point else p.dtype,
+            grad_dtype,
             id(p) in tied,
         )
         for n, p in named
@@ -179,12 +180,14 @@ def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale
 
 
 def _broadcast_states(module: nn.Module, world: World, sets: list[BufferSet]) -> None:
-    """Copy rank 0's params (one broadcast per flat buffer) and module buffers everywhere."""
+    """Copy rank 0's values everywhere: each flat buffer (one broadcast) over its own world,
+    so expert params come from their expert group's rank 0 and experts stay distinct; the
+    remaining params and the module's buffers over ``world``."""
     in_buffers = {id(p) for s in sets for p in s.params}
-    tensors = [b.param_data for s in sets for b in s.buffers]
-    tensors += [p.data for p in module.parameters() if id(p) not in in_buffers]
-    tensors += list(module.buffers())
-    handles = [broadcast(t, world) for t in tensors]
+    pairs = [(b.param_data, s.world) for s in sets for b in s.buffers]
+    pairs += [(p.data, world) for p in module.parameters() if id(p) not in in_buffers]
+    pairs += [(t, world) for t in module.buffers()]
+    handles = [broadcast(t, w) for t, w in pairs]
     for h in handles:
         h.wait()
 
