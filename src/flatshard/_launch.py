@@ -6,6 +6,9 @@ import os
 import subprocess
 import sys
 import time
+from datetime import timedelta
+
+import torch.distributed as dist
 
 
 def launched() -> bool:
@@ -21,10 +24,6 @@ def launch_local(argv: list[str], nproc: int, *, threads_per_rank: int | None = 
     so no race for a free port) and outlives every rank, so no rank loses the store while
     another is still shutting down.
     """
-    from datetime import timedelta
-
-    import torch.distributed as dist
-
     threads = threads_per_rank or max(1, (os.cpu_count() or 1) // nproc)
     store = dist.TCPStore(
         "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)

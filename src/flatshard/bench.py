@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import platform
 import statistics
 import time
@@ -125,7 +126,7 @@ def run_bench(
     return {
         "date": date.today().isoformat(),
         "machine": f"{platform.machine()}, {per_rank[0][peers[0]]['threads']} torch thread(s)/rank, "
-        f"{_cpu_count()} CPUs, torch {torch.__version__}",
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}",
         "world_size": world_size,
         "model": preset,
         "params": sum(p.numel() for p in GPT(PRESETS[preset]).parameters()),
@@ -134,12 +135,6 @@ def run_bench(
         "batch_per_rank": batch,
         "peers": results,
     }
-
-
-def _cpu_count() -> int:
-    import os
-
-    return os.cpu_count() or 1
 
 
 def format_table(result: dict) -> str:
