@@ -78,3 +78,87 @@ def train_side_by_side(
             )
         )
     return {"losses": losses, "loss_diffs": loss_diffs, "param_diffs": param_diffs}
+
+
+class TiedGPT(GPT):
+    """GPT with tied embeddings and a frozen param; every trainable param gets a grad."""
+
+    def __init__(self, cfg: GPTConfig = CFG) -> None:
+        super().__init__(cfg)
+        self.blocks[0].ln1.weight.requires_grad_(False)
+
+
+def decay_groups(model: nn.Module, lr_no_decay: float = 3e-3) -> list[dict]:
+    """Two param groups as users write them: no weight decay (and another lr) for 1-D params."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": lr_no_decay}]
+
+
+def train_optimizer_side_by_side(
+    shard_kwargs: dict,
+    *,
+    optimizer_class=torch.optim.AdamW,
+    opt_kwargs: dict | None = None,
+    groups=None,
+    steps: int = 4,
+    accum: int = 2,
+    batch: int = 4,
+    clip: float | None = None,
+    schedule: bool = False,
+    sync_every_micro_batch: bool = False,
+    overlap_param_gather: bool = True,
+    model_cls=TiedGPT,
+) -> dict:
+    """Train a flatshard DistributedOptimizer and torch DDP + the same torch optimizer on
+    the same data; report loss, grad-norm and param differences at every step."""
+    rank = dist.get_rank()
+    opt_kwargs = {"lr": 1e-2, "weight_decay": 0.1} if opt_kwargs is None else opt_kwargs
+    torch.manual_seed(0)
+    model = model_cls()
+    reference = DDP(copy.deepcopy(model))
+    ours = flatshard.shard(model, **shard_kwargs)
+    ref_params = reference.module.parameters() if groups is None else groups(reference.module)
+    opt_ref = optimizer_class(ref_params, **opt_kwargs)
+    opt = flatshard.DistributedOptimizer(
+        ours,
+        optimizer_class,
+        params=None if groups is None else groups(ours),
+        overlap_param_gather=overlap_param_gather,
+        **opt_kwargs,
+    )
+    scheds = []
+    if schedule:
+        scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3) for o in (opt_ref, opt)]
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    out = {"loss_diffs": [], "param_diffs": [], "norm_diffs": [], "losses": []}
+    for step in range(steps):
+        for micro in range(accum):
+            x, y = corpus.batch(step * accum + micro, rank, batch)
+            last = micro == accum - 1
+            with nullcontext() if last else reference.no_sync():
+                loss_ref = reference(x, y) / accum
+                loss_ref.backward()
+            with nullcontext() if last or sync_every_micro_batch else ours.no_sync():
+                loss = ours(x, y) / accum
+                loss.backward()
+            out["loss_diffs"].append(abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
+            out["losses"].append(loss.item())
+        if clip is not None:
+            norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
+            norm = opt.clip_grad_norm_(clip)
+            out["norm_diffs"].append(abs(norm.item() - norm_ref.item()) / norm_ref.item())
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+        for sched in scheds:
+            sched.step()
+        ours.wait_for_params()
+        out["param_diffs"].append(
+            max(
+                max_rel_diff(p, q)
+                for p, q in zip(ours.parameters(), reference.module.parameters(), strict=True)
+            )
+        )
+    return out

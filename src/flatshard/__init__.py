@@ -4,13 +4,21 @@ from flatshard._collectives import CommStats
 from flatshard._sharded_module import ShardedModule
 from flatshard.api import ExpertGroup, shard
 from flatshard.layout import Layout, ParamSpec, plan_layout
+from flatshard.loss_scale import DynamicLossScaler, StaticLossScaler
+from flatshard.memory import MemoryReport, memory_report
+from flatshard.optimizer import DistributedOptimizer
 
 __all__ = [
     "CommStats",
+    "DistributedOptimizer",
+    "DynamicLossScaler",
     "ExpertGroup",
     "Layout",
+    "MemoryReport",
     "ParamSpec",
     "ShardedModule",
+    "StaticLossScaler",
+    "memory_report",
     "plan_layout",
     "shard",
 ]

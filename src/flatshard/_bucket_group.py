@@ -1,24 +1,43 @@
-"""Bucket groups: consecutive buckets of one buffer whose grads are reduced together."""
+"""Bucket groups: consecutive buckets of one buffer whose grads are reduced together.
+
+[Note: sharded grads]
+
+How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell which):
+
+* **replicated** (stage 0): ``grad`` is the group's range of the grad buffer; one all-reduce
+  leaves the same sum on every rank.
+* **sharded** (stage 1): the same range, but each bucket is *reduce-scattered*: afterwards
+  only this rank's shard of each bucket is defined, and the optimizer reads only that. The
+  rest of the range is *stale*; it is zeroed lazily (``begin``) before the next backward
+  accumulates into it, so a second synced backward adds only new grads to the shard.
+* **scratch** (stage 2): there is no grad buffer. ``begin`` allocates the group's range as
+  zeroed scratch and points each param's ``main_grad`` into it; after the reduction the
+  shard is added into the buffer's ``grad_shard_data`` and the scratch is dropped
+  (``main_grad`` becomes None). So between backwards grads exist only as shards.
+
+In the sharded and scratch modes grads are scaled as they are accumulated
+(``main_grad += scale * grad``), so a shard that already holds a reduced sum is carried
+into the next reduction as it is, whatever the scale.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
+import torch
 from torch import nn
 
 from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, Handle, all_reduce
+from flatshard._collectives import CommStats, Handle, all_reduce, reduce_scatter
 from flatshard._world import World
 from flatshard.layout import BucketLayout
 
 
 class BucketGroup:
-    """Consecutive buckets of one ``FlatBuffer``, reduced by one collective over ``world``.
+    """Consecutive buckets of one ``FlatBuffer``, reduced over ``world`` as one unit.
 
     The group is *complete* in a backward once every one of its params has had its grad
-    accumulated (already multiplied by ``scale``, see [Note: grad sync]); ``start_sync``
-    launches the all-reduce on the group's grad range (one contiguous tensor: the buckets
-    are adjacent in the buffer).
+    accumulated (see [Note: grad sync]); ``start_sync`` launches its reduction.
     """
 
     def __init__(
@@ -40,15 +59,27 @@ class BucketGroup:
         self.world = world
         self.scale = scale
         self.stats = stats
-        self.grad = buffer.grad_range(self.buckets[0], self.buckets[-1])  # 1D, contiguous
+        self.sharded = buffer.layout.buckets[0].sharded
+        self.start = self.buckets[0].start
+        self.numel = self.buckets[-1].end - self.start
+        # 1D group range; None for scratch between backwards
+        self.grad: torch.Tensor | None = (
+            buffer.grad_range(self.buckets[0], self.buckets[-1]) if buffer.full_grads else None
+        )
+        self._slots = [slot for bucket in self.buckets for slot in bucket.params]
         self._ids = frozenset(id(p) for p in self.params)
         self._pending: set[int] = set(self._ids)
-        self._handle: Handle | None = None
+        self._handles: list[Handle] | None = None
+        self._stale = False
         self.launched = False
 
     @property
     def complete(self) -> bool:
         return not self._pending
+
+    @property
+    def in_flight(self) -> bool:
+        return self._handles is not None
 
     def is_ready(self, param: nn.Parameter) -> bool:
         return id(param) not in self._pending
@@ -62,16 +93,64 @@ class BucketGroup:
         """Params that got no grad in this backward (unused in forward), in buffer order."""
         return [(n, p) for n, p in zip(self.names, self.params, strict=True) if id(p) in self._pending]
 
+    # -- grad storage ------------------------------------------------------------------------
+    def begin(self) -> bool:
+        """Make ``grad`` ready to accumulate into; True if it had to allocate scratch."""
+        if self.grad is None:
+            buffer = self.buffer
+            self.grad = torch.zeros(self.numel, dtype=buffer.layout.grad_dtype, device=buffer.device)
+            for slot, param in zip(self._slots, self.params, strict=True):
+                param.main_grad = self.grad[slot.start - self.start : slot.end - self.start].view(param.shape)
+            return True
+        if self._stale:
+            for bucket in self.buckets:
+                shard = self.buffer.shard_range(bucket)
+                self.grad[bucket.start - self.start : shard.start - self.start].zero_()
+                self.grad[shard.end - self.start : bucket.end - self.start].zero_()
+            self._stale = False
+        return False
+
+    def release(self) -> None:
+        """Drop scratch (stage 2) and forget stale ranges: grads start again from zero."""
+        self._stale = False
+        if self.buffer.full_grads:
+            return
+        self.grad = None
+        for param in self.params:
+            param.main_grad = None
+
+    # -- reduction ---------------------------------------------------------------------------
     def start_sync(self) -> None:
         if self.launched:
             raise RuntimeError(f"bucket group {self.index} was launched twice in one backward")
         self.launched = True
-        self._handle = all_reduce(self.grad, self.world, stats=self.stats)
+        self.begin()
+        if not self.sharded:
+            self._handles = [all_reduce(self.grad, self.world, stats=self.stats)]
+            return
+        self._handles = []
+        for bucket in self.buckets:
+            shard = self.buffer.shard_range(bucket)
+            tensor = self.grad[bucket.start - self.start : bucket.end - self.start]
+            own = self.grad[shard.start - self.start : shard.end - self.start]
+            self._handles.append(reduce_scatter(tensor, own, self.world, stats=self.stats))
 
     def finish_sync(self) -> None:
-        if self._handle is not None:
-            self._handle.wait()
-            self._handle = None
+        """Wait for the reduction; fold stage-2 shards into the grad shards."""
+        if self._handles is None:
+            return
+        for handle in self._handles:
+            handle.wait()
+        self._handles = None
+        if not self.sharded:
+            return
+        if self.buffer.full_grads:
+            self._stale = True
+            return
+        for bucket in self.buckets:
+            shard = self.buffer.shard_range(bucket)
+            self.buffer.grad_shard(bucket).add_(self.grad[shard.start - self.start : shard.end - self.start])
+        self.release()
 
     def reset(self) -> None:
         """Start a new backward: nothing ready, nothing launched."""

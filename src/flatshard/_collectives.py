@@ -226,8 +226,7 @@ def all_gather(
         handles = [
             dist.broadcast(chunk, src=dist.get_global_rank(group, r), group=group, async_op=True)
             for r, chunk in enumerate(tensor.chunk(n))
-        ]
-        wire = b // n
+        ]  # pipelined, each rank forwards n - 1 chunks: the same wire bytes as a ring gather
     else:
         raise ValueError(f"unknown all-gather implementation {impl!r}; known: {GATHER_IMPLS}")
     if stats is not None:

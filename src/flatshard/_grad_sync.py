@@ -21,9 +21,13 @@ Two kinds of buffers:
   ``param.main_grad`` itself between steps, so torch optimizers work unchanged. A grad of
   None means "zero" exactly as in torch: the next backward overwrites ``main_grad`` instead
   of adding to it, so ``optimizer.zero_grad()`` needs no help from us.
-* *hidden* (16-bit params with fp32 grads): ``param.grad`` is dropped after each
-  accumulation; ``main_grad`` holds the sum since the last ``zero_grad`` of the module or the
-  flatshard optimizer.
+* *hidden* (16-bit params with fp32 grads, and every param at stages 1 and 2):
+  ``param.grad`` is dropped after each accumulation; ``main_grad`` holds the sum since the
+  last ``zero_grad`` of the module or the flatshard optimizer.
+
+At stages 1 and 2 grads are scaled as they arrive and kept as shards between backwards
+([Note: sharded grads] in ``_bucket_group.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
+launched groups hold scratch: a group that needs scratch first waits for the oldest.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, all_reduce
 from flatshard._world import World
 from flatshard.layout import Layout
+
+MAX_SCRATCH_IN_FLIGHT = 2
+"""Stage 2: launched bucket groups whose scratch may be alive at once."""
 
 
 @dataclass
@@ -91,11 +98,16 @@ class GradSync:
         self.find_unused_parameters = find_unused_parameters
         self.stats = stats
         self.sync_enabled = True
+        self.synced = False  # a backward has reduced grads since the last zero_grad
+        self.unsynced = False  # grads were accumulated under no_sync since the last reduction
+        self.generation = 0  # counts backwards that changed grads
+        self.on_synced = None  # called after each synced backward (the optimizer's check)
         self._group_of: dict[int, BucketGroup] = {}
         self._exposed: set[int] = set()
         self._name: dict[int, str] = {}
         for group in self.groups:
-            exposed = group.buffer.layout.dtype == group.buffer.layout.grad_dtype
+            layout = group.buffer.layout
+            exposed = layout.dtype == layout.grad_dtype and not group.sharded
             for name, p in zip(group.names, group.params, strict=True):
                 self._group_of[id(p)] = group
                 self._name[id(p)] = name
@@ -104,6 +116,7 @@ class GradSync:
         self._written: set[int] = set()  # hidden params whose main_grad holds a sum
         self._fired: list[nn.Parameter] = []  # exposed params whose grad returns after sync
         self._next = 0  # first group not yet launched in this backward
+        self._done = 0  # groups before this one have finished their reduction
         self._in_backward = False
         for bset in sets:
             for p in bset.params:
@@ -126,7 +139,13 @@ class GradSync:
                 "started in this backward (is it used again after its grad was final, e.g. by "
                 "reentrant activation checkpointing?)"
             )
-        if self.sync_enabled:
+        if not self.sync_enabled:
+            self.unsynced = True
+        if group.begin():
+            self._bound_scratch()
+        if group.sharded:
+            self._accumulate_prescaled(param, group)
+        elif self.sync_enabled:
             self._accumulate_scaled(param, group)
         else:
             self._accumulate(param)
@@ -170,6 +189,29 @@ class GradSync:
                 self._fired.append(param)
         param.grad = None
 
+    def _accumulate_prescaled(self, param: nn.Parameter, group: BucketGroup) -> None:
+        """``main_grad += scale * grad`` (stages 1 and 2, synced or not): what a shard holds is
+        then always a scaled sum, ready to be reduced as it is."""
+        grad, main_grad = param.grad, param.main_grad
+        if id(param) in self._written:
+            main_grad.add_(grad, alpha=group.scale)
+        elif grad.dtype == main_grad.dtype:
+            torch.mul(grad, group.scale, out=main_grad)
+        else:  # a 16-bit grad: scale in fp32
+            main_grad.copy_(grad).mul_(group.scale)
+        param.grad = None
+
+    def _bound_scratch(self) -> None:
+        """Wait for the oldest launched groups until few enough hold scratch (stage 2)."""
+        while self._next - self._done >= MAX_SCRATCH_IN_FLIGHT:
+            self._finish_group(self.groups[self._done])
+            self._done += 1
+
+    def _finish_group(self, group: BucketGroup) -> None:
+        group.finish_sync()
+        if not group.buffer.full_grads:  # the scratch was folded into the shard and dropped
+            self._written.difference_update(id(p) for p in group.params)
+
     def _launch_ready(self) -> None:
         groups = self.groups
         while self._next < len(groups) and groups[self._next].complete:
@@ -188,26 +230,32 @@ class GradSync:
             for group in self.groups:
                 group.reset()
             self._fired.clear()
-            self._next = 0
+            self._next = self._done = 0
             self._in_backward = False
+            self.generation += 1
+        if self.sync_enabled and self.on_synced is not None:
+            self.on_synced()
 
     def _finish_sync(self) -> None:
         locally_unused: list[nn.Parameter] = []
         for group in self.groups[self._next :]:
+            group.begin()
             for _, param in group.pending_params():
-                if self._holds_grad(param):  # accumulated under no_sync, none this backward
-                    param.main_grad.mul_(group.scale)
-                else:
+                if not self._holds_grad(param):
                     param.main_grad.zero_()
                     if id(param) in self._exposed:
                         locally_unused.append(param)
+                elif not group.sharded:  # accumulated unscaled under no_sync, none this backward
+                    param.main_grad.mul_(group.scale)
             group.start_sync()
         self._next = len(self.groups)
         for param in self._fired:  # nobody reads a grad before backward returns
             param.grad = param.main_grad
         usage = self._exchange_usage() if self.find_unused_parameters else None
-        for group in self.groups:
-            group.finish_sync()
+        for group in self.groups[self._done :]:
+            self._finish_group(group)
+        self._done = len(self.groups)
+        self.synced, self.unsynced = True, False
         globally_unused = self._globally_unused(usage)
         for param in locally_unused:
             if id(param) not in globally_unused:
@@ -251,10 +299,19 @@ class GradSync:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
         self._written.clear()
+        self.synced = self.unsynced = False
+        self.generation += 1
+        for group in self.groups:
+            group.release()
+        for bset in self.sets:
+            for buffer in bset.buffers:
+                if not buffer.full_grads:
+                    buffer.grad_shard_data.zero_()
         if not set_to_none:
             for bset in self.sets:
                 for buffer in bset.buffers:
-                    buffer.grad_data.zero_()
+                    if buffer.full_grads:
+                        buffer.grad_data.zero_()
             for bset in self.sets:
                 for p in bset.params:
                     if id(p) in self._exposed:

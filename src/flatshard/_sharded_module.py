@@ -11,6 +11,7 @@ from torch import nn
 
 from flatshard._collectives import CommStats
 from flatshard._grad_sync import BufferSet, GradSync
+from flatshard._param_gather import ParamGather
 from flatshard.layout import Layout
 
 
@@ -22,6 +23,13 @@ class ShardState:
     sets: dict[str, BufferSet]  # "main", and "expert" when an ExpertGroup is given
     grad_sync: GradSync
     stats: CommStats
+    param_gather: ParamGather | None = None  # stages 1 and 2
+    optimizer: object | None = None  # the DistributedOptimizer built over this module
+
+    def wait_for_params(self) -> None:
+        """Wait for every param all-gather still in flight after a step."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
 
 
 class ShardedModule(nn.Module):
@@ -64,6 +72,24 @@ class ShardedModule(nn.Module):
         Backward already waits for them in its end-of-backward callback.
         """
         self._flatshard.grad_sync.finish()
+
+    def wait_for_params(self) -> None:
+        """Wait for the param all-gathers a sharded step left running (stages 1 and 2).
+
+        The forward waits for them bucket by bucket; call this before reading params
+        outside a forward. ``state_dict`` and ``load_state_dict`` call it.
+        """
+        self._flatshard.wait_for_params()
+
+    def state_dict(self, *args, **kwargs):
+        self._flatshard.wait_for_params()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        if assign:
+            raise ValueError("load_state_dict(assign=True) would replace the flat buffers' views")
+        self._flatshard.wait_for_params()
+        return super().load_state_dict(state_dict, strict=strict)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

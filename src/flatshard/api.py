@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
@@ -14,13 +15,14 @@ from torch.utils._pytree import tree_leaves
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, broadcast
 from flatshard._grad_sync import BufferSet, GradSync, build_bucket_groups
+from flatshard._param_gather import ParamGather
 from flatshard._sharded_module import ShardedModule, ShardState, make_sharded
 from flatshard._world import World, check_ranks_agree, resolve_world
 from flatshard.layout import ParamSpec, plan_layout
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per bucket by default (16 MiB of fp32 grads)."""
-IMPLEMENTED_STAGES = (0,)
+IMPLEMENTED_STAGES = (0, 1, 2)
 
 
 @dataclass(frozen=True)
@@ -56,7 +58,9 @@ def shard(
     backward reduces their grads bucket by bucket while backward is still running.
 
     Args:
-        stage: ZeRO stage. 0 is DDP: every rank keeps full params, grads and optimizer.
+        stage: ZeRO stage. 0 is DDP: every rank keeps full params, grads and optimizer state.
+            1 shards the optimizer state (use ``flatshard.DistributedOptimizer``); 2 also
+            keeps grads only as this rank's shards between backwards.
         group: a ProcessGroup or a 1-D DeviceMesh (default: the default group, or a world of
             one when torch.distributed is not initialized).
         bucket_size: elements per bucket (a bucket closes once it holds at least this
@@ -101,7 +105,15 @@ def shard(
     stats = CommStats()
     groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats)
     sync = GradSync(list(sets.values()), groups, find_unused_parameters=find_unused_parameters, stats=stats)
-    sharded = make_sharded(module, ShardState(stage, sets, sync, stats))
+    gather = None
+    if stage > 0:
+        gather = ParamGather(
+            module, [(b, s.world, s.params) for s in sets.values() for b in s.buffers], stats
+        )
+    state = ShardState(stage, sets, sync, stats, gather)
+    if stage > 0:
+        sync.on_synced = partial(_require_optimizer, state)
+    sharded = make_sharded(module, state)
     sharded.register_forward_hook(_backward_start_hook(sync))
     return sharded
 
@@ -166,7 +178,7 @@ def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale
     params = [p for _, p in named]
     buffers = []
     for buffer_layout in layout.buffers:
-        buffer = FlatBuffer(buffer_layout, params[0].device)
+        buffer = FlatBuffer(buffer_layout, params[0].device, rank=world.rank, full_grads=stage < 2)
         buffer.bind(params)
         buffers.append(buffer)
     return BufferSet(
@@ -190,6 +202,15 @@ def _broadcast_states(module: nn.Module, world: World, sets: list[BufferSet]) ->
     handles = [broadcast(t, w) for t, w in pairs]
     for h in handles:
         h.wait()
+
+
+def _require_optimizer(state: ShardState) -> None:
+    if state.optimizer is None:
+        raise RuntimeError(
+            f"stage {state.stage} shards the optimizer: its grads exist only as shards that a "
+            "torch optimizer over model.parameters() never sees. Create "
+            "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) before the first backward"
+        )
 
 
 def _backward_start_hook(sync: GradSync):

@@ -46,6 +46,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     params = list(model.parameters())
     param_bytes = _storage_bytes(params, seen)
     grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+    state = getattr(model, "flatshard_state", None)
+    if state is not None:  # grads that no param views between backwards (stage-2 shards)
+        grads += [b.grad_storage() for bset in state.sets.values() for b in bset.buffers]
     grad_bytes = _storage_bytes(grads, seen)
     main_bytes = 0
     state_bytes = 0

@@ -1,0 +1,65 @@
+"""Which flat tensors the inner optimizer of ``DistributedOptimizer`` steps.
+
+[Note: optimizer runs]
+
+The inner torch optimizer does not see one tensor per model param. It sees *runs*: maximal
+stretches of one bucket's shard (for this rank) whose params all belong to the same param
+group. A run also covers the alignment gaps and padding next to its params, so with one
+param group every bucket shard that holds any param is exactly one run, and the optimizer
+does one pass per bucket shard instead of a Python loop over params.
+
+This is exact for *elementwise* update rules (SGD, Adam, AdamW, Adagrad, RMSprop, ...):
+each element's update depends only on that element's param, grad and state. Padding and
+gaps hold zero params and zero grads, which these rules keep at zero, and nothing reads
+them as data. Rules that look at a whole tensor (Adafactor's factored moments, Muon's
+orthogonalization, L-BFGS) would see flat pieces of params and are refused.
+
+Rules (``plan_runs``, tested in ``tests/test_shard_map.py``):
+
+1. runs of one bucket are disjoint, in order, and inside the bucket's shard;
+2. every element of an optimized param in the shard lies in exactly one run, the run of
+   its param's group; no element of a param outside every group lies in a run;
+3. a run starts at the shard's start or at the start of its first param's piece (or where
+   the previous piece of an unoptimized param ended), and ends at the start of the next
+   run, at the start of an unoptimized piece, or at the shard's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import NamedTuple
+
+from flatshard.layout import BufferLayout, Range
+
+
+class Run(NamedTuple):
+    """One tensor of the inner optimizer: a range of one bucket's shard."""
+
+    bucket: int
+    group: int  # index of the param group
+    in_shard: Range  # offsets relative to the start of the bucket's shard
+
+
+def plan_runs(buffer: BufferLayout, rank: int, group_of: Mapping[str, int]) -> list[Run]:
+    """The runs of ``rank``'s shards of ``buffer``; ``group_of`` maps an optimized param's
+    name to its param group (a param not in it is not optimized)."""
+    runs: list[Run] = []
+    for bucket in buffer.buckets:
+        shard_size = bucket.shard_range(rank).size
+        cursor = 0  # start of the part of the shard not yet given to a run or a skipped piece
+        current: tuple[int, int] | None = None  # (group, start) of the open run
+        for piece in bucket.local_ranges(rank):
+            group = group_of.get(piece.name)
+            if current is not None and group == current[0]:
+                continue
+            if current is not None:  # close it where this piece starts
+                runs.append(Run(bucket.index, current[0], Range(current[1], piece.in_shard.start)))
+                cursor = piece.in_shard.start
+                current = None
+            if group is None:
+                cursor = piece.in_shard.end
+            else:
+                current = (group, cursor)
+        if current is not None:
+            runs.append(Run(bucket.index, current[0], Range(current[1], shard_size)))
+    return runs

@@ -1,0 +1,422 @@
+"""``DistributedOptimizer``: an ordinary torch optimizer stepping this rank's shards.
+
+[Note: distributed optimizer]
+
+``DistributedOptimizer(model, torch.optim.AdamW, lr=...)`` composes an *inner* torch
+optimizer over flat fp32 tensors ("runs", [Note: optimizer runs] in ``_shard_map.py``) that
+cover this rank's shard of every bucket. A step is four phases, each one flat op (or one
+small collective) per bucket shard, never a loop over params:
+
+1. **grads**: backward has already reduced them into the shards ([Note: sharded grads]);
+   their global norm is computed over the shards (each element counted once, padding is
+   zero) with one 1-element all-reduce. A non-finite norm means some rank overflowed; all
+   ranks see the same sum, so all skip the step together (and a loss scaler backs off).
+   Unscaling by the loss scale and clipping are one multiply.
+2. **update**: the inner optimizer steps the runs. For fp32 params the runs *are* views of
+   the param buffer's shard; for 16-bit params they are views of an fp32 *main param*
+   frame, copied back into the param shard after the step.
+3. **gather**: each bucket's params are all-gathered from the shards ([Note: param
+   gather]), overlapped with the next forward unless ``overlap_param_gather=False``.
+
+``param_groups`` and ``state`` are the inner optimizer's own objects, so LR schedulers,
+``optimizer.param_groups[i]["lr"] = ...`` and per-group hyperparameters work unchanged.
+At stage 0 the "shard" of a bucket is the whole bucket: the same class is an unsharded
+optimizer with fp32 main params for a 16-bit model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import warnings
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatshard._buffer import FlatBuffer
+from flatshard._collectives import all_reduce
+from flatshard._shard_map import Run, plan_runs
+from flatshard._sharded_module import ShardedModule, ShardState
+from flatshard._world import World
+from flatshard.loss_scale import StaticLossScaler, make_loss_scaler
+
+_NOT_ELEMENTWISE = tuple(
+    cls
+    for cls in (getattr(torch.optim, name, None) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon"))
+    if cls is not None
+)
+
+
+@dataclass
+class _BufferShards:
+    """One flat buffer as the optimizer sees it: its shards, main params and runs."""
+
+    buffer: FlatBuffer
+    world: World
+    main_data: torch.Tensor | None  # 1D fp32 shard frame; None when params are fp32
+    runs: list[Run]
+    tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
+
+    @property
+    def buckets(self):
+        return self.buffer.layout.buckets
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [self.buffer.grad_shard(b) for b in self.buckets]
+
+    def load_main_from_params(self) -> None:
+        if self.main_data is not None:
+            for bucket in self.buckets:
+                frame = self.buffer.frame_range(bucket)
+                self.main_data[frame.start : frame.end].copy_(self.buffer.param_shard(bucket))
+
+    def store_main_to_params(self) -> None:
+        if self.main_data is not None:
+            for bucket in self.buckets:
+                frame = self.buffer.frame_range(bucket)
+                self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
+
+
+def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) -> _BufferShards:
+    runs = plan_runs(buffer.layout, buffer.rank, group_of)
+    main_data = None
+    if buffer.layout.dtype != torch.float32:
+        main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
+    tensors = []
+    for run in runs:
+        bucket = buffer.layout.buckets[run.bucket]
+        lo, hi = run.in_shard
+        if main_data is None:
+            tensor = buffer.param_shard(bucket)[lo:hi]
+        else:
+            frame = buffer.frame_range(bucket)
+            tensor = main_data[frame.start + lo : frame.start + hi]
+        tensor.grad = buffer.grad_shard(bucket)[lo:hi]
+        tensors.append(tensor)
+    shards = _BufferShards(buffer, world, main_data, runs, tensors)
+    shards.load_main_from_params()
+    return shards
+
+
+class DistributedOptimizer(torch.optim.Optimizer):
+    """Step ``model`` (returned by ``flatshard.shard``) with ``optimizer_class`` over this
+    rank's fp32 shards; see [Note: distributed optimizer].
+
+    Args:
+        model: the sharded module. Build the optimizer before its first backward.
+        optimizer_class: any elementwise ``torch.optim`` class (SGD, Adam, AdamW, Adagrad, ...).
+        params: param groups over the model's own params, as for any torch optimizer
+            (e.g. ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``);
+            None: every trainable param in one group. A param in no group is not updated.
+        overlap_param_gather: wait for each bucket's all-gather in the forward pre-hook of
+            the modules that use it (True) or at the end of ``step`` (False).
+        loss_scale: None, a number (static) or ``"dynamic"`` (or a scaler from
+            ``flatshard.loss_scale``): scale the loss with ``scale_loss`` before backward.
+        skip_nonfinite: skip a step whose grads hold inf or NaN on any rank.
+        **defaults: the inner optimizer's keyword arguments (``lr``, ``weight_decay``, ...).
+
+    A param that got no grad in any backward still takes a step with a zero grad (torch
+    optimizers would skip a param whose ``.grad`` is None): freeze params you do not train.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer_class: type[torch.optim.Optimizer],
+        *,
+        params: Iterable[Any] | None = None,
+        overlap_param_gather: bool = True,
+        loss_scale: float | str | StaticLossScaler | None = None,
+        skip_nonfinite: bool = True,
+        **defaults: Any,
+    ) -> None:
+        state = _sharded_state(model)
+        _check_optimizer_class(optimizer_class)
+        self._model = model
+        self._sharded: ShardState = state
+        groups, group_of = _param_groups(state, params)
+        self._shards = [
+            _build_shards(buffer, bset.world, group_of)
+            for bset in state.sets.values()
+            for buffer in bset.buffers
+        ]
+        inner_groups = [{**hyper, "params": []} for hyper in groups]
+        for shards in self._shards:
+            for run, tensor in zip(shards.runs, shards.tensors, strict=True):
+                inner_groups[run.group]["params"].append(tensor)
+        self.inner = optimizer_class(inner_groups, **defaults)
+        self._init_base()
+        self.overlap_param_gather = overlap_param_gather
+        self.loss_scaler = make_loss_scaler(loss_scale)
+        self.skip_nonfinite = skip_nonfinite
+        self.skipped_steps = 0
+        self._prepared_at: int | None = None  # grad_sync.generation when grads were prepared
+        self._found_inf = False
+        self._grad_norm = torch.zeros(())
+        self._grad_factor = 1.0  # multiplier not yet applied to the grad shards
+        if loss_scale is None and any(s.buffer.layout.dtype == torch.float16 for s in self._shards):
+            warnings.warn(
+                "fp16 params without loss scaling: small grads underflow to zero in fp16; pass "
+                "loss_scale='dynamic' and scale the loss with optimizer.scale_loss(loss)",
+                stacklevel=2,
+            )
+        state.optimizer = self
+
+    def _init_base(self) -> None:
+        """The parts of ``torch.optim.Optimizer.__init__`` that apply: hook registries and
+        the profiled step; ``param_groups``, ``state`` and ``defaults`` are the inner's."""
+        self.defaults = self.inner.defaults
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._optimizer_step_pre_hooks = OrderedDict()
+        self._optimizer_step_post_hooks = OrderedDict()
+        self._optimizer_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_state_dict_post_hooks = OrderedDict()
+        self._optimizer_load_state_dict_pre_hooks = OrderedDict()
+        self._optimizer_load_state_dict_post_hooks = OrderedDict()
+        self._patch_step_function()
+        self._warned_capturable_if_run_uncaptured = True
+
+    # -- loss scaling ------------------------------------------------------------------------
+    @property
+    def loss_scale(self) -> float:
+        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the current loss scale: call backward on this."""
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+
+    # -- grads ---------------------------------------------------------------------------------
+    def _grad_shards(self) -> list[torch.Tensor]:
+        return [g for shards in self._shards for g in shards.grad_shards()]
+
+    def _prepare_grads(self) -> None:
+        """Global norm and overflow check of the grads of the latest backward (once)."""
+        generation = self._sharded.grad_sync.generation
+        if self._prepared_at == generation:
+            return
+        norm_sq = _global_norm_sq(self._sharded, self._shards)
+        finite = math.isfinite(norm_sq.item())
+        self._found_inf = not finite
+        self._grad_norm = (norm_sq.sqrt() / self.loss_scale).float()
+        self._grad_factor = 1.0 / self.loss_scale if finite else 1.0
+        self._prepared_at = generation
+
+    def _apply_grad_factor(self) -> None:
+        if self._grad_factor != 1.0:
+            torch._foreach_mul_(self._grad_shards(), self._grad_factor)
+            self._grad_factor = 1.0
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Scale grads so that their global 2-norm is at most ``max_norm``; return the norm
+        before clipping (of the unscaled grads; inf or NaN when they overflowed)."""
+        if float(norm_type) != 2.0:
+            raise ValueError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")
+        self._check_grads_synced()
+        self._prepare_grads()
+        if not self._found_inf:
+            coef = float(max_norm) / (self._grad_norm.item() + 1e-6)
+            self._grad_factor *= min(coef, 1.0)
+            self._apply_grad_factor()
+        return self._grad_norm.clone()
+
+    def _check_grads_synced(self) -> None:
+        if self._sharded.grad_sync.unsynced:
+            raise RuntimeError(
+                "grads were accumulated under no_sync() and never reduced: run the last backward "
+                "of the accumulation outside no_sync() before clipping or stepping"
+            )
+
+    # -- the step ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One update of this rank's shards, then the param all-gathers; see the note."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_grads_synced()
+        if not self._sharded.grad_sync.synced:
+            return loss  # no backward since zero_grad: nothing to step, as in torch
+        if self.skip_nonfinite or self.loss_scaler is not None:
+            self._prepare_grads()
+            if self._found_inf:
+                self.skipped_steps += 1
+                if self.loss_scaler is not None:
+                    self.loss_scaler.update(True)
+                return loss
+        self._apply_grad_factor()
+        self._sharded.wait_for_params()  # a shard may still be the source of a gather
+        self.inner.step()
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(False)
+        self._publish_params()
+        return loss
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the latest ``step`` was skipped because grads overflowed."""
+        return self._found_inf
+
+    def _publish_params(self) -> None:
+        for shards in self._shards:
+            shards.store_main_to_params()
+        gather = self._sharded.param_gather
+        if gather is not None:
+            gather.launch()
+            if not self.overlap_param_gather:
+                gather.wait_all()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Zero the model's grads (the shards the inner optimizer reads included)."""
+        self._model.zero_grad(set_to_none=set_to_none)
+
+    def main_params(self) -> list[torch.Tensor]:
+        """The tensors the inner optimizer updates (fp32 main params, or param views)."""
+        return [s.main_data if s.main_data is not None else s.buffer.param_data for s in self._shards]
+
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy the model's params into the fp32 main params (after loading model weights)."""
+        self._sharded.wait_for_params()
+        for shards in self._shards:
+            shards.load_main_from_params()
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        raise NotImplementedError(
+            "DistributedOptimizer lays out its param groups at construction; pass every group in params="
+        )
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's optimizer state: the inner optimizer's, the fp32 main params, the
+        loss scaler; loadable by the same rank of the same layout (world size and stage)."""
+        return {
+            "flatshard": "DistributedOptimizer/1",
+            "layout": self._describe_layout(),
+            "inner": self.inner.state_dict(),
+            "main_params": [s.main_data for s in self._shards],
+            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
+            "skipped_steps": self.skipped_steps,
+        }
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load ``state_dict()`` of this rank; every rank must call it (params are re-gathered)."""
+        if state_dict.get("flatshard") != "DistributedOptimizer/1":
+            raise ValueError("not a flatshard DistributedOptimizer state dict (no 'flatshard' key)")
+        mine, theirs = self._describe_layout(), state_dict["layout"]
+        if mine != theirs:
+            diff = [
+                f"{k}: saved {theirs.get(k)!r}, here {mine[k]!r}" for k in mine if theirs.get(k) != mine[k]
+            ]
+            raise ValueError("optimizer state was saved for another layout: " + "; ".join(diff))
+        self._sharded.wait_for_params()
+        self.inner.load_state_dict(state_dict["inner"])
+        for shards, main in zip(self._shards, state_dict["main_params"], strict=True):
+            if shards.main_data is not None:
+                shards.main_data.copy_(main)
+        if (self.loss_scaler is None) != (state_dict["loss_scaler"] is None):
+            raise ValueError("optimizer state and this optimizer disagree on whether the loss is scaled")
+        if self.loss_scaler is not None:
+            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
+        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        self._publish_params()
+
+    def _describe_layout(self) -> dict[str, Any]:
+        digest = hashlib.sha256()
+        for shards in self._shards:
+            layout = shards.buffer.layout
+            digest.update(repr((str(layout.dtype), [b.range for b in layout.buckets], shards.runs)).encode())
+        return {
+            "stage": self._sharded.stage,
+            "world_sizes": {key: bset.world.size for key, bset in self._sharded.sets.items()},
+            "rank": self._shards[0].world.rank if self._shards else 0,
+            "digest": digest.hexdigest()[:16],
+        }
+
+    def __repr__(self) -> str:
+        runs = sum(len(s.runs) for s in self._shards)
+        return f"DistributedOptimizer(stage={self._sharded.stage}, {runs} runs, inner={self.inner!r})"
+
+
+def _sharded_state(model: nn.Module) -> ShardState:
+    if not isinstance(model, ShardedModule):
+        raise TypeError(
+            f"DistributedOptimizer takes a module returned by flatshard.shard(), got {type(model).__name__}"
+        )
+    state = model.flatshard_state
+    if state.optimizer is not None:
+        raise ValueError("this module already has a DistributedOptimizer; build one per sharded module")
+    return state
+
+
+def _check_optimizer_class(optimizer_class: type) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
+    if _NOT_ELEMENTWISE and issubclass(optimizer_class, _NOT_ELEMENTWISE):
+        raise ValueError(
+            f"{optimizer_class.__name__} updates each param as a whole tensor, but DistributedOptimizer "
+            "steps flat shards that split params; use an elementwise optimizer (SGD, Adam, AdamW, ...)"
+        )
+
+
+def _param_groups(state: ShardState, params: Iterable[Any] | None) -> tuple[list[dict], dict[str, int]]:
+    """The user's param groups as (hyperparameters, {param name: group index})."""
+    names = {id(p): n for bset in state.sets.values() for n, p in zip(bset.names, bset.params, strict=True)}
+    if params is None:
+        return [{}], dict.fromkeys(names.values(), 0)
+    groups = list(params)
+    if not groups:
+        raise ValueError("params is an empty list")
+    if not isinstance(groups[0], dict):
+        groups = [{"params": groups}]
+    hypers, group_of = [], {}
+    for index, group in enumerate(groups):
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(
+                f"param group {index} must be a dict with a 'params' entry, got {type(group).__name__}"
+            )
+        members = group["params"]
+        members = [members] if isinstance(members, torch.Tensor) else list(members)
+        for p in members:
+            name = names.get(id(p))
+            if name is None:
+                raise ValueError(
+                    f"param group {index} holds a tensor of shape {tuple(p.shape)} that is not a trainable "
+                    "param of the sharded model"
+                )
+            if name in group_of:
+                raise ValueError(f"param {name!r} is in param groups {group_of[name]} and {index}")
+            group_of[name] = index
+        hypers.append({k: v for k, v in group.items() if k != "params"})
+    return hypers, group_of
+
+
+def _global_norm_sq(state: ShardState, shards: list[_BufferShards]) -> torch.Tensor:
+    """Squared 2-norm of every grad element of the model, counted once (fp64, 0-d).
+
+    Shards are unique within their world; a replicated (stage 0) buffer is held whole by
+    each of its world's ranks, so its share is divided by that world's size before the sum
+    over the main world. A model whose only world is replicated needs no communication.
+    """
+    worlds = [bset.world for bset in state.sets.values()]
+    world = worlds[0]
+    device = shards[0].buffer.device if shards else torch.device("cpu")
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    local_only = len(worlds) == 1 and state.stage == 0
+    for s in shards:
+        grads = s.grad_shards()
+        if not grads:
+            continue
+        sq = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        replicas = 1 if (local_only or state.stage > 0) else s.world.size
+        total += sq / replicas
+    if not local_only:
+        all_reduce(total, world, stats=state.stats).wait()
+    return total
