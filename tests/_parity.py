@@ -100,6 +100,7 @@ def train_optimizer_side_by_side(
     *,
     optimizer_class=torch.optim.AdamW,
     opt_kwargs: dict | None = None,
+    ours_opt_kwargs: dict | None = None,
     groups=None,
     steps: int = 4,
     accum: int = 2,
@@ -125,7 +126,7 @@ def train_optimizer_side_by_side(
         optimizer_class,
         params=None if groups is None else groups(ours),
         overlap_param_gather=overlap_param_gather,
-        **opt_kwargs,
+        **(opt_kwargs if ours_opt_kwargs is None else ours_opt_kwargs),
     )
     scheds = []
     if schedule:

@@ -1,0 +1,77 @@
+"""Rules of the optimizer's runs ([Note: optimizer runs] in flatshard/_shard_map.py)."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from test_layout import layouts
+
+from flatshard import ParamSpec, plan_layout
+from flatshard._shard_map import plan_runs
+
+
+@st.composite
+def runs_cases(draw):
+    specs, layout = draw(layouts())
+    n_groups = draw(st.integers(1, 3))
+    group_of = {}
+    for spec in specs:
+        group = draw(st.integers(-1, n_groups - 1))  # -1: in no group, not optimized
+        if group >= 0:
+            group_of[spec.name] = group
+    rank = draw(st.integers(0, layout.world_size - 1))
+    return layout, rank, group_of
+
+
+@settings(max_examples=300, deadline=None)
+@given(runs_cases())
+def test_runs_cover_optimized_params_once_and_nothing_else(case):
+    layout, rank, group_of = case
+    for buffer in layout.buffers:
+        runs = plan_runs(buffer, rank, group_of)
+        for bucket in buffer.buckets:
+            mine = [r for r in runs if r.bucket == bucket.index]
+            size = bucket.shard_range(rank).size
+            for a, b in zip(mine, mine[1:], strict=False):
+                assert a.in_shard.end <= b.in_shard.start, "runs overlap or are out of order"
+            for run in mine:
+                assert 0 <= run.in_shard.start < run.in_shard.end <= size
+            for piece in bucket.local_ranges(rank):
+                group = group_of.get(piece.name)
+                holders = [r for r in mine if r.in_shard.intersect(piece.in_shard) is not None]
+                if group is None:
+                    assert not holders, f"{piece.name} is in no group but lies in a run"
+                else:
+                    assert len(holders) == 1, f"{piece.name} lies in {len(holders)} runs"
+                    (run,) = holders
+                    assert run.group == group
+                    assert run.in_shard.start <= piece.in_shard.start
+                    assert piece.in_shard.end <= run.in_shard.end
+
+
+@settings(max_examples=200, deadline=None)
+@given(layouts())
+def test_one_group_makes_one_run_per_bucket_shard_that_holds_params(case):
+    specs, layout = case
+    group_of = {spec.name: 0 for spec in specs}
+    for rank in range(layout.world_size):
+        for buffer in layout.buffers:
+            runs = plan_runs(buffer, rank, group_of)
+            with_params = [b for b in buffer.buckets if b.local_ranges(rank)]
+            assert [r.bucket for r in runs] == [b.index for b in with_params]
+            for run, bucket in zip(runs, with_params, strict=True):
+                assert run.in_shard == (0, bucket.shard_range(rank).size)
+
+
+def test_runs_split_where_the_group_changes_and_skip_params_in_no_group():
+    specs = [ParamSpec(name, 100, torch.float32, torch.float32) for name in "abcd"]
+    layout = plan_layout(specs, world_size=1, bucket_size=None, shard=True)
+    (buffer,) = layout.buffers
+    # buffer order is reversed registration: d c b a, each aligned to 64 elements
+    offsets = {slot.name: slot.range for slot in buffer.params}
+    runs = plan_runs(buffer, 0, {"a": 0, "b": 1, "d": 1})
+    shard_end = buffer.buckets[0].shard_range(0).size
+    assert [(r.group, tuple(r.in_shard)) for r in runs] == [
+        (1, (0, offsets["c"].start)),  # d and the gap after it; c is in no group
+        (1, (offsets["c"].end, offsets["a"].start)),  # the gap after c, b, and the gap after b
+        (0, (offsets["a"].start, shard_end)),  # a and the end padding
+    ]
