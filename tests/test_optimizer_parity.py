@@ -7,8 +7,8 @@ step (tolerances: [Parity tolerances] in docs/design.md).
 
 import pytest
 import torch
-from _parity import decay_groups, train_optimizer_side_by_side
 
+from _parity import decay_groups, train_optimizer_side_by_side
 from flatshard.testing import run_distributed
 
 SGD = {"optimizer_class": torch.optim.SGD, "opt_kwargs": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}

@@ -1,12 +1,14 @@
 """Rules of the optimizer's runs ([Note: optimizer runs] in flatshard/_shard_map.py)."""
 
+import itertools
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_layout import layouts
 
 from flatshard import ParamSpec, plan_layout
 from flatshard._shard_map import plan_runs
+from test_layout import layouts
 
 
 @st.composite
@@ -31,7 +33,7 @@ def test_runs_cover_optimized_params_once_and_nothing_else(case):
         for bucket in buffer.buckets:
             mine = [r for r in runs if r.bucket == bucket.index]
             size = bucket.shard_range(rank).size
-            for a, b in zip(mine, mine[1:], strict=False):
+            for a, b in itertools.pairwise(mine):
                 assert a.in_shard.end <= b.in_shard.start, "runs overlap or are out of order"
             for run in mine:
                 assert 0 <= run.in_shard.start < run.in_shard.end <= size

@@ -66,12 +66,13 @@ class CommStats:
     def total_payload_bytes(self) -> int:
         return sum(self.payload_bytes.values())
 
-    def as_dict(self) -> dict[str, dict[str, int]]:
+    def as_dict(self) -> dict[str, dict[str, int | str]]:
         return {
             op: {
                 "calls": self.calls[op],
                 "payload_bytes": self.payload_bytes[op],
                 "wire_bytes": self.wire_bytes[op],
+                **({"impl": self.impls[op]} if op in self.impls else {}),
             }
             for op in sorted(self.calls)
         }
