@@ -10,10 +10,14 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
   only this rank's shard of each bucket is defined, and the optimizer reads only that. The
   rest of the range is *stale*; it is zeroed lazily (``begin``) before the next backward
   accumulates into it, so a second synced backward adds only new grads to the shard.
-* **scratch** (stage 2): there is no grad buffer. ``begin`` allocates the group's range as
-  zeroed scratch and points each param's ``main_grad`` into it; after the reduction the
-  shard is added into the buffer's ``grad_shard_data`` and the scratch is dropped
-  (``main_grad`` becomes None). So between backwards grads exist only as shards.
+* **scratch** (stage 2): there is no grad buffer. ``begin`` takes the group's range as
+  scratch from a small ``ScratchPool`` and points each param's ``main_grad`` into it; after
+  the reduction the shard is added into the buffer's ``grad_shard_data`` (copied, for the
+  first backward after ``zero_grad``) and the scratch goes back to the pool (``main_grad``
+  becomes None). So between backwards grads exist only as shards, plus at most
+  ``ScratchPool.capacity`` pooled tensors. Reused scratch is not cleared: a param's first
+  grad is copied in (not added), unused params are zeroed before the reduction, and
+  ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
 
 In the sharded and scratch modes grads are scaled as they are accumulated
 (``main_grad += scale * grad``), so a shard that already holds a reduced sum is carried
@@ -33,6 +37,26 @@ from flatshard._world import World
 from flatshard.layout import BucketLayout
 
 
+class ScratchPool:
+    """Released stage-2 scratch, kept for reuse: on CPU, memory freshly mapped for every
+    backward costs a page fault per 4 KiB. Holds at most ``capacity`` tensors."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.free: list[torch.Tensor] = []
+
+    def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        for i, t in enumerate(self.free):
+            if t.numel() == numel and t.dtype == dtype and t.device == device:
+                return self.free.pop(i)
+        return torch.empty(numel, dtype=dtype, device=device)
+
+    def give(self, tensor: torch.Tensor) -> None:
+        self.free.append(tensor)
+        if len(self.free) > self.capacity:
+            self.free.pop(0)
+
+
 class BucketGroup:
     """Consecutive buckets of one ``FlatBuffer``, reduced over ``world`` as one unit.
 
@@ -50,6 +74,7 @@ class BucketGroup:
         world: World,
         scale: float,
         stats: CommStats,
+        pool: ScratchPool | None = None,
     ) -> None:
         self.index = index
         self.buffer = buffer
@@ -66,7 +91,13 @@ class BucketGroup:
         self.grad: torch.Tensor | None = (
             buffer.grad_range(self.buckets[0], self.buckets[-1]) if buffer.full_grads else None
         )
+        self.pool = pool or ScratchPool(0)
         self._slots = [slot for bucket in self.buckets for slot in bucket.params]
+        ends = [self.start] + [slot.end for slot in self._slots]
+        starts = [slot.start for slot in self._slots] + [self.buckets[-1].end]
+        # alignment gaps and padding, relative to the group's start
+        self._gaps = [(e - self.start, s - self.start) for e, s in zip(ends, starts, strict=True) if s > e]
+        self._shard_fresh = True  # stage 2: grad shards hold nothing since zero_grad
         self._ids = frozenset(id(p) for p in self.params)
         self._pending: set[int] = set(self._ids)
         self._handles: list[Handle] | None = None
@@ -98,7 +129,9 @@ class BucketGroup:
         """Make ``grad`` ready to accumulate into; True if it had to allocate scratch."""
         if self.grad is None:
             buffer = self.buffer
-            self.grad = torch.zeros(self.numel, dtype=buffer.layout.grad_dtype, device=buffer.device)
+            self.grad = self.pool.take(self.numel, buffer.layout.grad_dtype, buffer.device)
+            for lo, hi in self._gaps:
+                self.grad[lo:hi].zero_()
             for slot, param in zip(self._slots, self.params, strict=True):
                 param.main_grad = self.grad[slot.start - self.start : slot.end - self.start].view(param.shape)
             return True
@@ -111,13 +144,19 @@ class BucketGroup:
         return False
 
     def release(self) -> None:
-        """Drop scratch (stage 2) and forget stale ranges: grads start again from zero."""
-        self._stale = False
-        if self.buffer.full_grads:
+        """Give stage-2 scratch back to the pool; ``main_grad`` becomes None."""
+        if self.buffer.full_grads or self.grad is None:
             return
+        self.pool.give(self.grad)
         self.grad = None
         for param in self.params:
             param.main_grad = None
+
+    def zero_grad(self) -> None:
+        """Forget every grad: drop scratch, stale ranges, and what the shards hold."""
+        self.release()
+        self._stale = False
+        self._shard_fresh = True
 
     # -- reduction ---------------------------------------------------------------------------
     def start_sync(self) -> None:
@@ -149,7 +188,12 @@ class BucketGroup:
             return
         for bucket in self.buckets:
             shard = self.buffer.shard_range(bucket)
-            self.buffer.grad_shard(bucket).add_(self.grad[shard.start - self.start : shard.end - self.start])
+            reduced = self.grad[shard.start - self.start : shard.end - self.start]
+            if self._shard_fresh:
+                self.buffer.grad_shard(bucket).copy_(reduced)
+            else:
+                self.buffer.grad_shard(bucket).add_(reduced)
+        self._shard_fresh = False
         self.release()
 
     def reset(self) -> None:

@@ -12,6 +12,7 @@ broadcast ``B``. [Note: comm bytes] in docs/design.md relates them to the stage 
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -127,7 +128,7 @@ class _Group:
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
-SCATTER_IMPLS = ("reduce_scatter_tensor", "all_reduce", "reduce")
+SCATTER_IMPLS = ("reduce_scatter_tensor", "all_reduce", "reduce", "all_to_all")
 """Ways to reduce-scatter: the native op, an all-reduce of the whole bucket (twice the wire
 bytes), or one reduce per shard to its owner (``benchmarks/collectives.py`` times them)."""
 GATHER_IMPLS = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
@@ -143,8 +144,11 @@ IMPLS: dict[str, dict[str, str]] = {
 
 
 def choose_impl(world: World, op: str) -> str:
-    if world.group is None:
-        return "none"
+    """The implementation of ``op`` for ``world``'s backend; the environment variable
+    ``FLATSHARD_REDUCE_SCATTER`` or ``FLATSHARD_ALL_GATHER`` overrides it."""
+    override = os.environ.get(f"FLATSHARD_{op.upper()}")
+    if override:
+        return override
     backend = str(dist.get_backend(world.group))
     return IMPLS.get(backend, IMPLS["default"])[op]
 
@@ -188,6 +192,12 @@ def reduce_scatter(
                 for r, chunk in enumerate(tensor.chunk(n))
             ]
         )
+    if impl == "all_to_all":
+        if stats is not None:
+            stats.record("reduce_scatter", b, (n - 1) * b // n, impl)
+        received = torch.empty_like(tensor)  # row r: rank r's part of this rank's shard
+        handle = dist.all_to_all_single(received, tensor, group=world.group, async_op=True)
+        return _Group([handle], lambda: torch.sum(received.view(n, -1), dim=0, out=shard))
     if impl != "reduce_scatter_tensor":
         raise ValueError(f"unknown reduce-scatter implementation {impl!r}; known: {SCATTER_IMPLS}")
     if stats is not None:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from flatshard._bucket_group import BucketGroup
+from flatshard._bucket_group import BucketGroup, ScratchPool
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, all_reduce
 from flatshard._world import World
@@ -76,8 +76,9 @@ def build_bucket_groups(
                 key = max(s.index for s in slots)
                 found.append((-key, len(found), bset, buffer, chunk, params, [s.name for s in slots]))
     found.sort(key=lambda item: item[:2])
+    pool = ScratchPool(MAX_SCRATCH_IN_FLIGHT + 1)
     return [
-        BucketGroup(i, buffer, chunk, params, names, bset.world, bset.scale, stats)
+        BucketGroup(i, buffer, chunk, params, names, bset.world, bset.scale, stats, pool)
         for i, (_, _, bset, buffer, chunk, params, names) in enumerate(found)
     ]
 
@@ -295,6 +296,11 @@ class GradSync:
             id(p) for params, flags in usage for p, f in zip(params, flags.tolist(), strict=True) if not f
         }
 
+    def pooled_scratch(self) -> list[torch.Tensor]:
+        """Stage-2 scratch kept for reuse between backwards (resident memory)."""
+        pools = {id(g.pool): g.pool for g in self.groups}
+        return [t for pool in pools.values() for t in pool.free]
+
     # -- user-facing state -----------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
@@ -302,11 +308,7 @@ class GradSync:
         self.synced = self.unsynced = False
         self.generation += 1
         for group in self.groups:
-            group.release()
-        for bset in self.sets:
-            for buffer in bset.buffers:
-                if not buffer.full_grads:
-                    buffer.grad_shard_data.zero_()
+            group.zero_grad()
         if not set_to_none:
             for bset in self.sets:
                 for buffer in bset.buffers:

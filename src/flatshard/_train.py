@@ -26,6 +26,7 @@ class TrainConfig:
     batch_size: int = 16
     lr: float = 3e-3
     warmup: int = 20
+    clip: float = 1.0
     bucket_size: int | None = flatshard.api.DEFAULT_BUCKET_SIZE
     seed: int = 0
     device: str = "auto"
@@ -63,7 +64,16 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     model_cfg = PRESETS[cfg.model]
     torch.manual_seed(cfg.seed)  # same init on every rank
     model = flatshard.shard(GPT(model_cfg).to(device), stage=cfg.stage, bucket_size=cfg.bucket_size)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.1, betas=(0.9, 0.95))
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    optimizer = flatshard.DistributedOptimizer(
+        model,
+        torch.optim.AdamW,
+        params=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        weight_decay=0.1,
+        betas=(0.9, 0.95),
+    )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(cfg.warmup, cfg.steps))
     corpus = SyntheticCorpus(model_cfg.vocab_size, model_cfg.seq_len, seed=1234)
     progress = _Progress(cfg.steps, enabled=rank == 0)
@@ -73,6 +83,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         x, y = (t.to(device) for t in corpus.batch(step, rank, cfg.batch_size))
         loss = model(x, y)
         loss.backward()
+        optimizer.clip_grad_norm_(cfg.clip)
         optimizer.step()
         schedule.step()
         optimizer.zero_grad()

@@ -19,6 +19,9 @@ from datetime import date
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
@@ -27,21 +30,55 @@ from flatshard.memory import memory_report
 from flatshard.models import GPT, PRESETS
 from flatshard.testing import run_distributed
 
+Peer = Callable[
+    [nn.Module, int | None], tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer | None]
+]
+"""(model, bucket size) -> (wrapped model, optimizer, optimizer whose state memory_report
+counts; None where model-state memory cannot be counted from outside)."""
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
 
-def _ddp(model: nn.Module, bucket_size: int | None) -> nn.Module:
-    return DDP(model, gradient_as_bucket_view=True)
+
+def _ddp(model: nn.Module, bucket_size: int | None):
+    model = DDP(model, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    return model, optimizer, optimizer
 
 
-def _flatshard(stage: int) -> Callable[[nn.Module, int | None], nn.Module]:
-    def wrap(model: nn.Module, bucket_size: int | None) -> nn.Module:
+def _torch_zero1(model: nn.Module, bucket_size: int | None):
+    model = DDP(model, gradient_as_bucket_view=True)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    return model, optimizer, optimizer.optim
+
+
+def _fsdp2(model: nn.Module, bucket_size: int | None):
+    """FSDP2 with params kept unsharded between forward and backward (ZeRO-2-like); its
+    unsharded buffers are internal, so its memory is not counted."""
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.blocks:
+        fully_shard(block, mesh=mesh, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, reshard_after_forward=False)
+    return model, torch.optim.AdamW(model.parameters(), **ADAMW), None
+
+
+def _flatshard(stage: int) -> Peer:
+    def wrap(model: nn.Module, bucket_size: int | None):
         kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
-        return flatshard.shard(model, stage=stage, **kwargs)
+        model = flatshard.shard(model, stage=stage, **kwargs)
+        if stage == 0:
+            optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        else:
+            optimizer = flatshard.DistributedOptimizer(
+                model, torch.optim.AdamW, skip_nonfinite=False, **ADAMW
+            )
+        return model, optimizer, optimizer
 
     return wrap
 
 
-PEERS: dict[str, Callable[[nn.Module, int | None], nn.Module]] = {
+PEERS: dict[str, Peer] = {
     "ddp": _ddp,
+    "torch-zero1": _torch_zero1,
+    "fsdp2": _fsdp2,
     **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
 }
 
@@ -54,9 +91,15 @@ def _rank_bench(preset: str, peers: list[str], steps: int, rounds: int, batch: i
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     runs = {}
     for name in peers:
-        model = PEERS[name](copy.deepcopy(base), bucket_size)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        runs[name] = {"model": model, "opt": optimizer, "times": [], "losses": [], "step": 0}
+        model, optimizer, counted = PEERS[name](copy.deepcopy(base), bucket_size)
+        runs[name] = {
+            "model": model,
+            "opt": optimizer,
+            "counted": counted,
+            "times": [],
+            "losses": [],
+            "step": 0,
+        }
     data = [corpus.batch(i, rank, batch) for i in range(steps)]
 
     def one_step(run: dict, measure: bool = False) -> None:
@@ -65,7 +108,8 @@ def _rank_bench(preset: str, peers: list[str], steps: int, rounds: int, batch: i
         loss.backward()
         run["opt"].step()
         if measure:  # before zero_grad, so grads held in buckets count for every peer
-            run["memory"] = memory_report(run["model"], run["opt"]).total
+            counted = run["counted"]
+            run["memory"] = None if counted is None else memory_report(run["model"], counted).total
         run["opt"].zero_grad()
         run["losses"].append(loss.item())
         run["step"] += 1
@@ -146,9 +190,10 @@ def format_table(result: dict) -> str:
     ]
     for name, r in result["peers"].items():
         ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
+        state = r["model_state_bytes"]
+        state = "-" if state is None else f"{state / 2**20:.2f} MiB"
         lines.append(
-            f"{name:<14} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>8} "
-            f"{r['model_state_bytes'] / 2**20:>14.2f} MiB {r['final_loss']:>11.4f}"
+            f"{name:<14} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>8} {state:>18} {r['final_loss']:>11.4f}"
         )
     return "\n".join(lines)
 

@@ -49,6 +49,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     state = getattr(model, "flatshard_state", None)
     if state is not None:  # grads that no param views between backwards (stage-2 shards)
         grads += [b.grad_storage() for bset in state.sets.values() for b in bset.buffers]
+        grads += state.grad_sync.pooled_scratch()
     grad_bytes = _storage_bytes(grads, seen)
     main_bytes = 0
     state_bytes = 0

@@ -218,6 +218,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")
         self._check_grads_synced()
+        if not self._sharded.grad_sync.synced:
+            return torch.zeros(())  # no grads since zero_grad, as torch reports for no grads
         self._prepare_grads()
         if not self._found_inf:
             coef = float(max_norm) / (self._grad_norm.item() + 1e-6)
