@@ -14,8 +14,9 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
   scratch from a small ``ScratchPool`` and points each param's ``main_grad`` into it; after
   the reduction the shard is added into the buffer's ``grad_shard_data`` (copied, for the
   first backward after ``zero_grad``) and the scratch goes back to the pool (``main_grad``
-  becomes None). So between backwards grads exist only as shards, plus at most
-  ``ScratchPool.capacity`` pooled tensors. Reused scratch is not cleared: a param's first
+  becomes None), where a later group of the same backward may reuse it; the pool is
+  emptied when the backward ends. So between backwards grads exist only as shards. Reused
+  scratch is not cleared: a param's first
   grad is copied in (not added), unused params are zeroed before the reduction, and
   ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
 
@@ -38,8 +39,8 @@ from flatshard.layout import BucketLayout
 
 
 class ScratchPool:
-    """Released stage-2 scratch, kept for reuse: on CPU, memory freshly mapped for every
-    backward costs a page fault per 4 KiB. Holds at most ``capacity`` tensors."""
+    """Stage-2 scratch released during a backward, for the next groups to reuse (on CPU,
+    freshly mapped memory costs a page fault per 4 KiB). Holds at most ``capacity``."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity

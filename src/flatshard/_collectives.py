@@ -12,6 +12,7 @@ broadcast ``B``. [Note: comm bytes] in docs/design.md relates them to the stage 
 
 from __future__ import annotations
 
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
@@ -133,24 +134,32 @@ SCATTER_IMPLS = ("reduce_scatter_tensor", "all_reduce", "reduce", "all_to_all")
 bytes), or one reduce per shard to its owner (``benchmarks/collectives.py`` times them)."""
 GATHER_IMPLS = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
 """Ways to all-gather a bucket in place from its shards."""
-IMPLS: dict[str, dict[str, str]] = {
-    # gloo, torch 2.13, 2 and 4 ranks, 4-64 MB: reduce_scatter_tensor takes 1.7-4x an
-    # all-reduce of the bucket (one reduce per shard wins only at 4 ranks and >= 16 MB);
-    # one broadcast per shard takes 0.3-0.55x an all-reduce, the native gather 0.7-1.9x
-    "gloo": {"reduce_scatter": "all_reduce", "all_gather": "broadcast"},
-    "default": {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor"},
+IMPLS: dict[str, dict[str, list[tuple[float, str]]]] = {
+    # gloo, torch 2.13, 2 and 4 ranks (benchmarks/results/2026-11-22-collectives-*.json):
+    # reduce_scatter_tensor takes 1.6-4x an all-reduce of the same bucket; an all-to-all
+    # plus a local sum takes 0.44-0.93x up to 16 MiB and is erratic (0.85-1.57x) above, where
+    # the all-reduce is kept. One broadcast per shard gathers in 0.3-0.9x an all-reduce,
+    # the native all-gather in 0.7-1.9x.
+    "gloo": {
+        "reduce_scatter": [(16 * 2**20, "all_to_all"), (math.inf, "all_reduce")],
+        "all_gather": [(math.inf, "broadcast")],
+    },
+    "default": {
+        "reduce_scatter": [(math.inf, "reduce_scatter_tensor")],
+        "all_gather": [(math.inf, "all_gather_into_tensor")],
+    },
 }
-"""The implementation used per backend, chosen by ``benchmarks/collectives.py``."""
+"""Per backend and op: (largest bucket in bytes, implementation), the first that fits."""
 
 
-def choose_impl(world: World, op: str) -> str:
-    """The implementation of ``op`` for ``world``'s backend; the environment variable
-    ``FLATSHARD_REDUCE_SCATTER`` or ``FLATSHARD_ALL_GATHER`` overrides it."""
+def choose_impl(world: World, op: str, nbytes: int) -> str:
+    """The implementation of ``op`` on a bucket of ``nbytes`` for ``world``'s backend; the
+    environment variable ``FLATSHARD_REDUCE_SCATTER`` or ``FLATSHARD_ALL_GATHER`` overrides it."""
     override = os.environ.get(f"FLATSHARD_{op.upper()}")
     if override:
         return override
     backend = str(dist.get_backend(world.group))
-    return IMPLS.get(backend, IMPLS["default"])[op]
+    return next(impl for limit, impl in IMPLS.get(backend, IMPLS["default"])[op] if nbytes <= limit)
 
 
 def _own(tensor: torch.Tensor, shard: torch.Tensor, world: World) -> None:
@@ -177,7 +186,7 @@ def reduce_scatter(
     if world.group is None:
         return DONE
     _own(tensor, shard, world)
-    impl = impl or choose_impl(world, "reduce_scatter")
+    impl = impl or choose_impl(world, "reduce_scatter", _nbytes(tensor))
     b, n = _nbytes(tensor), world.size
     if impl == "all_reduce":
         if stats is not None:
@@ -220,7 +229,7 @@ def all_gather(
     if world.group is None:
         return DONE
     _own(tensor, shard, world)
-    impl = impl or choose_impl(world, "all_gather")
+    impl = impl or choose_impl(world, "all_gather", _nbytes(tensor))
     b, n, group = _nbytes(tensor), world.size, world.group
     wire = (n - 1) * b // n
     if impl == "all_gather_into_tensor":

@@ -116,6 +116,7 @@ class GradSync:
                     self._exposed.add(id(p))
         self._written: set[int] = set()  # hidden params whose main_grad holds a sum
         self._fired: list[nn.Parameter] = []  # exposed params whose grad returns after sync
+        self._pool = self.groups[0].pool if self.groups else ScratchPool(0)
         self._next = 0  # first group not yet launched in this backward
         self._done = 0  # groups before this one have finished their reduction
         self._in_backward = False
@@ -234,6 +235,7 @@ class GradSync:
             self._next = self._done = 0
             self._in_backward = False
             self.generation += 1
+            self._pool.free.clear()  # scratch is reused within a backward, not held between them
         if self.sync_enabled and self.on_synced is not None:
             self.on_synced()
 
@@ -297,9 +299,8 @@ class GradSync:
         }
 
     def pooled_scratch(self) -> list[torch.Tensor]:
-        """Stage-2 scratch kept for reuse between backwards (resident memory)."""
-        pools = {id(g.pool): g.pool for g in self.groups}
-        return [t for pool in pools.values() for t in pool.free]
+        """Stage-2 scratch released in this backward and kept for reuse by later groups."""
+        return list(self._pool.free)
 
     # -- user-facing state -----------------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -82,16 +82,7 @@ def shard(
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
     _check_devices(named)
     tied = _tied_params(module)
-    parts: list[tuple[str, World, list[tuple[str, nn.Parameter]], float | None]] = []
-    if expert is not None:
-        expert_world = resolve_world(expert.group)
-        is_expert = [bool(expert.match(n, p)) for n, p in named]
-        chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
-        named = [np for np, e in zip(named, is_expert, strict=True) if not e]
-        if chosen:
-            parts.append(("expert", expert_world, chosen, expert.grad_scale))
-    if named:
-        parts.insert(0, ("main", world, named, grad_scale))
+    parts = _split_worlds(named, world, grad_scale, expert)
     config = (
         f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
         f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters}"
@@ -102,6 +93,11 @@ def shard(
         sets[key] = _build_set(part_world, part, tied, stage, bucket_size, pad_for_high_busbw, scale)
     if sync_module_states:
         _broadcast_states(module, world, list(sets.values()))
+    return _assemble(module, stage, sets, buckets_per_group, find_unused_parameters)
+
+
+def _assemble(module, stage, sets, buckets_per_group, find_unused_parameters) -> ShardedModule:
+    """Bucket groups, the grad-sync state machine and (stages 1-2) the param gathers."""
     stats = CommStats()
     groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats)
     sync = GradSync(list(sets.values()), groups, find_unused_parameters=find_unused_parameters, stats=stats)
@@ -116,6 +112,20 @@ def shard(
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(_backward_start_hook(sync))
     return sharded
+
+
+def _split_worlds(named, world: World, grad_scale, expert: ExpertGroup | None):
+    """(key, world, named params, grad scale) of the main params and the expert params."""
+    parts: list[tuple[str, World, list[tuple[str, nn.Parameter]], float | None]] = []
+    if expert is not None:
+        is_expert = [bool(expert.match(n, p)) for n, p in named]
+        chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
+        named = [np for np, e in zip(named, is_expert, strict=True) if not e]
+        if chosen:
+            parts.append(("expert", resolve_world(expert.group), chosen, expert.grad_scale))
+    if named:
+        parts.insert(0, ("main", world, named, grad_scale))
+    return parts
 
 
 def _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale) -> None:
