@@ -408,3 +408,44 @@ def test_step_without_backward_changes_nothing_and_lr_schedulers_drive_the_inner
     sched.step()
     assert opt.inner.param_groups[0]["lr"] == 0.25
     assert math.isfinite(opt.clip_grad_norm_(1.0).item())
+
+
+# -- expert params ---------------------------------------------------------------------------------
+def _expert_case(stage: int) -> list[float]:
+    from test_stage0_behavior import TinyMoE
+
+    rank = dist.get_rank()
+    pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]
+    torch.manual_seed(0)
+    model = TinyMoE()
+    plain = copy.deepcopy(model)
+    expert = flatshard.ExpertGroup(pair, lambda name, p: name.startswith("expert."))
+    ours = flatshard.shard(model, stage=stage, expert=expert, bucket_size=40)
+    opt = DistributedOptimizer(ours, torch.optim.SGD, lr=0.5)
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
+    ours(x).backward()
+    plain(x).backward()
+    main_sq, expert_sq = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
+    expected = []
+    for name, q in plain.named_parameters():
+        g = q.grad.clone()
+        dist.all_reduce(g, group=pair if name.startswith("expert.") else None)
+        g /= 2 if name.startswith("expert.") else 4
+        if name.startswith("expert."):
+            expert_sq += g.double().square().sum()
+        else:
+            main_sq += g.double().square().sum()
+        expected.append(q.detach() - 0.5 * g)
+    dist.all_reduce(expert_sq)  # every expert counted once per rank of its pair
+    norm = opt.clip_grad_norm_(1e9).item()
+    opt.step()
+    ours.wait_for_params()
+    for (name, p), e in zip(ours.named_parameters(), expected, strict=True):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-6, atol=1e-7, msg=name)
+    return [norm, float((main_sq + expert_sq / 2).sqrt())]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_expert_params_step_over_their_group_and_count_once_in_the_norm(stage):
+    for norm, expected in run_distributed(_expert_case, 4, stage):
+        assert norm == pytest.approx(expected, rel=1e-6)

@@ -166,18 +166,16 @@ def _describe(named: list[tuple[str, nn.Parameter]], key: str) -> list[str]:
     return [f"{key} {n} {tuple(p.shape)} {p.dtype}" for n, p in named]
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Grads of 16-bit params accumulate in fp32; others in their param's dtype."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
 def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale) -> BufferSet:
-    grad_dtype = torch.float32
-    specs = [
-        ParamSpec(
-            n,
-            p.numel(),
-            p.dtype,
-            grad_dtype,
-            id(p) in tied,
-        )
-        for n, p in named
-    ]
+    specs = [ParamSpec(n, p.numel(), p.dtype, grad_dtype(p.dtype), id(p) in tied) for n, p in named]
     layout = plan_layout(
         specs,
         world_size=world.size,

@@ -42,6 +42,7 @@ from flatshard._collectives import all_reduce
 from flatshard._shard_map import Run, plan_runs
 from flatshard._sharded_module import ShardedModule, ShardState
 from flatshard._world import World
+from flatshard.api import HALF_DTYPES
 from flatshard.loss_scale import StaticLossScaler, make_loss_scaler
 
 _NOT_ELEMENTWISE = tuple(
@@ -57,7 +58,7 @@ class _BufferShards:
 
     buffer: FlatBuffer
     world: World
-    main_data: torch.Tensor | None  # 1D fp32 shard frame; None when params are fp32
+    main_data: torch.Tensor | None  # 1D fp32 shard frame; None unless params are 16-bit
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
 
@@ -84,7 +85,7 @@ class _BufferShards:
 def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) -> _BufferShards:
     runs = plan_runs(buffer.layout, buffer.rank, group_of)
     main_data = None
-    if buffer.layout.dtype != torch.float32:
+    if buffer.layout.dtype in HALF_DTYPES:
         main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
     tensors = []
     for run in runs:
