@@ -33,6 +33,22 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
+def accumulate(reference, ours, corpus, step: int, accum: int, batch: int, ours_sync_all: bool = False):
+    """One step's micro-batches through both models (DDP accumulates under no_sync; ours
+    too unless ``ours_sync_all``); yields (loss, reference loss) per micro-batch."""
+    rank = dist.get_rank()
+    for micro in range(accum):
+        x, y = corpus.batch(step * accum + micro, rank, batch)
+        last = micro == accum - 1
+        with nullcontext() if last else reference.no_sync():
+            loss_ref = reference(x, y) / accum
+            loss_ref.backward()
+        with nullcontext() if last or ours_sync_all else ours.no_sync():
+            loss = ours(x, y) / accum
+            loss.backward()
+        yield loss.item(), loss_ref.item()
+
+
 def train_side_by_side(
     shard_kwargs: dict,
     *,
@@ -43,7 +59,6 @@ def train_side_by_side(
     model_cls=AwkwardGPT,
 ) -> dict:
     """Train flatshard and torch DDP copies of one model on the same data; report diffs."""
-    rank = dist.get_rank()
     torch.manual_seed(0)
     model = model_cls()
     reference = DDP(copy.deepcopy(model), find_unused_parameters=True)
@@ -53,17 +68,9 @@ def train_side_by_side(
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     losses, loss_diffs, param_diffs = [], [], []
     for step in range(steps):
-        for micro in range(accum):
-            x, y = corpus.batch(step * accum + micro, rank, batch)
-            last = micro == accum - 1
-            with nullcontext() if last else reference.no_sync():
-                loss_ref = reference(x, y) / accum
-                loss_ref.backward()
-            with nullcontext() if last else ours.no_sync():
-                loss = ours(x, y) / accum
-                loss.backward()
-            loss_diffs.append(abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
-            losses.append(loss.item())
+        for loss, loss_ref in accumulate(reference, ours, corpus, step, accum, batch):
+            loss_diffs.append(abs(loss - loss_ref) / abs(loss_ref))
+            losses.append(loss)
         for (name, p), p_ref in zip(ours.named_parameters(), reference.module.parameters(), strict=True):
             if (p.grad is None) != (p_ref.grad is None):
                 raise AssertionError(f"step {step}: {name}.grad is None for only one of them")
@@ -113,7 +120,6 @@ def train_optimizer_side_by_side(
 ) -> dict:
     """Train a flatshard DistributedOptimizer and torch DDP + the same torch optimizer on
     the same data; report loss, grad-norm and param differences at every step."""
-    rank = dist.get_rank()
     opt_kwargs = {"lr": 1e-2, "weight_decay": 0.1} if opt_kwargs is None else opt_kwargs
     torch.manual_seed(0)
     model = model_cls()
@@ -134,17 +140,9 @@ def train_optimizer_side_by_side(
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     out = {"loss_diffs": [], "param_diffs": [], "norm_diffs": [], "losses": []}
     for step in range(steps):
-        for micro in range(accum):
-            x, y = corpus.batch(step * accum + micro, rank, batch)
-            last = micro == accum - 1
-            with nullcontext() if last else reference.no_sync():
-                loss_ref = reference(x, y) / accum
-                loss_ref.backward()
-            with nullcontext() if last or sync_every_micro_batch else ours.no_sync():
-                loss = ours(x, y) / accum
-                loss.backward()
-            out["loss_diffs"].append(abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
-            out["losses"].append(loss.item())
+        for loss, loss_ref in accumulate(reference, ours, corpus, step, accum, batch, sync_every_micro_batch):
+            out["loss_diffs"].append(abs(loss - loss_ref) / abs(loss_ref))
+            out["losses"].append(loss)
         if clip is not None:
             norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip)
             norm = opt.clip_grad_norm_(clip)

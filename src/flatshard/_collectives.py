@@ -173,6 +173,19 @@ def _own(tensor: torch.Tensor, shard: torch.Tensor, world: World) -> None:
         raise ValueError(f"the shard of rank {world.rank} is not its own part of the bucket")
 
 
+def _prepare(op: str, tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str | None) -> str:
+    _own(tensor, shard, world)
+    return impl or choose_impl(world, op, _nbytes(tensor))
+
+
+def _record(stats: CommStats | None, op: str, tensor: torch.Tensor, world: World, impl: str) -> None:
+    """Ring-formula wire bytes of the implementation that ran: ``(N-1)/N B``, twice that for
+    an all-reduce standing in for a reduce-scatter or all-gather."""
+    if stats is not None:
+        b, n = _nbytes(tensor), world.size
+        stats.record(op, b, (2 if impl == "all_reduce" else 1) * (n - 1) * b // n, impl)
+
+
 def reduce_scatter(
     tensor: torch.Tensor,
     shard: torch.Tensor,
@@ -185,35 +198,30 @@ def reduce_scatter(
     part of it, a view) holds the sum; the rest of ``tensor`` is left unspecified."""
     if world.group is None:
         return DONE
-    _own(tensor, shard, world)
-    impl = impl or choose_impl(world, "reduce_scatter", _nbytes(tensor))
-    b, n = _nbytes(tensor), world.size
+    impl = _prepare("reduce_scatter", tensor, shard, world, impl)
+    group, n = world.group, world.size
     if impl == "all_reduce":
-        if stats is not None:
-            stats.record("reduce_scatter", b, 2 * (n - 1) * b // n, impl)
-        return dist.all_reduce(tensor, group=world.group, async_op=True)
-    if impl == "reduce":
-        if stats is not None:
-            stats.record("reduce_scatter", b, (n - 1) * b // n, impl)
-        return _Group(
+        handle = dist.all_reduce(tensor, group=group, async_op=True)
+    elif impl == "reduce":
+        chunks = tensor.chunk(n)
+        handle = _Group(
             [
-                dist.reduce(chunk, dst=dist.get_global_rank(world.group, r), group=world.group, async_op=True)
-                for r, chunk in enumerate(tensor.chunk(n))
+                dist.reduce(c, dst=dist.get_global_rank(group, r), group=group, async_op=True)
+                for r, c in enumerate(chunks)
             ]
         )
-    if impl == "all_to_all":
-        if stats is not None:
-            stats.record("reduce_scatter", b, (n - 1) * b // n, impl)
+    elif impl == "all_to_all":
         received = torch.empty_like(tensor)  # row r: rank r's part of this rank's shard
-        handle = dist.all_to_all_single(received, tensor, group=world.group, async_op=True)
-        return _Group([handle], lambda: torch.sum(received.view(n, -1), dim=0, out=shard))
-    if impl != "reduce_scatter_tensor":
+        work = dist.all_to_all_single(received, tensor, group=group, async_op=True)
+        handle = _Group([work], lambda: torch.sum(received.view(n, -1), dim=0, out=shard))
+    elif impl == "reduce_scatter_tensor":
+        out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
+        work = _reduce_scatter_single(out, tensor, group=group, async_op=True)
+        handle = _Group([work], lambda: shard.copy_(out))
+    else:
         raise ValueError(f"unknown reduce-scatter implementation {impl!r}; known: {SCATTER_IMPLS}")
-    if stats is not None:
-        stats.record("reduce_scatter", b, (n - 1) * b // n, impl)
-    out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
-    handle = _reduce_scatter_single(out, tensor, group=world.group, async_op=True)
-    return _Group([handle], lambda: shard.copy_(out))
+    _record(stats, "reduce_scatter", tensor, world, impl)
+    return handle
 
 
 def all_gather(
@@ -225,30 +233,27 @@ def all_gather(
     impl: str | None = None,
 ) -> Handle:
     """Fill ``tensor`` (a bucket, 1-D) from every rank's ``shard`` (its own equal part of
-    ``tensor``, a view); in place."""
+    ``tensor``, a view); in place. A gather by broadcasts is pipelined: each rank forwards
+    n - 1 chunks, the wire bytes of a ring all-gather."""
     if world.group is None:
         return DONE
-    _own(tensor, shard, world)
-    impl = impl or choose_impl(world, "all_gather", _nbytes(tensor))
-    b, n, group = _nbytes(tensor), world.size, world.group
-    wire = (n - 1) * b // n
+    impl = _prepare("all_gather", tensor, shard, world, impl)
+    group, n = world.group, world.size
     if impl == "all_gather_into_tensor":
-        handles = [_all_gather_single(tensor, shard.clone(), group=group, async_op=True)]
+        works = [_all_gather_single(tensor, shard.clone(), group=group, async_op=True)]
     elif impl == "all_gather":
-        handles = [dist.all_gather(list(tensor.chunk(n)), shard.clone(), group=group, async_op=True)]
+        works = [dist.all_gather(list(tensor.chunk(n)), shard.clone(), group=group, async_op=True)]
     elif impl == "all_reduce":
         size = shard.numel()
         tensor[: world.rank * size].zero_()
         tensor[(world.rank + 1) * size :].zero_()
-        handles = [dist.all_reduce(tensor, group=group, async_op=True)]
-        wire *= 2
+        works = [dist.all_reduce(tensor, group=group, async_op=True)]
     elif impl == "broadcast":
-        handles = [
+        works = [
             dist.broadcast(chunk, src=dist.get_global_rank(group, r), group=group, async_op=True)
             for r, chunk in enumerate(tensor.chunk(n))
-        ]  # pipelined, each rank forwards n - 1 chunks: the same wire bytes as a ring gather
+        ]
     else:
         raise ValueError(f"unknown all-gather implementation {impl!r}; known: {GATHER_IMPLS}")
-    if stats is not None:
-        stats.record("all_gather", b, wire, impl)
-    return _Group(handles)
+    _record(stats, "all_gather", tensor, world, impl)
+    return _Group(works)
