@@ -407,7 +407,13 @@ def test_step_without_backward_changes_nothing_and_lr_schedulers_drive_the_inner
     _train_step(model, opt, 0)
     sched.step()
     assert opt.inner.param_groups[0]["lr"] == 0.25
-    assert math.isfinite(opt.clip_grad_norm_(1.0).item())
+    x, y = CORPUS.batch(1, 0, 4)
+    model(x, y).backward()
+    norm = opt.clip_grad_norm_(0.01).item()
+    assert math.isfinite(norm) and norm > 0.01
+    assert opt.clip_grad_norm_(0.01).item() == pytest.approx(0.01, rel=1e-3), "a second clip is a no-op"
+    grads = torch.cat([g.flatten() for g in opt._grad_shards()])
+    assert grads.norm().item() == pytest.approx(0.01, rel=1e-3)
 
 
 # -- expert params ---------------------------------------------------------------------------------

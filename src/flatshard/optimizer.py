@@ -157,7 +157,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._prepared_at: int | None = None  # grad_sync.generation when grads were prepared
         self._found_inf = False
-        self._grad_norm = torch.zeros(())
+        self._grad_norm = torch.zeros(())  # of the grads as they are now (unscaled)
         self._grad_factor = 1.0  # multiplier not yet applied to the grad shards
         if loss_scale is None and any(s.buffer.layout.dtype == torch.float16 for s in self._shards):
             warnings.warn(
@@ -222,11 +222,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if not self._sharded.grad_sync.synced:
             return torch.zeros(())  # no grads since zero_grad, as torch reports for no grads
         self._prepare_grads()
+        norm = self._grad_norm
         if not self._found_inf:
-            coef = float(max_norm) / (self._grad_norm.item() + 1e-6)
-            self._grad_factor *= min(coef, 1.0)
+            coef = min(float(max_norm) / (norm.item() + 1e-6), 1.0)
+            self._grad_factor *= coef
             self._apply_grad_factor()
-        return self._grad_norm.clone()
+            self._grad_norm = norm * coef  # a second clip sees the clipped grads, as in torch
+        return norm.clone()
 
     def _check_grads_synced(self) -> None:
         if self._sharded.grad_sync.unsynced:
