@@ -38,7 +38,7 @@ class ParamGather:
     ) -> None:
         self.stats = stats
         order = {id(p): i for i, p in enumerate(module.parameters())}
-        units = []  # (first use, buffer, bucket, world)
+        units = []  # (first use, buffer, bucket, world, its params)
         unit_of: dict[int, list[int]] = {}
         for buffer, world, params in buffers:
             if world.size == 1:

@@ -321,13 +321,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 f"{k}: saved {theirs.get(k)!r}, here {mine[k]!r}" for k in mine if theirs.get(k) != mine[k]
             ]
             raise ValueError("optimizer state was saved for another layout: " + "; ".join(diff))
+        if (self.loss_scaler is None) != (state_dict["loss_scaler"] is None):
+            raise ValueError("optimizer state and this optimizer disagree on whether the loss is scaled")
         self._sharded.wait_for_params()
         self.inner.load_state_dict(state_dict["inner"])
         for shards, main in zip(self._shards, state_dict["main_params"], strict=True):
             if shards.main_data is not None:
                 shards.main_data.copy_(main)
-        if (self.loss_scaler is None) != (state_dict["loss_scaler"] is None):
-            raise ValueError("optimizer state and this optimizer disagree on whether the loss is scaled")
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
