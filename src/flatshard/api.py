@@ -174,8 +174,19 @@ def grad_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
+def param_specs(named: list[tuple[str, nn.Parameter]], tied: set[int]) -> list[ParamSpec]:
+    """What the layout planner needs of ``named`` params (``tied``: ids of shared params)."""
+    return [ParamSpec(n, p.numel(), p.dtype, grad_dtype(p.dtype), id(p) in tied) for n, p in named]
+
+
+def model_specs(module: nn.Module) -> list[ParamSpec]:
+    """``param_specs`` of a module's trainable params (works on the meta device)."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    return param_specs(named, _tied_params(module))
+
+
 def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale) -> BufferSet:
-    specs = [ParamSpec(n, p.numel(), p.dtype, grad_dtype(p.dtype), id(p) in tied) for n, p in named]
+    specs = param_specs(named, tied)
     layout = plan_layout(
         specs,
         world_size=world.size,

@@ -67,7 +67,41 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--seed", type=int, default=0, help="model init seed")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    _add_plan(sub)
     return parser
+
+
+def _add_plan(sub) -> None:
+    from flatshard.plan import DTYPE_BYTES, OPTIMIZERS
+
+    plan = sub.add_parser(
+        "plan",
+        help="per-rank model-state memory and bytes sent per step, stages 0-3",
+        description="Per-rank model-state memory (params, grads, fp32 main params, optimizer "
+        "state) and wire bytes sent per optimizer step at stages 0-3: from a parameter count "
+        "(the ZeRO formulas) or from a model's real flat layout, padding included.",
+    )
+    source = plan.add_mutually_exclusive_group(required=True)
+    source.add_argument("--params", type=_positive_int, help="number of parameters, e.g. 7.5e9")
+    source.add_argument("--model", help="a GPT preset, or module:factory returning an nn.Module")
+    plan.add_argument(
+        "--world-size", "--world", "-n", type=_positive_int, default=8, help="ranks (default 8)"
+    )
+    plan.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
+    plan.add_argument(
+        "--grad-dtype",
+        choices=sorted(DTYPE_BYTES),
+        help="with --params (default fp32); a model's grads follow flatshard's policy",
+    )
+    plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="default adam")
+    plan.add_argument(
+        "--bucket-size",
+        type=_bucket_size,
+        default=DEFAULT_BUCKET_SIZE,
+        help="with --model (default %(default)s)",
+    )
+    plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
+    plan.add_argument("--json", action="store_true", help='print {"stages": {"0": {...}, ...}} instead')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -75,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "train":
         return _train(args, argv)
+    if args.command == "plan":
+        return _plan(args)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -110,3 +146,65 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     )
     run(cfg)
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import json
+
+    from flatshard import plan
+
+    if args.params is not None:
+        plans = plan.plan_from_count(
+            args.params,
+            world_size=args.world_size,
+            param_dtype=args.param_dtype,
+            grad_dtype=args.grad_dtype or "fp32",
+            optimizer=args.optimizer,
+        )
+        title = f"{args.params:,} params"
+    else:
+        if args.grad_dtype is not None:
+            print("flatshard plan: --grad-dtype applies to --params only", file=sys.stderr)
+            return 2
+        try:
+            specs = _model_specs(args.model, plan.DTYPES[args.param_dtype])
+            plans = plan.plan_from_specs(
+                specs,
+                world_size=args.world_size,
+                bucket_size=args.bucket_size,
+                optimizer=args.optimizer,
+                rank=args.rank,
+            )
+        except (ValueError, ImportError, AttributeError) as e:
+            print(f"flatshard plan: {e}", file=sys.stderr)
+            return 2
+        title = f"{args.model} ({sum(s.numel for s in specs):,} params), rank {args.rank}"
+    if args.json:
+        print(json.dumps({"stages": {str(s): p.as_dict() for s, p in plans.items()}}))
+    else:
+        title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
+        print(plan.format_plan(plans, title))
+    return 0
+
+
+def _model_specs(model: str, dtype):
+    """Build ``model`` (a GPT preset or module:factory) on the meta device: no memory used."""
+    import importlib
+
+    import torch
+
+    from flatshard.api import model_specs
+    from flatshard.models import GPT, PRESETS
+
+    if ":" in model:
+        module_name, factory = model.split(":", 1)
+        build = getattr(importlib.import_module(module_name), factory)
+    elif model in PRESETS:
+        build = lambda: GPT(PRESETS[model])  # noqa: E731
+    else:
+        raise ValueError(f"--model {model!r} is neither a GPT preset {sorted(PRESETS)} nor module:factory")
+    with torch.device("meta"):
+        module = build()
+    if not isinstance(module, torch.nn.Module):
+        raise ValueError(f"{model} returned {type(module).__name__}, not an nn.Module")
+    return model_specs(module.to(dtype))

@@ -1,0 +1,151 @@
+"""Model-state memory and communication per rank, before running anything.
+
+``plan_from_count`` evaluates the DESIGN.md formulas for Ψ params (the ZeRO paper's
+accounting: with fp16 params and grads and Adam, 7.5B params on 64 ranks need 120, 31.4,
+16.6 and 1.88 GB per rank at stages 0-3). ``plan_from_specs`` evaluates them on the real
+layout flatshard would build (alignment and padding included), for one rank, counting what
+``memory_report`` counts: fp32 main params only for 16-bit params, and the inner optimizer's
+per-tensor scalars (one per run, [Note: optimizer runs]). Communication is the wire bytes
+one rank sends per optimizer step under the ring formulas ([Note: comm bytes]), leaving
+out the 8-byte grad-norm all-reduce.
+
+Stage 3 is planned from the same sharded layout (params sharded too, unit scratch not
+counted) ahead of its implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+
+from flatshard._shard_map import plan_runs
+from flatshard.layout import ParamSpec, plan_layout
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+OPTIMIZERS: dict[str, tuple[int, int]] = {
+    # name: (bytes of state per element, bytes of scalars per optimizer tensor: the step count)
+    "adam": (8, 4),
+    "adamw": (8, 4),
+    "adagrad": (4, 4),
+    "sgd-momentum": (4, 0),
+    "sgd": (0, 0),
+}
+STAGES = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Bytes one rank keeps (by role) and sends per optimizer step at one stage."""
+
+    params: int
+    grads: int
+    main_params: int
+    optimizer_state: int
+    comm_bytes_per_step: int
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return self.params + self.grads + self.main_params + self.optimizer_state
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "bytes_per_rank": self.bytes_per_rank}
+
+
+def _check(world_size: int, optimizer: str) -> tuple[int, int]:
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZERS)}")
+    return OPTIMIZERS[optimizer]
+
+
+def _comm(stage: int, numel: int, world: int, param_bytes: int, grad_bytes: int) -> int:
+    """Ring wire bytes per step for ``numel`` elements (one bucket, or all of them)."""
+    ring = (world - 1) / world
+    per_element = {0: 2 * grad_bytes, 1: grad_bytes + param_bytes, 2: grad_bytes + param_bytes}
+    return int(ring * numel * per_element.get(stage, grad_bytes + 2 * param_bytes))
+
+
+def plan_from_count(
+    params: int,
+    *,
+    world_size: int,
+    param_dtype: str = "bf16",
+    grad_dtype: str = "fp32",
+    optimizer: str = "adam",
+) -> dict[int, StagePlan]:
+    """The formulas for ``params`` elements, no padding; main params are fp32 copies of
+    16-bit params (4 bytes each, sharded from stage 1 on, like the optimizer state)."""
+    state_bytes, _ = _check(world_size, optimizer)
+    pb, gb = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_dtype]
+    mb = 4 if pb == 2 else 0
+    n, shard = world_size, params / world_size
+    plans = {}
+    for stage in STAGES:
+        full_or_shard = [params if stage < k else shard for k in (3, 2, 1)]  # params, grads, state
+        plans[stage] = StagePlan(
+            params=round(pb * full_or_shard[0]),
+            grads=round(gb * full_or_shard[1]),
+            main_params=round(mb * full_or_shard[2]),
+            optimizer_state=round(state_bytes * full_or_shard[2]),
+            comm_bytes_per_step=_comm(stage, params, n, pb, gb),
+        )
+    return plans
+
+
+def plan_from_specs(
+    specs: Sequence[ParamSpec],
+    *,
+    world_size: int,
+    bucket_size: int | None,
+    optimizer: str = "adamw",
+    rank: int = 0,
+) -> dict[int, StagePlan]:
+    """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
+    as flatshard would use them), on the layout ``shard`` would build."""
+    state_bytes, scalar_bytes = _check(world_size, optimizer)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of size {world_size}")
+    plans = {}
+    for stage in STAGES:
+        layout = plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=stage > 0)
+        totals = dict.fromkeys(
+            ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step"), 0
+        )
+        group_of = {spec.name: 0 for spec in specs}
+        for buffer in layout.buffers:
+            pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
+            full, shard = buffer.numel, buffer.shard_numel(rank)
+            runs = plan_runs(buffer, rank, group_of)
+            totals["params"] += pb * (full if stage < 3 else shard)
+            totals["grads"] += gb * (full if stage < 2 else shard)
+            totals["main_params"] += 4 * shard if buffer.dtype in (torch.float16, torch.bfloat16) else 0
+            totals["optimizer_state"] += sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
+            totals["comm_bytes_per_step"] += sum(
+                _comm(stage, b.numel, world_size, pb, gb) for b in buffer.buckets
+            )
+        if world_size == 1:
+            totals["comm_bytes_per_step"] = 0
+        plans[stage] = StagePlan(**totals)
+    return plans
+
+
+def _size(nbytes: int) -> str:
+    """Decimal units, as in the ZeRO paper."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3g} {unit}"
+    return f"{nbytes} B"
+
+
+def format_plan(plans: dict[int, StagePlan], title: str) -> str:
+    """A table of the plans."""
+    heads = ("params", "grads", "main params", "optimizer", "per rank", "comm/step")
+    lines = [title, f"{'stage':>5}" + "".join(f"{h:>13}" for h in heads)]
+    for stage, p in plans.items():
+        cells = (p.params, p.grads, p.main_params, p.optimizer_state, p.bytes_per_rank, p.comm_bytes_per_step)
+        lines.append(f"{stage:>5}" + "".join(f"{_size(c):>13}" for c in cells))
+    return "\n".join(lines)

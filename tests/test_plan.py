@@ -1,0 +1,124 @@
+"""``flatshard plan``: the ZeRO formulas, and the real layout's numbers equal to what
+``memory_report`` and ``CommStats`` measure at run time."""
+
+import json
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flatshard
+from flatshard import DistributedOptimizer, memory_report
+from flatshard.api import model_specs
+from flatshard.data import SyntheticCorpus
+from flatshard.models import GPT, GPTConfig
+from flatshard.plan import plan_from_count, plan_from_specs
+from flatshard.testing import run_distributed
+from test_cli import _flatshard
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, tie_embeddings=True)
+
+
+def test_reproduces_the_zero_paper_table():
+    """ZeRO (Rajbhandari et al. 2020), Table 1: 7.5B params, 64 ranks, fp16 params and grads,
+    Adam with 12 bytes of state per param: 120, 31.4, 16.6 and 1.88 GB per rank."""
+    plans = plan_from_count(7.5e9, world_size=64, param_dtype="fp16", grad_dtype="fp16", optimizer="adam")
+    got = [round(plans[s].bytes_per_rank / 1e9, 3) for s in range(4)]
+    assert got == [120.0, 31.406, 16.641, 1.875]
+
+
+@pytest.mark.parametrize("world", [1, 3, 64])
+def test_count_plan_is_the_design_formula(world):
+    psi = 1_000_000
+    plans = plan_from_count(psi, world_size=world, param_dtype="bf16", grad_dtype="fp32", optimizer="adamw")
+    ring = (world - 1) / world
+    expected = {
+        0: (2 * psi + 4 * psi + 12 * psi, 2 * ring * 4 * psi),
+        1: (2 * psi + 4 * psi + 12 * psi / world, ring * 6 * psi),
+        2: (2 * psi + 16 * psi / world, ring * 6 * psi),
+        3: (18 * psi / world, ring * 8 * psi),
+    }
+    for stage, (memory, comm) in expected.items():
+        assert plans[stage].bytes_per_rank == pytest.approx(memory, abs=2)
+        assert plans[stage].comm_bytes_per_step == pytest.approx(comm, abs=1)
+
+
+def _measured(stage: int) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, bucket_size=3000)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, rank, 4)
+    model(x, y).backward()
+    opt.step()
+    model.wait_for_params()
+    stats = model.comm_stats.as_dict()
+    with torch.device("meta"):
+        specs = model_specs(GPT(CFG).to(torch.bfloat16))
+    plan = plan_from_specs(specs, world_size=world, bucket_size=3000, optimizer="adamw", rank=rank)[stage]
+    sent = sum(v["wire_bytes"] for op, v in stats.items() if op != "all_reduce" or stage == 0)
+    return {"measured": memory_report(model, opt).as_dict(), "plan": plan.as_dict(), "sent": sent}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_layout_plan_equals_what_a_run_measures(stage):
+    """Every rank's memory_report equals plan_from_specs for that rank, role by role, and
+    the bytes sent in the step equal the planned comm bytes (the 8-byte norm aside)."""
+    for r in run_distributed(_measured, 3, stage):
+        plan, measured = r["plan"], r["measured"]
+        for role in ("params", "grads", "main_params", "optimizer_state"):
+            assert plan[role] == measured[role], (role, plan, measured)
+        assert plan["comm_bytes_per_step"] == r["sent"]
+
+
+def test_plan_cli_json_and_table():
+    out = _flatshard(
+        "plan",
+        "--params",
+        "7.5e9",
+        "--world",
+        "64",
+        "--param-dtype",
+        "fp16",
+        "--grad-dtype",
+        "fp16",
+        "--json",
+    )
+    assert out.returncode == 0, out.stderr
+    stages = json.loads(out.stdout)["stages"]
+    assert round(stages["1"]["bytes_per_rank"] / 1e9, 1) == 31.4
+    assert set(stages["0"]) >= {"bytes_per_rank", "comm_bytes_per_step"}
+    out = _flatshard("plan", "--model", "tiny", "-n", "2", "--optimizer", "sgd-momentum")
+    assert out.returncode == 0, out.stderr
+    assert "tiny (28,544 params), rank 0, 2 ranks" in out.stdout and len(out.stdout.splitlines()) == 6
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["plan"], "one of the arguments --params --model is required"),
+        (["plan", "--model", "nosuch"], "neither a GPT preset"),
+        (["plan", "--model", "tiny", "--grad-dtype", "fp16"], "--grad-dtype applies to --params only"),
+        (["plan", "--params", "10", "--optimizer", "lamb"], "argument --optimizer: invalid choice: 'lamb'"),
+        (["plan", "--model", "tiny", "--rank", "5", "-n", "2"], "rank 5 is outside a world of size 2"),
+    ],
+)
+def test_plan_bad_arguments_exit_nonzero_with_a_reason(args, reason):
+    out = _flatshard(*args, timeout=60)
+    assert out.returncode == 2
+    assert reason in out.stderr.strip().splitlines()[-1]
+
+
+def test_plan_help_lists_every_option():
+    out = _flatshard("plan", "--help", timeout=60)
+    assert out.returncode == 0
+    for option in (
+        "--params",
+        "--model",
+        "--world-size",
+        "--param-dtype",
+        "--grad-dtype",
+        "--optimizer",
+        "--json",
+    ):
+        assert option in out.stdout
