@@ -9,6 +9,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
@@ -117,6 +118,7 @@ def train_optimizer_side_by_side(
     sync_every_micro_batch: bool = False,
     overlap_param_gather: bool = True,
     model_cls=TiedGPT,
+    mesh_shape: tuple[int, int] | None = None,
 ) -> dict:
     """Train a flatshard DistributedOptimizer and torch DDP + the same torch optimizer on
     the same data; report loss, grad-norm and param differences at every step."""
@@ -124,6 +126,9 @@ def train_optimizer_side_by_side(
     torch.manual_seed(0)
     model = model_cls()
     reference = DDP(copy.deepcopy(model))
+    if mesh_shape is not None:
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
+        shard_kwargs = {**shard_kwargs, "group": mesh}
     ours = flatshard.shard(model, **shard_kwargs)
     ref_params = reference.module.parameters() if groups is None else groups(reference.module)
     opt_ref = optimizer_class(ref_params, **opt_kwargs)

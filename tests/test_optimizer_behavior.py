@@ -455,3 +455,35 @@ def _expert_case(stage: int) -> list[float]:
 def test_expert_params_step_over_their_group_and_count_once_in_the_norm(stage):
     for norm, expected in run_distributed(_expert_case, 4, stage):
         assert norm == pytest.approx(expected, rel=1e-6)
+
+
+# -- hybrid sharding -----------------------------------------------------------------------------
+def _hybrid_case() -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    torch.manual_seed(dist.get_rank())  # different on every rank: sync_module_states must fix it
+    model = flatshard.shard(TiedGPT(), stage=2, group=mesh, bucket_size=3000, sync_module_states=True)
+    DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    x, y = CORPUS.batch(0, dist.get_rank(), 4)
+    model(x, y).backward()
+    try:
+        flatshard.shard(TiedGPT(), stage=0, group=mesh)
+        stage0 = "accepted"
+    except ValueError as e:
+        stage0 = str(e)
+    return {
+        "params": torch.cat([p.detach().flatten() for p in model.parameters()]),
+        "layout_world": model.layouts["main"].world_size,
+        "stats": model.comm_stats.as_dict(),
+        "stage0": stage0,
+    }
+
+
+def test_hybrid_mesh_shards_over_rows_and_reduces_across_them():
+    results = run_distributed(_hybrid_case, 4)
+    for r in results:
+        assert torch.equal(r["params"], results[0]["params"]), "sync_module_states reaches every rank"
+        assert r["layout_world"] == 2
+        assert r["stats"]["all_reduce"]["calls"] == r["stats"]["reduce_scatter"]["calls"]
+        assert "needs stage >= 1" in r["stage0"]

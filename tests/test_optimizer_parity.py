@@ -95,3 +95,20 @@ def test_other_elementwise_optimizers(optimizer_class):
         opt_kwargs={"lr": 1e-2},
     )
     _check(result, params=1e-5)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)])
+@pytest.mark.parametrize("stage", [1, 2])
+def test_hybrid_sharding_over_a_2d_mesh(mesh_shape, stage):
+    """A (replicate, shard) mesh at 4 ranks: shards reduce-scattered within each row and
+    all-reduced across rows follow DDP over all 4 ranks."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        4,
+        {"stage": stage, "bucket_size": 2000},
+        **SGD,
+        groups=decay_groups,
+        clip=0.5,
+        mesh_shape=mesh_shape,
+    )
+    _check(result, params=1e-5)

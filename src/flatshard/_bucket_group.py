@@ -20,6 +20,8 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
   grad is copied in (not added), unused params are zeroed before the reduction, and
   ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
 
+With a replicate world (hybrid sharding), the shards are then all-reduced across it.
+
 In the sharded and scratch modes grads are scaled as they are accumulated
 (``main_grad += scale * grad``), so a shard that already holds a reduced sum is carried
 into the next reduction as it is, whatever the scale.
@@ -34,7 +36,7 @@ from torch import nn
 
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, Handle, all_reduce, reduce_scatter
-from flatshard._world import World
+from flatshard._world import ONE, World
 from flatshard.layout import BucketLayout
 
 
@@ -76,6 +78,7 @@ class BucketGroup:
         scale: float,
         stats: CommStats,
         pool: ScratchPool | None = None,
+        replicate: World = ONE,
     ) -> None:
         self.index = index
         self.buffer = buffer
@@ -93,6 +96,8 @@ class BucketGroup:
             buffer.grad_range(self.buckets[0], self.buckets[-1]) if buffer.full_grads else None
         )
         self.pool = pool or ScratchPool(0)
+        self.replicate = replicate
+        self._replicated = False
         self._slots = [slot for bucket in self.buckets for slot in bucket.params]
         ends = [self.start] + [slot.end for slot in self._slots]
         starts = [slot.start for slot in self._slots] + [self.buckets[-1].end]
@@ -175,13 +180,29 @@ class BucketGroup:
             own = self.grad[shard.start - self.start : shard.end - self.start]
             self._handles.append(reduce_scatter(tensor, own, self.world, stats=self.stats))
 
+    def replicate_shards(self) -> None:
+        """Hybrid sharding: once the reduce-scatter is done, all-reduce this rank's shards
+        over the replicate world (launched; ``finish_sync`` waits)."""
+        if self._handles is None or self._replicated or self.replicate.size == 1:
+            return
+        for handle in self._handles:
+            handle.wait()
+        self._handles = []
+        for bucket in self.buckets:
+            shard = self.buffer.shard_range(bucket)
+            own = self.grad[shard.start - self.start : shard.end - self.start]
+            self._handles.append(all_reduce(own, self.replicate, stats=self.stats))
+        self._replicated = True
+
     def finish_sync(self) -> None:
         """Wait for the reduction; fold stage-2 shards into the grad shards."""
         if self._handles is None:
             return
+        self.replicate_shards()
         for handle in self._handles:
             handle.wait()
         self._handles = None
+        self._replicated = False
         if not self.sharded:
             return
         if self.buffer.full_grads:

@@ -41,7 +41,7 @@ from torch import nn
 from flatshard._bucket_group import BucketGroup, ScratchPool
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, all_reduce
-from flatshard._world import World
+from flatshard._world import ONE, World
 from flatshard.layout import Layout
 
 MAX_SCRATCH_IN_FLIGHT = 2
@@ -52,12 +52,13 @@ MAX_SCRATCH_IN_FLIGHT = 2
 class BufferSet:
     """All flat buffers of one world (the main data-parallel group, or an expert group)."""
 
-    world: World
+    world: World  # the shard world: buckets are reduce-scattered and params gathered over it
     layout: Layout
     buffers: list[FlatBuffer]
     params: list[nn.Parameter]  # in layout-spec order (slot.index)
     names: list[str]
-    scale: float  # multiplier applied to grads before the sum over ``world``
+    scale: float  # multiplier applied to grads before the sum over ``world`` (and ``replicate``)
+    replicate: World = ONE  # hybrid sharding: shards are all-reduced over this world too
 
 
 def build_bucket_groups(
@@ -78,7 +79,7 @@ def build_bucket_groups(
     found.sort(key=lambda item: item[:2])
     pool = ScratchPool(MAX_SCRATCH_IN_FLIGHT + 1)
     return [
-        BucketGroup(i, buffer, chunk, params, names, bset.world, bset.scale, stats, pool)
+        BucketGroup(i, buffer, chunk, params, names, bset.world, bset.scale, stats, pool, bset.replicate)
         for i, (_, _, bset, buffer, chunk, params, names) in enumerate(found)
     ]
 
@@ -255,6 +256,8 @@ class GradSync:
         for param in self._fired:  # nobody reads a grad before backward returns
             param.grad = param.main_grad
         usage = self._exchange_usage() if self.find_unused_parameters else None
+        for group in self.groups[self._done :]:
+            group.replicate_shards()  # start every cross-replica reduction before waiting on any
         for group in self.groups[self._done :]:
             self._finish_group(group)
         self._done = len(self.groups)

@@ -26,6 +26,24 @@ class World:
         return f"world(rank {self.rank} of {self.size}, {self.backend})"
 
 
+ONE = World(None, 0, 1)
+
+
+def resolve_worlds(group: object = None) -> tuple[World, World]:
+    """``(shard world, replicate world)`` of ``group``: a 2-D DeviceMesh is (replicate,
+    shard), as in FSDP2's hybrid sharding; anything else shards over ``resolve_world(group)``
+    and replicates over a world of one."""
+    mesh_type = _device_mesh_type()
+    if mesh_type is not None and isinstance(group, mesh_type) and group.ndim == 2:
+        return _of_group(group.get_group(1)), _of_group(group.get_group(0))
+    return resolve_world(group), ONE
+
+
+def _of_group(group: ProcessGroup) -> World:
+    size = dist.get_world_size(group)
+    return ONE if size == 1 else World(group, dist.get_rank(group), size)
+
+
 def resolve_world(group: object = None) -> World:
     """Turn ``group`` (a ProcessGroup, a 1-D DeviceMesh or None) into a ``World``.
 
@@ -33,7 +51,7 @@ def resolve_world(group: object = None) -> World:
     """
     if group is None:
         if not (dist.is_available() and dist.is_initialized()):
-            return World(None, 0, 1)
+            return ONE
         group = dist.group.WORLD
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(group, mesh_type):
@@ -45,10 +63,7 @@ def resolve_world(group: object = None) -> World:
         group = group.get_group()
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
-    size = dist.get_world_size(group)
-    if size == 1:
-        return World(None, 0, 1)
-    return World(group, dist.get_rank(group), size)
+    return _of_group(group)
 
 
 def _device_mesh_type() -> type | None:

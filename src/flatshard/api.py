@@ -17,7 +17,7 @@ from flatshard._collectives import CommStats, broadcast
 from flatshard._grad_sync import BufferSet, GradSync, build_bucket_groups
 from flatshard._param_gather import ParamGather
 from flatshard._sharded_module import ShardedModule, ShardState, make_sharded
-from flatshard._world import World, check_ranks_agree, resolve_world
+from flatshard._world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
 from flatshard.layout import ParamSpec, plan_layout
 
 DEFAULT_BUCKET_SIZE = 2**22
@@ -62,13 +62,16 @@ def shard(
             1 shards the optimizer state (use ``flatshard.DistributedOptimizer``); 2 also
             keeps grads only as this rank's shards between backwards.
         group: a ProcessGroup or a 1-D DeviceMesh (default: the default group, or a world of
-            one when torch.distributed is not initialized).
+            one when torch.distributed is not initialized); at stages >= 1 also a 2-D
+            DeviceMesh (replicate, shard): hybrid sharding, where buckets are sharded over
+            the inner dimension and each shard's grads are all-reduced over the outer one.
         bucket_size: elements per bucket (a bucket closes once it holds at least this
             many); None for one bucket per buffer.
         buckets_per_group: buckets reduced by one collective; None puts all of a buffer's
             buckets in one group.
         grad_scale: factor applied to grads before the sum over ranks; None averages
-            (``1 / world size``); e.g. 1.0 for a loss already summed over tokens.
+            (``1 / world size``, all ranks of a 2-D mesh); e.g. 1.0 for a loss already
+            summed over tokens.
         expert: params that reduce over another group (see ``ExpertGroup``).
         find_unused_parameters: as in DDP: a param that got no grad on any rank keeps
             ``grad=None`` (one extra small all-reduce per step); otherwise its grad is zero.
@@ -76,23 +79,33 @@ def shard(
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
     """
     _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale)
-    world = resolve_world(group)
+    world, replicate = resolve_worlds(group)
+    if replicate.size > 1 and stage == 0:
+        raise ValueError(
+            "group: a 2-D (replicate x shard) mesh is hybrid sharding, which needs stage >= 1; "
+            "got stage 0 (pass the flattened group for plain data parallelism)"
+        )
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
     _check_devices(named)
     tied = _tied_params(module)
-    parts = _split_worlds(named, world, grad_scale, expert)
+    parts = _split_worlds(named, world, replicate, grad_scale, expert)
     config = (
         f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
         f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters}"
     )
     sets = {}
-    for key, part_world, part, scale in parts:
-        check_ranks_agree(part_world, [config, *_describe(part, key)], f"the {key} params")
+    for key, part_world, part_replicate, part, scale in parts:
+        for w in (part_world, part_replicate):
+            check_ranks_agree(w, [config, *_describe(part, key)], f"the {key} params")
         sets[key] = _build_set(part_world, part, tied, stage, bucket_size, pad_for_high_busbw, scale)
+        sets[key].replicate = part_replicate
+        if scale is None:
+            sets[key].scale = 1.0 / (part_world.size * part_replicate.size)
     if sync_module_states:
-        _broadcast_states(module, world, list(sets.values()))
+        for w in (world, replicate):  # shard rows first, then across them: all from rank 0
+            _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
     return _assemble(module, stage, sets, buckets_per_group, find_unused_parameters)
 
 
@@ -114,17 +127,18 @@ def _assemble(module, stage, sets, buckets_per_group, find_unused_parameters) ->
     return sharded
 
 
-def _split_worlds(named, world: World, grad_scale, expert: ExpertGroup | None):
-    """(key, world, named params, grad scale) of the main params and the expert params."""
-    parts: list[tuple[str, World, list[tuple[str, nn.Parameter]], float | None]] = []
+def _split_worlds(named, world: World, replicate: World, grad_scale, expert: ExpertGroup | None):
+    """(key, shard world, replicate world, named params, grad scale) of the main params and
+    the expert params."""
+    parts: list[tuple[str, World, World, list[tuple[str, nn.Parameter]], float | None]] = []
     if expert is not None:
         is_expert = [bool(expert.match(n, p)) for n, p in named]
         chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
         named = [np for np, e in zip(named, is_expert, strict=True) if not e]
         if chosen:
-            parts.append(("expert", resolve_world(expert.group), chosen, expert.grad_scale))
+            parts.append(("expert", resolve_world(expert.group), ONE, chosen, expert.grad_scale))
     if named:
-        parts.insert(0, ("main", world, named, grad_scale))
+        parts.insert(0, ("main", world, replicate, named, grad_scale))
     return parts
 
 
@@ -210,12 +224,18 @@ def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale
     )
 
 
-def _broadcast_states(module: nn.Module, world: World, sets: list[BufferSet]) -> None:
+def _broadcast_states(
+    module: nn.Module, world: World, sets: list[BufferSet], *, buffers_over_world: bool = False
+) -> None:
     """Copy rank 0's values everywhere: each flat buffer (one broadcast) over its own world,
     so expert params come from their expert group's rank 0 and experts stay distinct; the
-    remaining params and the module's buffers over ``world``."""
+    remaining params and the module's buffers over ``world``. ``buffers_over_world``: the
+    flat buffers of sets that replicate over ``world`` go over ``world`` instead."""
     in_buffers = {id(p) for s in sets for p in s.params}
-    pairs = [(b.param_data, s.world) for s in sets for b in s.buffers]
+    if buffers_over_world:
+        pairs = [(b.param_data, world) for s in sets if s.replicate is world for b in s.buffers]
+    else:
+        pairs = [(b.param_data, s.world) for s in sets for b in s.buffers]
     pairs += [(p.data, world) for p in module.parameters() if id(p) not in in_buffers]
     pairs += [(t, world) for t in module.buffers()]
     handles = [broadcast(t, w) for t, w in pairs]
