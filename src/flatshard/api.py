@@ -99,10 +99,9 @@ def shard(
     for key, part_world, part_replicate, part, scale in parts:
         for w in (part_world, part_replicate):
             check_ranks_agree(w, [config, *_describe(part, key)], f"the {key} params")
-        sets[key] = _build_set(part_world, part, tied, stage, bucket_size, pad_for_high_busbw, scale)
-        sets[key].replicate = part_replicate
-        if scale is None:
-            sets[key].scale = 1.0 / (part_world.size * part_replicate.size)
+        sets[key] = _build_set(
+            part_world, part_replicate, part, tied, stage, bucket_size, pad_for_high_busbw, scale
+        )
     if sync_module_states:
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
@@ -199,7 +198,7 @@ def model_specs(module: nn.Module) -> list[ParamSpec]:
     return param_specs(named, _tied_params(module))
 
 
-def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale) -> BufferSet:
+def _build_set(world, replicate, named, tied, stage, bucket_size, pad_for_high_busbw, scale) -> BufferSet:
     specs = param_specs(named, tied)
     layout = plan_layout(
         specs,
@@ -220,7 +219,8 @@ def _build_set(world, named, tied, stage, bucket_size, pad_for_high_busbw, scale
         buffers,
         params,
         [n for n, _ in named],
-        1.0 / world.size if scale is None else scale,
+        1.0 / (world.size * replicate.size) if scale is None else scale,
+        replicate,
     )
 
 
