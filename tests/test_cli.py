@@ -34,6 +34,11 @@ def test_train_starts_its_ranks_and_the_loss_falls():
         (["train", "--model", "huge"], "argument --model: invalid choice: 'huge'"),
         (["train", "--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
+        (["plan"], "one of the arguments --params --model is required"),
+        (["plan", "--model", "nosuch"], "neither a GPT preset"),
+        (["plan", "--model", "tiny", "--grad-dtype", "fp16"], "--grad-dtype applies to --params only"),
+        (["plan", "--params", "10", "--optimizer", "lamb"], "argument --optimizer: invalid choice: 'lamb'"),
+        (["plan", "--model", "tiny", "--rank", "5", "-n", "2"], "rank 5 is outside a world of size 2"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
