@@ -112,3 +112,19 @@ def test_hybrid_sharding_over_a_2d_mesh(mesh_shape, stage):
         mesh_shape=mesh_shape,
     )
     _check(result, params=1e-5)
+
+
+@pytest.mark.parametrize(
+    "layout_kwargs", [{"buckets_per_group": 3}, {"buckets_per_group": None}, {"pad_for_high_busbw": True}]
+)
+@pytest.mark.parametrize("stage", [1, 2])
+def test_coalesced_groups_and_high_busbw_padding(stage, layout_kwargs):
+    """Several buckets reduced as one group (and 2**16 padding) at 3 ranks."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        3,
+        {"stage": stage, "bucket_size": 1000, **layout_kwargs},
+        **SGD,
+        clip=0.5,
+    )
+    _check(result, params=1e-5)
