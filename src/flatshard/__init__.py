@@ -6,6 +6,7 @@ from flatshard.api import ExpertGroup, shard
 from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.memory import MemoryReport, memory_report
+from flatshard.mixed_precision import MixedPrecision
 from flatshard.optimizer import DistributedOptimizer
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "ExpertGroup",
     "Layout",
     "MemoryReport",
+    "MixedPrecision",
     "ParamSpec",
     "ShardedModule",
     "StaticLossScaler",

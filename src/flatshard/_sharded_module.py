@@ -7,6 +7,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from flatshard._collectives import CommStats
@@ -25,6 +26,12 @@ class ShardState:
     stats: CommStats
     param_gather: ParamGather | None = None  # stages 1 and 2
     optimizer: object | None = None  # the DistributedOptimizer built over this module
+    originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
+
+    def take_originals(self) -> dict[str, torch.Tensor]:
+        """The pre-cast fp32 values (once: they are dropped after)."""
+        originals, self.originals = self.originals or {}, None
+        return originals
 
     def wait_for_params(self) -> None:
         """Wait for every param all-gather still in flight after a step."""

@@ -19,6 +19,7 @@ from flatshard._param_gather import ParamGather
 from flatshard._sharded_module import ShardedModule, ShardState, make_sharded
 from flatshard._world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
 from flatshard.layout import ParamSpec, plan_layout
+from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per bucket by default (16 MiB of fp32 grads)."""
@@ -50,6 +51,7 @@ def shard(
     find_unused_parameters: bool = False,
     sync_module_states: bool = False,
     pad_for_high_busbw: bool = False,
+    mixed_precision: MixedPrecision | None = None,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -77,6 +79,7 @@ def shard(
             ``grad=None`` (one extra small all-reduce per step); otherwise its grad is zero.
         sync_module_states: start from rank 0's params and buffers.
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
+        mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
     """
     _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale)
     world, replicate = resolve_worlds(group)
@@ -85,6 +88,8 @@ def shard(
             "group: a 2-D (replicate x shard) mesh is hybrid sharding, which needs stage >= 1; "
             "got stage 0 (pass the flattened group for plain data parallelism)"
         )
+    mp = mixed_precision or MixedPrecision()
+    originals = cast_params(module, mp.param_dtype) if mp.param_dtype is not None else {}
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
@@ -93,7 +98,7 @@ def shard(
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     config = (
         f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
-        f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters}"
+        f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters} {mp}"
     )
     sets = {}
     for key, part_world, part_replicate, part, scale in parts:
@@ -105,7 +110,37 @@ def shard(
     if sync_module_states:
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
-    return _assemble(module, stage, sets, buckets_per_group, find_unused_parameters)
+        _broadcast_originals(originals, list(sets.values()))
+    sharded = _assemble(module, stage, sets, buckets_per_group, find_unused_parameters)
+    sharded.flatshard_state.originals = originals or None
+    if mp.param_dtype is not None:
+        sharded.register_forward_pre_hook(
+            _mixed_precision_hook(sharded.flatshard_state, mp), with_kwargs=True
+        )
+    return sharded
+
+
+def _mixed_precision_hook(state: ShardState, mp: MixedPrecision):
+    """Cast floating inputs; drop the fp32 originals once the model runs (an optimizer built
+    later starts from the 16-bit values)."""
+    cast = input_cast_hook(mp.param_dtype) if mp.cast_forward_inputs and mp.param_dtype else None
+
+    def hook(module: nn.Module, args: tuple, kwargs: dict):
+        state.originals = None
+        return cast(module, args, kwargs) if cast is not None else None
+
+    return hook
+
+
+def _broadcast_originals(originals: dict[str, torch.Tensor], sets: list[BufferSet]) -> None:
+    """Rank 0's pre-cast values, over the worlds of each param's buffer set."""
+    handles = []
+    for bset in sets:
+        for name in bset.names:
+            if name in originals:
+                handles += [broadcast(originals[name], w) for w in (bset.world, bset.replicate)]
+    for h in handles:
+        h.wait()
 
 
 def _assemble(module, stage, sets, buckets_per_group, find_unused_parameters) -> ShardedModule:

@@ -75,6 +75,21 @@ class _BufferShards:
                 frame = self.buffer.frame_range(bucket)
                 self.main_data[frame.start : frame.end].copy_(self.buffer.param_shard(bucket))
 
+    def load_main_from_originals(self, originals: dict[str, torch.Tensor]) -> None:
+        """Seed main params with pre-cast fp32 values (see ``MixedPrecision``), piece by
+        piece: once, at construction."""
+        if self.main_data is None or not originals:
+            return
+        for bucket in self.buckets:
+            frame = self.buffer.frame_range(bucket)
+            for piece in bucket.local_ranges(self.buffer.rank):
+                original = originals.get(piece.name)
+                if original is not None:
+                    lo, hi = piece.in_shard
+                    self.main_data[frame.start + lo : frame.start + hi].copy_(
+                        original.reshape(-1)[slice(*piece.in_param)]
+                    )
+
     def store_main_to_params(self) -> None:
         if self.main_data is not None:
             for bucket in self.buckets:
@@ -145,6 +160,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for bset in state.sets.values()
             for buffer in bset.buffers
         ]
+        originals = state.take_originals()
+        for shards in self._shards:
+            shards.load_main_from_originals(originals)
         inner_groups = [{**hyper, "params": []} for hyper in groups]
         for shards in self._shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):

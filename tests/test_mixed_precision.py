@@ -1,0 +1,123 @@
+"""``MixedPrecision(param_dtype=...)``: params stored and computed in 16 bits, fp32 main
+params seeded with the original fp32 values, floating inputs cast."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatshard
+from _parity import CFG, TiedGPT
+from flatshard import DistributedOptimizer, MixedPrecision
+from flatshard.data import SyntheticCorpus
+from flatshard.testing import run_distributed
+
+CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+BF16 = MixedPrecision(param_dtype=torch.bfloat16)
+
+
+def _policy_case(stage: int, steps: int) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TiedGPT()
+    reference = DDP(copy.deepcopy(model))
+    fp32_values = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    ours = flatshard.shard(model, stage=stage, bucket_size=3000, mixed_precision=BF16)
+    dtypes = {p.dtype for p in ours.parameters()}
+    kwargs = {"lr": 3e-3, "weight_decay": 0.1}
+    opt = DistributedOptimizer(ours, torch.optim.AdamW, **kwargs)
+    # main params hold the fp32 originals exactly, not their bf16 rounding
+    main = torch.cat([t.detach().flatten() for t in opt.inner.param_groups[0]["params"]])
+    seeded = _main_matches(ours, opt, fp32_values)
+    opt_ref = torch.optim.AdamW(reference.parameters(), **kwargs)
+    loss_diffs = []
+    for step in range(steps):
+        x, y = CORPUS.batch(step, rank, 8)
+        loss, loss_ref = ours(x, y), reference(x, y)
+        for value, optimizer in ((loss, opt), (loss_ref, opt_ref)):
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        loss_diffs.append(abs(loss.item() - loss_ref.item()) / loss_ref.item())
+    return {"dtypes": dtypes, "seeded": seeded, "loss_diffs": loss_diffs, "main_numel": main.numel()}
+
+
+def _main_matches(model, opt, fp32_values) -> bool:
+    """Every element of this rank's main params equals the fp32 value it was cast from."""
+    state = model.flatshard_state
+    for shards in opt._shards:
+        buffer = shards.buffer
+        for bucket in buffer.layout.buckets:
+            frame = buffer.frame_range(bucket)
+            for piece in bucket.local_ranges(buffer.rank):
+                lo, hi = piece.in_shard
+                got = shards.main_data[frame.start + lo : frame.start + hi]
+                want = fp32_values[piece.name].reshape(-1)[slice(*piece.in_param)]
+                if not torch.equal(got, want):
+                    return False
+    return state.originals is None  # dropped once used
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_param_dtype_policy_seeds_main_params_with_fp32_values_and_tracks_fp32(stage):
+    for r in run_distributed(_policy_case, 2, stage, 12):
+        assert r["dtypes"] == {torch.bfloat16}, "trainable and frozen params are cast"
+        assert r["seeded"]
+        assert max(r["loss_diffs"]) < 2e-3, r["loss_diffs"]
+
+
+class FloatInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x, *, scale):
+        return (self.lin(x) * scale).float().sum()
+
+
+def test_floating_inputs_are_cast_and_frozen_params_too():
+    torch.manual_seed(0)
+    model = FloatInput()
+    model.lin.bias.requires_grad_(False)
+    ours = flatshard.shard(model, mixed_precision=BF16)
+    assert ours.lin.weight.dtype == ours.lin.bias.dtype == torch.bfloat16
+    out = ours(torch.randn(2, 4), scale=torch.tensor(2.0))  # fp32 input and kwarg
+    out.backward()
+    assert ours.lin.weight.main_grad.dtype == torch.float32
+    with pytest.raises(RuntimeError):  # without the cast the fp32 input meets bf16 weights
+        flatshard.shard(
+            FloatInput(), mixed_precision=MixedPrecision(torch.bfloat16, cast_forward_inputs=False)
+        )(torch.randn(2, 4), scale=1.0)
+    with pytest.raises(ValueError, match=r"floating torch\.dtype"):
+        MixedPrecision(param_dtype=torch.int8)
+
+
+def _sync_case() -> dict:
+    torch.manual_seed(dist.get_rank())  # different originals on every rank
+    model = TiedGPT()
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    ours = flatshard.shard(model, stage=1, sync_module_states=True, mixed_precision=BF16)
+    opt = DistributedOptimizer(ours, torch.optim.SGD, lr=0.1)
+    pieces = []
+    for shards in opt._shards:
+        buffer = shards.buffer
+        for bucket in buffer.layout.buckets:
+            frame = buffer.frame_range(bucket)
+            for piece in bucket.local_ranges(buffer.rank):
+                lo, hi = piece.in_shard
+                pieces.append(
+                    (piece.name, tuple(piece.in_param), shards.main_data[frame.start + lo : frame.start + hi])
+                )
+    return {"values": values, "pieces": pieces}
+
+
+def test_sync_module_states_takes_the_fp32_originals_from_rank_0_too():
+    results = run_distributed(_sync_case, 2)
+    truth = results[0]["values"]
+    assert not torch.equal(truth["wte.weight"], results[1]["values"]["wte.weight"])
+    for r in results:
+        assert r["pieces"]
+        for name, (lo, hi), main in r["pieces"]:
+            assert torch.equal(main, truth[name].reshape(-1)[lo:hi]), name
