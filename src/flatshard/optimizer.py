@@ -30,7 +30,7 @@ import hashlib
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,6 +43,7 @@ from flatshard._shard_map import Run, plan_runs
 from flatshard._sharded_module import ShardedModule, ShardState
 from flatshard._world import World
 from flatshard.api import HALF_DTYPES
+from flatshard.layout import ShardRanges
 from flatshard.loss_scale import StaticLossScaler, make_loss_scaler
 
 _NOT_ELEMENTWISE = tuple(
@@ -75,20 +76,23 @@ class _BufferShards:
                 frame = self.buffer.frame_range(bucket)
                 self.main_data[frame.start : frame.end].copy_(self.buffer.param_shard(bucket))
 
+    def main_pieces(self) -> Iterator[tuple[ShardRanges, torch.Tensor]]:
+        """Each param piece of this rank's shards with its view of the main params."""
+        for bucket in self.buckets:
+            frame = self.buffer.frame_range(bucket)
+            for piece in bucket.local_ranges(self.buffer.rank):
+                lo, hi = piece.in_shard
+                yield piece, self.main_data[frame.start + lo : frame.start + hi]
+
     def load_main_from_originals(self, originals: dict[str, torch.Tensor]) -> None:
         """Seed main params with pre-cast fp32 values (see ``MixedPrecision``), piece by
         piece: once, at construction."""
         if self.main_data is None or not originals:
             return
-        for bucket in self.buckets:
-            frame = self.buffer.frame_range(bucket)
-            for piece in bucket.local_ranges(self.buffer.rank):
-                original = originals.get(piece.name)
-                if original is not None:
-                    lo, hi = piece.in_shard
-                    self.main_data[frame.start + lo : frame.start + hi].copy_(
-                        original.reshape(-1)[slice(*piece.in_param)]
-                    )
+        for piece, main in self.main_pieces():
+            original = originals.get(piece.name)
+            if original is not None:
+                main.copy_(original.reshape(-1)[slice(*piece.in_param)])
 
     def store_main_to_params(self) -> None:
         if self.main_data is not None:
