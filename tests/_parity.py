@@ -158,11 +158,16 @@ def train_optimizer_side_by_side(
         opt.zero_grad()
         for sched in scheds:
             sched.step()
-        ours.wait_for_params()
         out["param_diffs"].append(
             max(
                 max_rel_diff(p, q)
-                for p, q in zip(ours.parameters(), reference.module.parameters(), strict=True)
+                for p, q in zip(full_params(ours), reference.module.parameters(), strict=True)
             )
         )
     return out
+
+
+def full_params(model: nn.Module) -> list[torch.Tensor]:
+    """Copies of every param's full value, at any stage (stage 3 gathers them)."""
+    with model.summon_full_params(writeback=False):
+        return [p.detach().clone() for p in model.parameters()]

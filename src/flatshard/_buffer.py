@@ -12,6 +12,13 @@ scratch while a backward runs (see [Note: sharded grads]) and, between backwards
 this rank's shards, concatenated bucket after bucket in ``grad_shard_data``. That
 concatenation is the buffer's *shard frame*: ``frame_range(bucket)`` is where a bucket's
 shard sits in it, and the optimizer's fp32 main params use the same frame.
+
+With ``sharded_params=True`` (stage 3) params are kept as shards too: ``param_shard_data``
+holds this rank's shard of every bucket in the same frame, and each bucket has a full-size
+tensor whose storage is allocated only while its unit is gathered ([Note: unsharding] in
+``_unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
+sharded, a *placeholder*: a NaN that is expanded to the param's shape (one element of
+memory, the right shape for ``named_parameters()``, NaN if read, an error if written).
 """
 
 from __future__ import annotations
@@ -28,12 +35,19 @@ class FlatBuffer:
     """The tensors behind one ``BufferLayout``, as seen from ``rank``."""
 
     def __init__(
-        self, layout: BufferLayout, device: torch.device, *, rank: int = 0, full_grads: bool = True
+        self,
+        layout: BufferLayout,
+        device: torch.device,
+        *,
+        rank: int = 0,
+        full_grads: bool = True,
+        sharded_params: bool = False,
     ) -> None:
         self.layout = layout
         self.rank = rank
         self.device = torch.device(device)
-        self.param_data = torch.zeros(layout.numel, dtype=layout.dtype, device=device)  # 1D
+        self.param_data: torch.Tensor | None = None  # 1D, whole buffer (stages 0-2)
+        self.param_shard_data: torch.Tensor | None = None  # 1D, shard frame (stage 3)
         self.grad_data: torch.Tensor | None = None  # 1D, whole buffer (stages 0 and 1)
         self.grad_shard_data: torch.Tensor | None = None  # 1D, shard frame (stage 2)
         starts, offset = [], 0
@@ -42,6 +56,14 @@ class FlatBuffer:
             offset += bucket.shard_range(rank).size
         self._frame_starts = starts
         self.frame_numel = offset
+        self._full: list[torch.Tensor] = []  # stage 3: one full tensor per bucket
+        self._views: dict[int, torch.Tensor] = {}  # stage 3: slot index -> view into _full
+        if sharded_params:
+            self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
+            self._full = [torch.empty(b.numel, dtype=layout.dtype, device=device) for b in layout.buckets]
+            self.placeholder = torch.full((1,), float("nan"), dtype=layout.dtype, device=device)
+        else:
+            self.param_data = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
         if full_grads:
             self.grad_data = torch.zeros(layout.numel, dtype=layout.grad_dtype, device=device)
         else:
@@ -60,6 +82,9 @@ class FlatBuffer:
                         f"param {slot.name!r} ({param.numel()} elements, {param.dtype}) does not match "
                         f"its layout slot ({slot.numel} elements, {self.layout.dtype})"
                     )
+                if self.param_shard_data is not None:
+                    self._bind_sharded(slot, param)
+                    continue
                 view = self.param_data[slot.start : slot.end].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
@@ -70,6 +95,59 @@ class FlatBuffer:
                 if param.grad is not None:
                     grad_view.copy_(param.grad)
                 param.main_grad = grad_view
+
+    def _bind_sharded(self, slot, param: nn.Parameter) -> None:
+        """Stage 3: keep this rank's pieces of ``param`` in the shard frame; ``.data`` becomes
+        the placeholder (a meta param keeps no values: it is initialized unit by unit)."""
+        bucket = self.layout.buckets[slot.bucket]
+        full = self._full[slot.bucket]
+        self._views[slot.index] = full[slot.start - bucket.start : slot.end - bucket.start].view(param.shape)
+        if not param.is_meta:
+            self.load_param(slot, param)
+        if param.grad is not None:
+            raise ValueError(f"param {slot.name!r} has a .grad; call zero_grad(set_to_none=True) before stage 3")
+        param.main_grad = None
+        if not param.is_meta:
+            param.data = self.placeholder.expand(param.shape)
+
+    def load_param(self, slot, values: torch.Tensor) -> None:
+        """Copy this rank's pieces of a full param's ``values`` into the shard frame."""
+        bucket = self.layout.buckets[slot.bucket]
+        frame = self.frame_range(bucket)
+        flat = values.detach().reshape(-1)
+        for piece in bucket.local_ranges(self.rank):
+            if piece.name == slot.name:
+                lo, hi = piece.in_shard
+                self.param_shard_data[frame.start + lo : frame.start + hi].copy_(flat[slice(*piece.in_param)])
+
+    # -- stage 3: full buckets ---------------------------------------------------------------
+    def full_bucket(self, bucket: BucketLayout) -> torch.Tensor:
+        """The bucket's full-size tensor (stage 3; its storage is empty while sharded)."""
+        return self._full[bucket.index]
+
+    def allocate_full(self, bucket: BucketLayout) -> torch.Tensor:
+        full = self._full[bucket.index]
+        storage = full.untyped_storage()
+        nbytes = full.numel() * full.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        return full
+
+    def free_full(self, bucket: BucketLayout) -> None:
+        self._full[bucket.index].untyped_storage().resize_(0)
+
+    def full_allocated(self, bucket: BucketLayout) -> bool:
+        return self._full[bucket.index].untyped_storage().nbytes() > 0
+
+    def point_params(self, bucket: BucketLayout, params: Sequence[nn.Parameter], *, full: bool) -> None:
+        """Point the bucket's params at their views of the full bucket, or at the placeholder."""
+        for slot in bucket.params:
+            param = params[slot.index]
+            param.data = self._views[slot.index] if full else self.placeholder.expand(param.shape)
+
+    def param_storage(self) -> torch.Tensor:
+        """The tensor that holds this buffer's params between uses."""
+        return self.param_data if self.param_data is not None else self.param_shard_data
 
     @property
     def full_grads(self) -> bool:
@@ -82,6 +160,8 @@ class FlatBuffer:
         return self.grad_data[first.start : last.end]
 
     def param_range(self, first: BucketLayout, last: BucketLayout) -> torch.Tensor:
+        if self.param_data is None:
+            raise RuntimeError("this buffer keeps only param shards (stage 3): there is no full param range")
         return self.param_data[first.start : last.end]
 
     # -- this rank's shards ----------------------------------------------------------------
@@ -95,7 +175,11 @@ class FlatBuffer:
         return Range(start, start + bucket.shard_range(self.rank).size)
 
     def param_shard(self, bucket: BucketLayout) -> torch.Tensor:
-        """This rank's shard of ``bucket``'s params (a view of ``param_data``)."""
+        """This rank's shard of ``bucket``'s params (a view of ``param_data``, or at stage 3
+        of ``param_shard_data``)."""
+        if self.param_data is None:
+            frame = self.frame_range(bucket)
+            return self.param_shard_data[frame.start : frame.end]
         shard = self.shard_range(bucket)
         return self.param_data[shard.start : shard.end]
 

@@ -6,13 +6,17 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _IncompatibleKeys
 
 from flatshard._collectives import CommStats
 from flatshard._grad_sync import BufferSet, GradSync
+from flatshard._full_params import full_state_dict, load_full_state_dict, summon
 from flatshard._param_gather import ParamGather
+from flatshard._unshard import Unsharder
 from flatshard.layout import Layout
 
 
@@ -27,6 +31,7 @@ class ShardState:
     param_gather: ParamGather | None = None  # stages 1 and 2
     optimizer: object | None = None  # the DistributedOptimizer built over this module
     originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
+    unsharder: Unsharder | None = None  # stage 3
 
     def take_originals(self) -> dict[str, torch.Tensor]:
         """The pre-cast fp32 values (once: they are dropped after)."""
@@ -34,9 +39,12 @@ class ShardState:
         return originals
 
     def wait_for_params(self) -> None:
-        """Wait for every param all-gather still in flight after a step."""
+        """Wait for every param all-gather still in flight after a step; at stage 3, free
+        every unit (so a step never leaves a stale full copy)."""
         if self.param_gather is not None:
             self.param_gather.wait_all()
+        if self.unsharder is not None:
+            self.unsharder.settle()
 
 
 class ShardedModule(nn.Module):
@@ -89,14 +97,49 @@ class ShardedModule(nn.Module):
         self._flatshard.wait_for_params()
 
     def state_dict(self, *args, **kwargs):
+        if self._flatshard.stage == 3:
+            raise RuntimeError(
+                "at stage 3 each rank holds only shards of the params: use model.full_state_dict() "
+                "(every rank calls it; rank 0 gets a CPU state dict) or summon_full_params()"
+            )
         self._flatshard.wait_for_params()
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load a full state dict (at stage 3 every rank passes it and keeps its shards).
+        Call ``optimizer.reload_model_params()`` after loading weights into a model whose
+        optimizer keeps fp32 main params."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the flat buffers' views")
+        if self._flatshard.stage == 3:
+            plain = partial(nn.Module.state_dict, self)
+            load = partial(nn.Module.load_state_dict, self)
+            missing, unexpected = load_full_state_dict(self._flatshard, state_dict, strict, plain, load)
+            return _IncompatibleKeys(missing, unexpected)
         self._flatshard.wait_for_params()
         return super().load_state_dict(state_dict, strict=strict)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """A plain state dict on rank 0 (CPU tensors; other ranks get ``{}``), gathered one
+        unit at a time at stage 3; every rank must call it."""
+        if self._flatshard.stage != 3:
+            self._flatshard.wait_for_params()
+            rank = next(iter(self._flatshard.sets.values())).world.rank
+            return {k: v.detach().to("cpu", copy=True) for k, v in super().state_dict().items()} if rank == 0 else {}
+        return full_state_dict(self._flatshard, partial(nn.Module.state_dict, self))
+
+    @contextmanager
+    def summon_full_params(
+        self, writeback: bool = True, rank0_only: bool = False, with_grads: bool = False
+    ) -> Iterator[None]:
+        """Full params inside the block ([Note: full params] in ``_full_params.py``); every rank
+        must enter it. Below stage 3 params are always full and this only waits for gathers."""
+        if self._flatshard.stage != 3:
+            self._flatshard.wait_for_params()
+            yield
+            return
+        with summon(self._flatshard, writeback=writeback, rank0_only=rank0_only, with_grads=with_grads):
+            yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

@@ -17,13 +17,21 @@ from flatshard._collectives import CommStats, broadcast
 from flatshard._grad_sync import BufferSet, GradSync, build_bucket_groups
 from flatshard._param_gather import ParamGather
 from flatshard._sharded_module import ShardedModule, ShardState, make_sharded
+from flatshard._stage3 import (
+    broadcast_values,
+    build_unsharder,
+    initialize_units,
+    is_meta_model,
+    replace_meta_params,
+)
+from flatshard._units import UnitSpec, assign_params, find_units
 from flatshard._world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
 from flatshard.layout import ParamSpec, plan_layout
 from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per bucket by default (16 MiB of fp32 grads)."""
-IMPLEMENTED_STAGES = (0, 1, 2)
+IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -52,6 +60,13 @@ def shard(
     sync_module_states: bool = False,
     pad_for_high_busbw: bool = False,
     mixed_precision: MixedPrecision | None = None,
+    units: UnitSpec = None,
+    reshard_after_forward: bool = True,
+    forward_prefetch: int = 1,
+    backward_prefetch: str | None = "pre",
+    limit_all_gathers: int = 2,
+    device: torch.device | str | None = None,
+    param_init_fn: Callable[[nn.Module], None] | None = None,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -80,6 +95,21 @@ def shard(
         sync_module_states: start from rank 0's params and buffers.
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
         mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
+
+    Stage 3 only (see [Note: unsharding] in ``_unshard.py``):
+        units: module classes, or a predicate ``(qualified_name, module) -> bool``, that pick
+            the units gathered and freed together; default: the children of every
+            ``nn.ModuleList``. The root is a unit too and owns every other param.
+        reshard_after_forward: free a unit's params after its forward (False: keep them
+            until its backward is done, trading memory for one gather per unit).
+        forward_prefetch: units whose gathers start ahead of the forward (0: none).
+        backward_prefetch: "pre" (start the next unit's gather when a unit's backward
+            starts), "post" (when it ends) or None.
+        limit_all_gathers: prefetches start only while fewer gathers are in flight.
+        device: where a model built on the ``meta`` device is materialized (default: the
+            current CUDA device if there is one, else the CPU), unit by unit.
+        param_init_fn: initializes each module of a meta model (default: its own
+            ``reset_parameters()``).
     """
     _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale)
     world, replicate = resolve_worlds(group)
@@ -89,30 +119,57 @@ def shard(
             "got stage 0 (pass the flattened group for plain data parallelism)"
         )
     mp = mixed_precision or MixedPrecision()
-    originals = cast_params(module, mp.param_dtype) if mp.param_dtype is not None else {}
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
+    meta = is_meta_model(named)
+    if meta:
+        if stage != 3:
+            raise ValueError(f"a model on the meta device is materialized unit by unit at stage 3; got stage {stage}")
+        device = _default_device() if device is None else torch.device(device)
+        replace_meta_params(module, device)
+    originals = cast_params(module, mp.param_dtype) if mp.param_dtype is not None and not meta else {}
+    if meta and mp.param_dtype is not None:
+        cast_params(module, mp.param_dtype)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     _check_devices(named)
     tied = _tied_params(module)
+    unit_list = find_units(module, units) if stage == 3 else []
+    unit_of = assign_params(module, unit_list) if stage == 3 else {}
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     config = (
         f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
-        f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters} {mp}"
+        f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters} {mp} "
+        f"units={[u.name for u in unit_list]} reshard_after_forward={reshard_after_forward} meta={meta}"
     )
+    for key, part_world, part_replicate, part, _ in parts:
+        for w in (part_world, part_replicate):
+            check_ranks_agree(w, [config, *_describe(part, key, unit_of)], f"the {key} params")
+    if sync_module_states and stage == 3 and not meta:  # before binding: the shards come from rank 0
+        pairs = [(p.data, w) for _, pw, pr, part, _ in parts for _, p in part for w in (pw, pr)]
+        pairs += [(t, w) for t in _unsharded_tensors(module) for w in (world, replicate)]
+        pairs += [(t, w) for t in originals.values() for w in (world, replicate)]
+        broadcast_values(pairs)
     sets = {}
     for key, part_world, part_replicate, part, scale in parts:
-        for w in (part_world, part_replicate):
-            check_ranks_agree(w, [config, *_describe(part, key)], f"the {key} params")
         sets[key] = _build_set(
-            part_world, part_replicate, part, tied, stage, bucket_size, pad_for_high_busbw, scale
+            part_world, part_replicate, part, tied, stage, bucket_size, pad_for_high_busbw, scale, unit_of
         )
-    if sync_module_states:
+    if sync_module_states and stage < 3:
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
         _broadcast_originals(originals, list(sets.values()))
-    sharded = _assemble(module, stage, sets, buckets_per_group, find_unused_parameters)
+    stage3 = {
+        "reshard_after_forward": reshard_after_forward,
+        "forward_prefetch": forward_prefetch,
+        "backward_prefetch": backward_prefetch,
+        "limit": limit_all_gathers,
+    }
+    sharded = _assemble(module, stage, sets, buckets_per_group, find_unused_parameters, (unit_list, unit_of, stage3))
     sharded.flatshard_state.originals = originals or None
+    if meta:
+        worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
+        initialize_units(module, sharded.flatshard_state.unsharder, param_init_fn, device, worlds)
     if mp.param_dtype is not None:
         sharded.register_forward_pre_hook(
             _mixed_precision_hook(sharded.flatshard_state, mp), with_kwargs=True
@@ -143,17 +200,21 @@ def _broadcast_originals(originals: dict[str, torch.Tensor], sets: list[BufferSe
         h.wait()
 
 
-def _assemble(module, stage, sets, buckets_per_group, find_unused_parameters) -> ShardedModule:
-    """Bucket groups, the grad-sync state machine and (stages 1-2) the param gathers."""
+def _assemble(module, stage, sets, buckets_per_group, find_unused_parameters, stage3) -> ShardedModule:
+    """Bucket groups, the grad-sync state machine, and the param gathers (stages 1-2) or
+    the unsharder (stage 3)."""
     stats = CommStats()
     groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats)
     sync = GradSync(list(sets.values()), groups, find_unused_parameters=find_unused_parameters, stats=stats)
-    gather = None
-    if stage > 0:
+    gather = unsharder = None
+    if stage in (1, 2):
         gather = ParamGather(
             module, [(b, s.world, s.params) for s in sets.values() for b in s.buffers], stats
         )
-    state = ShardState(stage, sets, sync, stats, gather)
+    if stage == 3:
+        unit_list, unit_of, options = stage3
+        unsharder = build_unsharder(unit_list, unit_of, list(sets.values()), stats, **options)
+    state = ShardState(stage, sets, sync, stats, gather, unsharder=unsharder)
     if stage > 0:
         sync.on_synced = partial(_require_optimizer, state)
     sharded = make_sharded(module, state)
@@ -210,8 +271,20 @@ def _tied_params(module: nn.Module) -> set[int]:
     return {key for key, n in counts.items() if n > 1}
 
 
-def _describe(named: list[tuple[str, nn.Parameter]], key: str) -> list[str]:
-    return [f"{key} {n} {tuple(p.shape)} {p.dtype}" for n, p in named]
+def _describe(named: list[tuple[str, nn.Parameter]], key: str, unit_of: dict[int, int]) -> list[str]:
+    return [f"{key} {n} {tuple(p.shape)} {p.dtype} unit={unit_of.get(id(p))}" for n, p in named]
+
+
+def _unsharded_tensors(module: nn.Module) -> list[torch.Tensor]:
+    """Frozen params and buffers: full on every rank at every stage."""
+    frozen = [p.data for p in module.parameters() if not p.requires_grad]
+    return frozen + list(module.buffers())
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)
@@ -222,9 +295,23 @@ def grad_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in HALF_DTYPES else dtype
 
 
-def param_specs(named: list[tuple[str, nn.Parameter]], tied: set[int]) -> list[ParamSpec]:
-    """What the layout planner needs of ``named`` params (``tied``: ids of shared params)."""
-    return [ParamSpec(n, p.numel(), p.dtype, grad_dtype(p.dtype), id(p) in tied) for n, p in named]
+def param_specs(
+    named: list[tuple[str, nn.Parameter]], tied: set[int], unit_of: dict[int, int] | None = None
+) -> list[ParamSpec]:
+    """What the layout planner needs of ``named`` params (``tied``: ids of shared params;
+    ``unit_of``: stage-3 unit index by param id)."""
+    unit_of = unit_of or {}
+    return [
+        ParamSpec(
+            n,
+            p.numel(),
+            p.dtype,
+            grad_dtype(p.dtype),
+            id(p) in tied,
+            None if id(p) not in unit_of else str(unit_of[id(p)]),
+        )
+        for n, p in named
+    ]
 
 
 def model_specs(module: nn.Module) -> list[ParamSpec]:
@@ -233,8 +320,8 @@ def model_specs(module: nn.Module) -> list[ParamSpec]:
     return param_specs(named, _tied_params(module))
 
 
-def _build_set(world, replicate, named, tied, stage, bucket_size, pad_for_high_busbw, scale) -> BufferSet:
-    specs = param_specs(named, tied)
+def _build_set(world, replicate, named, tied, stage, bucket_size, pad_for_high_busbw, scale, unit_of) -> BufferSet:
+    specs = param_specs(named, tied, unit_of)
     layout = plan_layout(
         specs,
         world_size=world.size,
@@ -245,7 +332,9 @@ def _build_set(world, replicate, named, tied, stage, bucket_size, pad_for_high_b
     params = [p for _, p in named]
     buffers = []
     for buffer_layout in layout.buffers:
-        buffer = FlatBuffer(buffer_layout, params[0].device, rank=world.rank, full_grads=stage < 2)
+        buffer = FlatBuffer(
+            buffer_layout, params[0].device, rank=world.rank, full_grads=stage < 2, sharded_params=stage == 3
+        )
         buffer.bind(params)
         buffers.append(buffer)
     return BufferSet(

@@ -305,7 +305,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def main_params(self) -> list[torch.Tensor]:
         """The tensors the inner optimizer updates (fp32 main params, or param views)."""
-        return [s.main_data if s.main_data is not None else s.buffer.param_data for s in self._shards]
+        return [s.main_data if s.main_data is not None else s.buffer.param_storage() for s in self._shards]
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
@@ -313,6 +313,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sharded.wait_for_params()
         for shards in self._shards:
             shards.load_main_from_params()
+
+    @torch.no_grad()
+    def refresh_main_params(self, buffer: FlatBuffer, bucket, changed: torch.Tensor) -> None:
+        """Copy the elements of ``bucket``'s param shard marked in ``changed`` (a bool mask
+        over the shard) into the main params (after params were written by hand)."""
+        for shards in self._shards:
+            if shards.buffer is buffer and shards.main_data is not None:
+                frame = buffer.frame_range(bucket)
+                main = shards.main_data[frame.start : frame.end]
+                main.copy_(torch.where(changed, buffer.param_shard(bucket).float(), main))
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(

@@ -1,0 +1,162 @@
+"""Full params of a stage-3 module on demand: summoned, as a state dict, or loaded.
+
+[Note: full params]
+
+* ``summon_full_params(writeback, rank0_only, with_grads)`` gathers every unit and yields
+  with each param a view of its full bucket. On exit, with ``writeback``, each rank copies
+  its own shard of every bucket back (what a user changed in the params is kept; elements a
+  step's fp32 main params hold are refreshed only where the 16-bit value changed, so
+  unchanged ones keep their full precision). ``with_grads`` gathers the reduced grad shards
+  into ``param.grad`` for the block. ``rank0_only`` frees the units again on every other rank.
+* ``full_state_dict()`` gathers one unit at a time and gives rank 0 a plain CPU state dict
+  (other ranks an empty dict): never more than one unit in full.
+* ``load_full_state_dict`` copies each rank's pieces of every param out of a full state
+  dict (on every rank): no communication.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from flatshard._collectives import all_gather
+from flatshard._unshard import Part, Unsharder
+
+
+@contextmanager
+def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
+    unsharder: Unsharder = state.unsharder
+    if writeback and rank0_only:
+        raise ValueError("summon_full_params: writeback=True with rank0_only=True would lose other ranks' writes")
+    if unsharder.summoned:
+        raise RuntimeError("summon_full_params: params are already summoned (blocks do not nest)")
+    unsharder.settle()
+    parts = [part for unit_parts in unsharder.parts for part in unit_parts]
+    for u in range(len(unsharder.units)):
+        unsharder.unshard(u)
+    for u in range(len(unsharder.units)):
+        unsharder.wait(u)
+    unsharder.summoned = True
+    before = [part.buffer.param_shard(part.bucket).clone() for part in parts] if writeback else []
+    grads = _gather_grads(parts) if with_grads else []
+    if rank0_only and _rank(parts) != 0:
+        unsharder.summoned = False
+        unsharder.settle()
+        unsharder.summoned = True
+    try:
+        yield
+    finally:
+        unsharder.summoned = False
+        for part in parts:
+            for slot in part.bucket.params if grads else ():
+                part.params[slot.index].grad = None
+        if writeback:
+            _write_back(state, parts, before)
+        unsharder.settle()
+
+
+def _rank(parts: list[Part]) -> int:
+    return parts[0].world.rank if parts else 0
+
+
+def _write_back(state, parts: list[Part], before: list[torch.Tensor]) -> None:
+    with torch.no_grad():
+        for part, old in zip(parts, before, strict=True):
+            buffer, bucket = part.buffer, part.bucket
+            own = buffer.shard_range(bucket).shift(bucket.start)
+            new = buffer.full_bucket(bucket)[own.start : own.end]
+            changed = new != old
+            if not bool(changed.any()):
+                continue
+            buffer.param_shard(bucket).copy_(new)
+            if state.optimizer is not None:
+                state.optimizer.refresh_main_params(buffer, bucket, changed)
+
+
+def _gather_grads(parts: list[Part]) -> list[torch.Tensor]:
+    """Full grads of every bucket from the reduced grad shards; ``param.grad`` views them
+    (a copy in the param's dtype when the grads are kept in fp32)."""
+    out, handles = [], []
+    for part in parts:
+        buffer, bucket = part.buffer, part.bucket
+        full = torch.zeros(bucket.numel, dtype=buffer.layout.grad_dtype, device=buffer.device)
+        own = buffer.shard_range(bucket).shift(bucket.start)
+        full[own.start : own.end].copy_(buffer.grad_shard(bucket))
+        if part.world.size > 1:
+            handles.append(all_gather(full, full[own.start : own.end], part.world))
+        out.append(full)
+    for h in handles:
+        h.wait()
+    for part, full in zip(parts, out, strict=True):
+        for slot in part.bucket.params:
+            param = part.params[slot.index]
+            grad = full[slot.start - part.bucket.start : slot.end - part.bucket.start].view(param.shape)
+            param.grad = grad.to(param.dtype)
+    return out
+
+
+def full_state_dict(state, plain_state_dict) -> dict[str, torch.Tensor]:
+    """Rank 0: every entry of the module's state dict on the CPU; other ranks: ``{}``."""
+    unsharder: Unsharder = state.unsharder
+    unsharder.settle()
+    entries = plain_state_dict(keep_vars=True)
+    unit_of = {
+        id(part.params[slot.index]): u
+        for u, unit_parts in enumerate(unsharder.parts)
+        for part in unit_parts
+        for slot in part.bucket.params
+    }
+    rank0 = _rank([p for ps in unsharder.parts for p in ps]) == 0 and _replicate_rank(state) == 0
+    out: dict[str, torch.Tensor] = {}
+    for u in range(len(unsharder.units)):
+        keys = [k for k, t in entries.items() if unit_of.get(id(t)) == u]
+        if not keys:
+            continue
+        unsharder.wait(u)
+        if rank0:
+            for k in keys:
+                out[k] = entries[k].detach().to("cpu", copy=True)
+        unsharder.reshard(u)
+    if not rank0:
+        return {}
+    for k, t in entries.items():
+        if k not in out:
+            out[k] = t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
+    return {k: out[k] for k in entries}
+
+
+def _replicate_rank(state) -> int:
+    return min((bset.replicate.rank for bset in state.sets.values()), default=0)
+
+
+def load_full_state_dict(state, state_dict, strict: bool, plain_state_dict, plain_load):
+    """Copy this rank's pieces of each sharded param from ``state_dict``; the rest (frozen
+    params, buffers) loads as usual. Returns torch's (missing_keys, unexpected_keys)."""
+    state.unsharder.settle()
+    slots = {}
+    for bset in state.sets.values():
+        for buffer in bset.buffers:
+            for slot in buffer.layout.params:
+                slots[id(bset.params[slot.index])] = (buffer, slot, bset.params[slot.index])
+    by_key = {k: slots[id(t)] for k, t in plain_state_dict(keep_vars=True).items() if id(t) in slots}
+    rest = {k: v for k, v in state_dict.items() if k not in by_key}
+    missing = [k for k in by_key if k not in state_dict]
+    with torch.no_grad():
+        for key, (buffer, slot, param) in by_key.items():
+            if key not in state_dict:
+                continue
+            value = state_dict[key]
+            if tuple(value.shape) != tuple(param.shape):
+                raise ValueError(
+                    f"load_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict, "
+                    f"{tuple(param.shape)} in the model"
+                )
+            buffer.load_param(slot, value.to(buffer.device, buffer.layout.dtype))
+    result = plain_load(rest, strict=False)
+    missing += [k for k in result.missing_keys if k not in by_key]
+    if strict and (missing or result.unexpected_keys):
+        raise RuntimeError(
+            f"load_state_dict: missing keys {missing}, unexpected keys {list(result.unexpected_keys)}"
+        )
+    return missing, list(result.unexpected_keys)

@@ -1,0 +1,163 @@
+"""Building stage 3: units, the unsharder, rank 0's initial values and meta-device models.
+
+[Note: meta init]
+
+A model built on the ``meta`` device has no values. ``shard(..., stage=3)`` gives each of its
+trainable params a placeholder on ``device``, lays out and binds the buffers as usual (the
+shards hold nothing yet), then initializes the model *unit by unit*: the unit's buckets are
+allocated full, its params pointed at them, ``param_init_fn(module)`` (default: the
+module's own ``reset_parameters()``) runs on each module that registers params or buffers
+in it, rank 0's values are broadcast when ``sync_module_states``, each rank keeps its shards
+and the buckets are freed. No rank ever holds more than one unit in full. Frozen params and
+buffers on ``meta`` are materialized (they are not sharded) and initialized the same way.
+Without ``sync_module_states`` every rank must seed its RNG alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import nn
+
+from flatshard._collectives import CommStats, broadcast
+from flatshard._grad_sync import BufferSet
+from flatshard._units import Unit
+from flatshard._unshard import Part, Unsharder
+from flatshard._world import World
+
+COALESCE_NUMEL = 2**22
+"""Elements per broadcast when rank 0's values are sent to every rank before binding."""
+
+
+def build_unsharder(units: list[Unit], unit_of: dict[int, int], sets: Sequence[BufferSet], stats: CommStats, **options) -> Unsharder:
+    """The parts (buckets) of each unit and the ``Unsharder`` over them."""
+    parts: list[list[Part]] = [[] for _ in units]
+    for bset in sets:
+        for buffer in bset.buffers:
+            for bucket in buffer.layout.buckets:
+                first = bset.params[bucket.params[0].index]
+                parts[unit_of[id(first)]].append(Part(buffer, bucket, bset.world, bset.params))
+    return Unsharder(units, parts, stats, **options)
+
+
+def broadcast_values(pairs: Sequence[tuple[torch.Tensor, World]]) -> None:
+    """Copy rank 0's values of every tensor to every rank of its world, coalesced into
+    flat broadcasts of at most ``COALESCE_NUMEL`` elements per (world, dtype)."""
+    chunks: dict[tuple[int, torch.dtype, torch.device], list[list[torch.Tensor]]] = {}
+    worlds: dict[int, World] = {}
+    for tensor, world in pairs:
+        if world.size == 1:
+            continue
+        worlds[id(world)] = world
+        lists = chunks.setdefault((id(world), tensor.dtype, tensor.device), [[]])
+        if sum(t.numel() for t in lists[-1]) + tensor.numel() > COALESCE_NUMEL and lists[-1]:
+            lists.append([])
+        lists[-1].append(tensor)
+    pending = []
+    for (key, _, _), lists in chunks.items():
+        for tensors in lists:
+            flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+            pending.append((broadcast(flat, worlds[key]), flat, tensors))
+    with torch.no_grad():
+        for handle, flat, tensors in pending:
+            handle.wait()
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view_as(t))
+                offset += t.numel()
+
+
+def is_meta_model(named: Sequence[tuple[str, nn.Parameter]]) -> bool:
+    """Whether the trainable params are on the meta device (all or none of them)."""
+    meta = [n for n, p in named if p.is_meta]
+    if meta and len(meta) != len(named):
+        real = next(n for n, p in named if not p.is_meta)
+        raise ValueError(f"param {meta[0]!r} is on the meta device but {real!r} is not: all or none")
+    return bool(meta)
+
+
+def replace_meta_params(module: nn.Module, device: torch.device) -> None:
+    """Give every trainable meta param a placeholder on ``device`` (a new Parameter in each
+    module that registers it, so tied params stay tied)."""
+    new: dict[int, nn.Parameter] = {}
+    for sub in module.modules():
+        for name, p in list(sub._parameters.items()):
+            if p is None or not p.is_meta or not p.requires_grad:
+                continue
+            if id(p) not in new:
+                nan = torch.full((1,), float("nan"), dtype=p.dtype, device=device)
+                new[id(p)] = nn.Parameter(nan.expand(p.shape), requires_grad=True)
+            sub._parameters[name] = new[id(p)]
+
+
+def initialize_units(
+    module: nn.Module,
+    unsharder: Unsharder,
+    init_fn: Callable[[nn.Module], None] | None,
+    device: torch.device,
+    sync_worlds: Sequence[World] | None,
+) -> None:
+    """[Note: meta init]: initialize ``module`` one unit at a time."""
+    owner = _module_units(unsharder)
+    for unit in unsharder.units:
+        modules = [m for m in unit.module.modules() if owner.get(id(m)) == unit.index]
+        with torch.no_grad():
+            for m in modules:
+                _materialize_locals(m, device)
+            for part in unsharder.parts[unit.index]:
+                part.buffer.allocate_full(part.bucket).zero_()
+                part.buffer.point_params(part.bucket, part.params, full=True)
+            for m in modules:
+                if _holds_state(m):
+                    _init_module(m, init_fn)
+            if sync_worlds:
+                pairs = [(part.buffer.full_bucket(part.bucket), w) for part in unsharder.parts[unit.index] for w in sync_worlds]
+                pairs += [(t, w) for m in modules for t in _locals(m) for w in sync_worlds]
+                broadcast_values(pairs)
+            for part in unsharder.parts[unit.index]:
+                bucket, full = part.bucket, part.buffer.full_bucket(part.bucket)
+                own = part.buffer.shard_range(bucket).shift(bucket.start)
+                part.buffer.param_shard(bucket).copy_(full[own.start : own.end])
+                part.buffer.point_params(bucket, part.params, full=False)
+                part.buffer.free_full(bucket)
+
+
+def _module_units(unsharder: Unsharder) -> dict[int, int]:
+    owner: dict[int, int] = {}
+    for unit in unsharder.units:  # pre-order: inner units overwrite their outer one
+        for m in unit.module.modules():
+            owner[id(m)] = unit.index
+    return owner
+
+
+def _locals(module: nn.Module) -> list[torch.Tensor]:
+    """The module's own frozen params and buffers (not sharded)."""
+    frozen = [p for p in module.parameters(recurse=False) if not p.requires_grad]
+    return frozen + list(module.buffers(recurse=False))
+
+
+def _materialize_locals(module: nn.Module, device: torch.device) -> None:
+    for name, p in list(module._parameters.items()):
+        if p is not None and p.is_meta:
+            module._parameters[name] = nn.Parameter(torch.empty_like(p, device=device), requires_grad=False)
+    for name, b in list(module._buffers.items()):
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.empty_like(b, device=device)
+
+
+def _holds_state(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+
+
+def _init_module(module: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:
+    if init_fn is not None:
+        init_fn(module)
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise ValueError(
+            f"{type(module).__name__} holds params or buffers on the meta device but has no "
+            "reset_parameters(); pass param_init_fn=... to shard() to initialize it"
+        )
+    reset()

@@ -1,0 +1,90 @@
+"""Stage-3 units: the module subtrees whose params are gathered and freed together.
+
+[Note: units]
+
+``find_units(module, units)`` picks the unit modules: those of the given classes, or those
+for which the predicate ``(qualified_name, module) -> bool`` holds; by default the children
+of every ``nn.ModuleList`` (the usual list of transformer blocks). The root module is always
+a unit too: it owns every param outside the others. Units may nest.
+
+A param belongs to exactly one unit: the innermost unit that contains *every* module
+registering it (so a param tied between two blocks belongs to their common ancestor, which
+is full whenever either block runs). Units are listed in module pre-order (root first),
+which is the registration order the layout follows; ``ParamSpec.unit`` carries the unit's
+index, so a bucket never holds params of two units.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from torch import nn
+
+UnitSpec = Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
+
+
+@dataclass(frozen=True)
+class Unit:
+    index: int  # position in pre-order; 0 is the root
+    name: str  # qualified module name ("" for the root)
+    module: nn.Module
+    parent: int | None  # the enclosing unit's index
+
+
+def find_units(module: nn.Module, units: UnitSpec = None) -> list[Unit]:
+    """The unit modules of ``module`` in pre-order, root first (see [Note: units])."""
+    match = _matcher(module, units)
+    found = [Unit(0, "", module, None)]
+    enclosing: dict[int, int] = {id(module): 0}  # module id -> innermost unit containing it
+    for name, sub in module.named_modules():
+        if sub is module:
+            continue
+        parent_name = name.rpartition(".")[0]
+        parent = module.get_submodule(parent_name) if parent_name else module
+        outer = enclosing[id(parent)]
+        if match(name, sub) and id(sub) not in {id(u.module) for u in found}:
+            found.append(Unit(len(found), name, sub, outer))
+            enclosing[id(sub)] = len(found) - 1
+        else:
+            enclosing.setdefault(id(sub), outer)
+    return found
+
+
+def _matcher(root: nn.Module, units: UnitSpec) -> Callable[[str, nn.Module], bool]:
+    if units is None:
+        children = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
+        return lambda name, m: id(m) in children
+    if callable(units) and not isinstance(units, type):
+        return lambda name, m: bool(units(name, m))
+    classes = tuple(units)
+    for cls in classes:
+        if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
+            raise TypeError(f"units must be nn.Module classes or a predicate (name, module) -> bool; got {cls!r}")
+    return lambda name, m: isinstance(m, classes)
+
+
+def assign_params(module: nn.Module, units: list[Unit]) -> dict[int, int]:
+    """``{id(param): unit index}`` for every param of ``module`` (see [Note: units])."""
+    unit_of_module: dict[int, int] = {}
+    for unit in units:  # pre-order: an inner unit comes after its outer one and wins
+        for sub in unit.module.modules():
+            unit_of_module[id(sub)] = unit.index
+    owners: dict[int, set[int]] = {}
+    for sub in module.modules():
+        for p in sub.parameters(recurse=False):
+            owners.setdefault(id(p), set()).add(unit_of_module[id(sub)])
+    return {key: _common_ancestor(units, found) for key, found in owners.items()}
+
+
+def _common_ancestor(units: list[Unit], indices: set[int]) -> int:
+    def chain(index: int | None) -> list[int]:
+        out = []
+        while index is not None:
+            out.append(index)
+            index = units[index].parent
+        return out
+
+    chains = [chain(i) for i in indices]
+    common = set(chains[0]).intersection(*chains[1:])
+    return next(i for i in chains[0] if i in common)  # the deepest shared one

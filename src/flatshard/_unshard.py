@@ -1,0 +1,242 @@
+"""Stage 3: gathering each unit's params just before it runs and freeing them after.
+
+[Note: unsharding]
+
+Between uses a rank holds only its shard of every bucket (``FlatBuffer.param_shard_data``);
+each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *gathering*
+(its buckets' all-gathers are in flight) or *full* (its params are views into full buckets):
+
+* **forward**: the unit's forward pre-hook gathers it (if nothing prefetched it) and waits,
+  then *prefetches* the next ``forward_prefetch`` units of the order recorded in the first
+  forward. The forward hook frees it again unless ``reshard_after_forward=False`` (or it is
+  the root, whose backward starts at once); outputs get a hook that fires when backward
+  reaches them.
+* **backward**: that hook gathers the unit again if it was freed and (``backward_prefetch=
+  "pre"``) prefetches the unit that backward reaches next. Once every param of the unit
+  has its grad (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the
+  unit is freed (``"post"`` prefetches at this point instead). At the end of backward every
+  unit is freed.
+* **bounded memory**: prefetches start only while fewer than ``limit`` gathers are in
+  flight; a unit's full buckets exist only from its gather to its release, and their storage
+  is resized to zero on release. Saved activations that reference a param's storage see
+  it refilled with the same values before backward uses them.
+* **no grad**: a forward under ``torch.no_grad`` frees every unit after it, the root too.
+
+A unit that runs twice in one forward is gathered again for the second call if it was
+freed in between; a unit that does not run is never gathered (its grads are zero). The
+optimizer step frees every unit first (``settle``), so full copies never go stale.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_leaves
+
+from flatshard._buffer import FlatBuffer
+from flatshard._collectives import CommStats, Handle, all_gather
+from flatshard._units import Unit
+from flatshard._world import World
+from flatshard.layout import BucketLayout
+
+BACKWARD_PREFETCH = ("pre", "post", None)
+
+
+class _State(Enum):
+    SHARDED = 0
+    GATHERING = 1
+    FULL = 2
+
+
+@dataclass(frozen=True)
+class Part:
+    """One bucket of a unit, with what gathering it needs."""
+
+    buffer: FlatBuffer
+    bucket: BucketLayout
+    world: World
+    params: Sequence[nn.Parameter]  # indexed by slot.index
+
+
+class Unsharder:
+    """The state machine of [Note: unsharding] over every unit of one module."""
+
+    def __init__(
+        self,
+        units: list[Unit],
+        parts: list[list[Part]],
+        stats: CommStats,
+        *,
+        reshard_after_forward: bool = True,
+        forward_prefetch: int = 1,
+        backward_prefetch: str | None = "pre",
+        limit: int = 2,
+    ) -> None:
+        if backward_prefetch not in BACKWARD_PREFETCH:
+            raise ValueError(f"backward_prefetch must be one of {BACKWARD_PREFETCH}, got {backward_prefetch!r}")
+        if not isinstance(forward_prefetch, int) or forward_prefetch < 0:
+            raise ValueError(f"forward_prefetch must be an int >= 0, got {forward_prefetch!r}")
+        if not isinstance(limit, int) or limit < 1:
+            raise ValueError(f"limit_all_gathers must be an int >= 1, got {limit!r}")
+        self.units = units
+        self.parts = parts
+        self.stats = stats
+        self.reshard_after_forward = reshard_after_forward
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = backward_prefetch
+        self.limit = limit
+        self.state = [_State.SHARDED] * len(units)
+        self._handles: dict[int, list[Handle]] = {}
+        self.order: list[int] | None = None  # units in the order the first forward ran them
+        self._recording: list[int] = []
+        self._params = [{id(p.params[s.index]) for p in ps for s in p.bucket.params} for ps in parts]
+        self._waiting: list[set[int]] = [set(s) for s in self._params]  # params without grad yet
+        self._in_backward = False
+        self.summoned = False
+        self.full_bytes = 0  # bytes of full buckets alive now
+        self.peak_full_bytes = 0  # the most ever alive at once
+        self._hooks = []
+        for unit, unit_parts in zip(units, parts, strict=True):
+            if unit_parts:
+                self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit.index)))
+                self._hooks.append(unit.module.register_forward_hook(self._post_forward_hook(unit.index)))
+                for p in {id(q.params[s.index]): q.params[s.index] for q in unit_parts for s in q.bucket.params}.values():
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit.index)))
+
+    # -- the three states ----------------------------------------------------------------------
+    def unshard(self, u: int) -> None:
+        """Start gathering unit ``u`` (nothing if it is gathering or full)."""
+        if self.state[u] is not _State.SHARDED:
+            return
+        handles = []
+        with torch.no_grad():
+            for part in self.parts[u]:
+                buffer, bucket = part.buffer, part.bucket
+                full = buffer.allocate_full(bucket)
+                self._count(full.numel() * full.element_size())
+                own = buffer.shard_range(bucket).shift(bucket.start) if bucket.sharded else None
+                if own is None or part.world.size == 1:
+                    full.copy_(buffer.param_shard(bucket))
+                    continue
+                mine = full[own.start : own.end]
+                mine.copy_(buffer.param_shard(bucket))
+                handles.append(all_gather(full, mine, part.world, stats=self.stats))
+        self._handles[u] = handles
+        self.state[u] = _State.GATHERING
+
+    def wait(self, u: int) -> None:
+        """Make unit ``u`` full: wait for its gathers and point its params at them."""
+        self.unshard(u)
+        if self.state[u] is not _State.GATHERING:
+            return
+        for handle in self._handles.pop(u):
+            handle.wait()
+        for part in self.parts[u]:
+            part.buffer.point_params(part.bucket, part.params, full=True)
+        self.state[u] = _State.FULL
+
+    def reshard(self, u: int) -> None:
+        """Free unit ``u``'s full buckets; its params become placeholders again."""
+        if self.state[u] is _State.SHARDED:
+            return
+        if self.state[u] is _State.GATHERING:
+            for handle in self._handles.pop(u):
+                handle.wait()
+        for part in self.parts[u]:
+            part.buffer.point_params(part.bucket, part.params, full=False)
+            full = part.buffer.full_bucket(part.bucket)
+            self.full_bytes -= full.numel() * full.element_size()
+            part.buffer.free_full(part.bucket)
+        self.state[u] = _State.SHARDED
+
+    def settle(self) -> None:
+        """Free every unit (before a step writes shards, and after each backward)."""
+        if self.summoned:
+            raise RuntimeError("params are summoned (summon_full_params): leave the block first")
+        for u in range(len(self.units)):
+            self.reshard(u)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(1 for s in self.state if s is _State.GATHERING)
+
+    def _count(self, nbytes: int) -> None:
+        self.full_bytes += nbytes
+        self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes)
+
+    def _prefetch(self, units: Sequence[int]) -> None:
+        for v in units:
+            if self.in_flight >= self.limit:
+                return
+            self.unshard(v)
+
+    def _next_in_order(self, u: int, step: int, count: int) -> list[int]:
+        """Up to ``count`` units after (``step=1``) or before (``-1``) ``u`` in the recorded
+        order that hold params and are sharded."""
+        if self.order is None or u not in self.order or count == 0:
+            return []
+        i, out = self.order.index(u), []
+        while len(out) < count:
+            i += step
+            if not 0 <= i < len(self.order):
+                break
+            v = self.order[i]
+            if self.parts[v] and self.state[v] is _State.SHARDED:
+                out.append(v)
+        return out
+
+    # -- hooks ---------------------------------------------------------------------------------
+    def _pre_forward_hook(self, u: int):
+        def hook(module: nn.Module, args: object) -> None:
+            if self.order is None and u not in self._recording:
+                self._recording.append(u)
+            self.wait(u)
+            self._prefetch(self._next_in_order(u, 1, self.forward_prefetch))
+
+        return hook
+
+    def _post_forward_hook(self, u: int):
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            if u == 0 and self.order is None:
+                self.order = list(self._recording)
+            if not torch.is_grad_enabled():
+                if not self.summoned:
+                    self.reshard(u)
+                return
+            if u != 0 and self.reshard_after_forward and not self.summoned:
+                self.reshard(u)
+            tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if tensors:
+                register_multi_grad_hook(tensors, lambda grads: self._pre_backward(u), mode="any")
+
+        return hook
+
+    def _pre_backward(self, u: int) -> None:
+        if not self._in_backward:
+            self._in_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        self.wait(u)
+        if self.backward_prefetch == "pre":
+            self._prefetch(self._next_in_order(u, -1, 1))
+
+    def _grad_hook(self, u: int):
+        def hook(param: nn.Parameter) -> None:
+            waiting = self._waiting[u]
+            waiting.discard(id(param))
+            if not waiting and not self.summoned:
+                self.reshard(u)
+                if self.backward_prefetch == "post":
+                    self._prefetch(self._next_in_order(u, -1, 1))
+
+        return hook
+
+    def _end_backward(self) -> None:
+        self._in_backward = False
+        self._waiting = [set(s) for s in self._params]
+        if not self.summoned:
+            self.settle()
