@@ -171,3 +171,51 @@ def full_params(model: nn.Module) -> list[torch.Tensor]:
     """Copies of every param's full value, at any stage (stage 3 gathers them)."""
     with model.summon_full_params(writeback=False):
         return [p.detach().clone() for p in model.parameters()]
+
+
+def train_against_fsdp2(
+    shard_kwargs: dict,
+    *,
+    fsdp_kwargs: dict | None = None,
+    steps: int = 4,
+    batch: int = 4,
+    clip: float | None = 1.0,
+    model_cls=TiedGPT,
+) -> dict:
+    """Train flatshard (with DistributedOptimizer + AdamW) and torch FSDP2 (``fully_shard``
+    on every block, then the root, + AdamW) side by side; report loss and param diffs."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = model_cls()
+    reference = copy.deepcopy(model)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in reference.blocks:
+        fully_shard(block, mesh=mesh, **(fsdp_kwargs or {}))
+    fully_shard(reference, mesh=mesh, **(fsdp_kwargs or {}))
+    ours = flatshard.shard(model, **shard_kwargs)
+    hyper = {"lr": 1e-2, "weight_decay": 0.1}
+    opt_ref = torch.optim.AdamW(reference.parameters(), **hyper)
+    opt = flatshard.DistributedOptimizer(ours, torch.optim.AdamW, **hyper)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    out = {"loss_diffs": [], "param_diffs": [], "norm_diffs": [], "losses": []}
+    for step in range(steps):
+        x, y = corpus.batch(step, dist.get_rank(), batch)
+        loss_ref = reference(x, y)
+        loss_ref.backward()
+        loss = ours(x, y)
+        loss.backward()
+        out["loss_diffs"].append(abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()))
+        out["losses"].append(loss.item())
+        if clip is not None:
+            norm_ref = torch.nn.utils.clip_grad_norm_(reference.parameters(), clip).full_tensor()
+            norm = opt.clip_grad_norm_(clip)
+            out["norm_diffs"].append(abs(norm.item() - norm_ref.item()) / norm_ref.item())
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+        ref_full = [p.full_tensor() for p in reference.parameters()]
+        out["param_diffs"].append(
+            max(max_rel_diff(p, q) for p, q in zip(full_params(ours), ref_full, strict=True))
+        )
+    return out

@@ -7,7 +7,7 @@ docs/design.md); the units are the transformer blocks and the root.
 import pytest
 import torch
 
-from _parity import decay_groups, train_optimizer_side_by_side
+from _parity import decay_groups, train_against_fsdp2, train_optimizer_side_by_side
 from flatshard.testing import run_distributed
 
 SGD = {"optimizer_class": torch.optim.SGD, "opt_kwargs": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
@@ -30,5 +30,60 @@ def test_sgd_groups_schedule_clip_accumulation(world_size, reshard_after_forward
         groups=decay_groups,
         schedule=True,
         clip=0.5,
+    )
+    _check(result, params=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_adamw_groups_schedule(world_size):
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        world_size,
+        {"stage": 3, "bucket_size": 3000},
+        groups=decay_groups,
+        schedule=True,
+    )
+    _check(result, params=1e-5 if world_size <= 2 else 1e-2)
+
+
+@pytest.mark.parametrize(
+    ("forward_prefetch", "backward_prefetch", "limit"), [(0, None, 1), (2, "post", 2), (3, "pre", 8)]
+)
+def test_prefetch_settings_do_not_change_the_trajectory(forward_prefetch, backward_prefetch, limit):
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        3,
+        {
+            "stage": 3,
+            "bucket_size": 1000,
+            "forward_prefetch": forward_prefetch,
+            "backward_prefetch": backward_prefetch,
+            "limit_all_gathers": limit,
+        },
+        **SGD,
+        clip=0.5,
+    )
+    _check(result, params=1e-5)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_follows_fsdp2(world_size, reshard_after_forward):
+    """flatshard stage 3 and torch FSDP2 on the same blocks, both with AdamW."""
+    (result, *_) = run_distributed(
+        train_against_fsdp2,
+        world_size,
+        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
+        fsdp_kwargs={"reshard_after_forward": reshard_after_forward},
+    )
+    _check(result, params=1e-5 if world_size <= 2 else 1e-2)
+
+
+@pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
+def test_hybrid_sharding(mesh_shape):
+    """A 2-D (replicate, shard) mesh: units gathered within a row, grad shards all-reduced
+    across rows; parity with DDP over all 4 ranks."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side, 4, {"stage": 3, "bucket_size": 3000}, **SGD, clip=0.5, mesh_shape=mesh_shape
     )
     _check(result, params=1e-5)

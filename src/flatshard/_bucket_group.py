@@ -41,23 +41,38 @@ from flatshard.layout import BucketLayout
 
 
 class ScratchPool:
-    """Stage-2 scratch released during a backward, for the next groups to reuse (on CPU,
-    freshly mapped memory costs a page fault per 4 KiB). Holds at most ``capacity``."""
+    """Stage-2/3 scratch released during a backward, for the next groups to reuse (on CPU,
+    freshly mapped memory costs a page fault per 4 KiB). Holds at most ``capacity``, and
+    nothing once a group needs a size it does not hold."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.free: list[torch.Tensor] = []
+        self.alive_bytes = 0  # scratch in use or pooled
+        self.peak_bytes = 0  # the most ever alive at once
 
     def take(self, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         for i, t in enumerate(self.free):
             if t.numel() == numel and t.dtype == dtype and t.device == device:
                 return self.free.pop(i)
-        return torch.empty(numel, dtype=dtype, device=device)
+        self.clear()  # none fits: what the pool holds would only add to the peak
+        tensor = torch.empty(numel, dtype=dtype, device=device)
+        self.alive_bytes += tensor.numel() * tensor.element_size()
+        self.peak_bytes = max(self.peak_bytes, self.alive_bytes)
+        return tensor
 
     def give(self, tensor: torch.Tensor) -> None:
         self.free.append(tensor)
         if len(self.free) > self.capacity:
-            self.free.pop(0)
+            self._drop(self.free.pop(0))
+
+    def clear(self) -> None:
+        """Drop every pooled tensor (at the end of a backward)."""
+        while self.free:
+            self._drop(self.free.pop())
+
+    def _drop(self, tensor: torch.Tensor) -> None:
+        self.alive_bytes -= tensor.numel() * tensor.element_size()
 
 
 class BucketGroup:

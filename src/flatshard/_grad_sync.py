@@ -25,9 +25,10 @@ Two kinds of buffers:
   ``param.grad`` is dropped after each accumulation; ``main_grad`` holds the sum since the
   last ``zero_grad`` of the module or the flatshard optimizer.
 
-At stages 1 and 2 grads are scaled as they arrive and kept as shards between backwards
+At stages 1-3 grads are scaled as they arrive and kept as shards between backwards
 ([Note: sharded grads] in ``_bucket_group.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
-launched groups hold scratch: a group that needs scratch first waits for the oldest.
+launched groups hold scratch (at stage 3, where a unit's full params are alive too, one):
+a group that needs scratch first waits for the oldest.
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ from flatshard.layout import Layout
 
 MAX_SCRATCH_IN_FLIGHT = 2
 """Stage 2: launched bucket groups whose scratch may be alive at once."""
+STAGE3_SCRATCH_IN_FLIGHT = 1
+"""The same at stage 3 (as FSDP, one reduce-scatter in flight while the next unit's grads
+accumulate)."""
 
 
 @dataclass
@@ -94,8 +98,10 @@ class GradSync:
         *,
         find_unused_parameters: bool,
         stats: CommStats,
+        scratch_in_flight: int = MAX_SCRATCH_IN_FLIGHT,
     ) -> None:
         self.sets = list(sets)
+        self.scratch_in_flight = scratch_in_flight
         self.groups = list(groups)
         self.find_unused_parameters = find_unused_parameters
         self.stats = stats
@@ -206,7 +212,7 @@ class GradSync:
 
     def _bound_scratch(self) -> None:
         """Wait for the oldest launched groups until few enough hold scratch (stage 2)."""
-        while self._next - self._done >= MAX_SCRATCH_IN_FLIGHT:
+        while self._next - self._done >= self.scratch_in_flight:
             self._finish_group(self.groups[self._done])
             self._done += 1
 
@@ -236,7 +242,7 @@ class GradSync:
             self._next = self._done = 0
             self._in_backward = False
             self.generation += 1
-            self._pool.free.clear()  # scratch is reused within a backward, not held between them
+            self._pool.clear()  # scratch is reused within a backward, not held between them
         if self.sync_enabled and self.on_synced is not None:
             self.on_synced()
 

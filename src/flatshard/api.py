@@ -14,7 +14,13 @@ from torch.utils._pytree import tree_leaves
 
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, broadcast
-from flatshard._grad_sync import BufferSet, GradSync, build_bucket_groups
+from flatshard._grad_sync import (
+    MAX_SCRATCH_IN_FLIGHT,
+    STAGE3_SCRATCH_IN_FLIGHT,
+    BufferSet,
+    GradSync,
+    build_bucket_groups,
+)
 from flatshard._param_gather import ParamGather
 from flatshard._sharded_module import ShardedModule, ShardState, make_sharded
 from flatshard._stage3 import (
@@ -205,7 +211,13 @@ def _assemble(module, stage, sets, buckets_per_group, find_unused_parameters, st
     the unsharder (stage 3)."""
     stats = CommStats()
     groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats)
-    sync = GradSync(list(sets.values()), groups, find_unused_parameters=find_unused_parameters, stats=stats)
+    sync = GradSync(
+        list(sets.values()),
+        groups,
+        find_unused_parameters=find_unused_parameters,
+        stats=stats,
+        scratch_in_flight=STAGE3_SCRATCH_IN_FLIGHT if stage == 3 else MAX_SCRATCH_IN_FLIGHT,
+    )
     gather = unsharder = None
     if stage in (1, 2):
         gather = ParamGather(

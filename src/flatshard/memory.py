@@ -41,13 +41,20 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
 def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
     """Count the params, grads, main params and optimizer state that ``model`` and
     ``optimizer`` keep on this rank. Flat buffers count once however many params view
-    them; a storage shared by two roles counts for the first (params, grads, state)."""
+    them; a storage shared by two roles counts for the first (params, grads, state). At
+    stage 3 a unit's full params exist only while it runs, so between steps they count 0
+    (``model.flatshard_state.unsharder.peak_full_bytes`` says the most ever alive)."""
     seen: set[int] = set()
     params = list(model.parameters())
-    param_bytes = _storage_bytes(params, seen)
-    grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
     state = getattr(model, "flatshard_state", None)
-    if state is not None:  # grads that no param views between backwards (stage-2 shards)
+    held = params
+    if state is not None:  # the flat buffers, then params outside them (stage 3: placeholders skipped)
+        in_buffers = {id(p) for bset in state.sets.values() for p in bset.params}
+        held = [b.param_storage() for bset in state.sets.values() for b in bset.buffers]
+        held += [p for p in params if id(p) not in in_buffers]
+    param_bytes = _storage_bytes(held, seen)
+    grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+    if state is not None:  # grads that no param views between backwards (stage-2/3 shards)
         grads += [b.grad_storage() for bset in state.sets.values() for b in bset.buffers]
         grads += state.grad_sync.pooled_scratch()
     grad_bytes = _storage_bytes(grads, seen)

@@ -1,0 +1,182 @@
+"""Stage 3 behaviour: units, memory bounds, full params on demand, meta init, robustness."""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import flatshard
+from _parity import CFG, TiedGPT, full_params, max_rel_diff
+from flatshard import DistributedOptimizer, memory_report
+from flatshard._units import assign_params, find_units
+from flatshard.data import SyntheticCorpus
+from flatshard.models import GPT, GPTConfig
+from flatshard.models.gpt import Block
+from flatshard.testing import run_distributed
+
+CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+DEEP = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _step(model, opt, step: int) -> float:
+    x, y = CORPUS.batch(step, _rank(), 4)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+# -- units -----------------------------------------------------------------------------------
+def test_default_units_are_the_blocks_and_tied_params_go_to_the_common_ancestor():
+    model = GPT(DEEP)
+    units = find_units(model)
+    assert [u.name for u in units] == ["", "blocks.0", "blocks.1", "blocks.2", "blocks.3"]
+    unit_of = assign_params(model, units)
+    assert unit_of[id(model.blocks[2].fc.weight)] == 3
+    assert unit_of[id(model.wte.weight)] == 0 == unit_of[id(model.ln_f.weight)]
+    model.blocks[3].fc.weight = model.blocks[1].fc.weight  # tied across two blocks
+    assert assign_params(model, find_units(model))[id(model.blocks[1].fc.weight)] == 0
+
+
+def test_units_by_class_and_by_predicate_nest():
+    model = GPT(DEEP)
+    by_class = find_units(model, {Block, nn.Linear})
+    assert len(by_class) == 1 + 4 + 4 * 4 + 1  # root, blocks, their linears, lm_head
+    unit_of = assign_params(model, by_class)
+    assert by_class[unit_of[id(model.blocks[0].fc.weight)]].name == "blocks.0.fc"
+    assert by_class[unit_of[id(model.blocks[0].ln1.weight)]].name == "blocks.0"
+    by_name = find_units(model, lambda name, m: name.endswith("attn"))
+    assert [u.name for u in by_name][1:] == [f"blocks.{i}.attn" for i in range(4)]
+    with pytest.raises(TypeError, match="units must be"):
+        find_units(model, [3])
+
+
+def test_params_keep_names_and_shapes_and_layout_never_mixes_units():
+    torch.manual_seed(0)
+    model = GPT(DEEP)
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+    sharded = flatshard.shard(model, stage=3, bucket_size=10**9)
+    assert {n: p.shape for n, p in sharded.named_parameters()} == shapes
+    unit_of = assign_params(sharded, find_units(sharded))
+    params = dict(sharded.named_parameters())
+    for bucket in sharded.layouts["main"].buffers[0].buckets:
+        assert len({unit_of[id(params[s.name])] for s in bucket.params}) == 1
+    with pytest.raises(RuntimeError, match="full_state_dict"):
+        sharded.state_dict()
+    assert torch.isnan(sharded.blocks[0].fc.weight).all(), "a sharded param reads as NaN"
+
+
+def test_bad_stage3_options_are_refused():
+    with pytest.raises(ValueError, match="backward_prefetch"):
+        flatshard.shard(GPT(CFG), stage=3, backward_prefetch="later")
+    with pytest.raises(ValueError, match="limit_all_gathers"):
+        flatshard.shard(GPT(CFG), stage=3, limit_all_gathers=0)
+    with pytest.raises(ValueError, match="meta device"):
+        with torch.device("meta"):
+            model = GPT(CFG)
+        flatshard.shard(model, stage=2)
+
+
+# -- memory ----------------------------------------------------------------------------------
+def _peak_case(reshard_after_forward: bool) -> dict:
+    torch.manual_seed(0)
+    model = flatshard.shard(
+        GPT(DEEP).to(torch.bfloat16), stage=3, bucket_size=None, reshard_after_forward=reshard_after_forward
+    )
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    for step in range(2):
+        _step(model, opt, step)
+    state = model.flatshard_state
+    unit_numel = [sum(p.bucket.numel for p in parts) for parts in state.unsharder.parts]
+    layout = model.layouts["main"]
+    rank = state.sets["main"].world.rank
+    return {
+        "report": memory_report(model, opt).total,
+        "shard": sum(b.shard_numel(rank) for b in layout.buffers),
+        "psi": layout.numel,
+        "full_params": state.unsharder.peak_full_bytes,
+        "scratch": state.grad_sync.groups[0].pool.peak_bytes,
+        "unit_numel": unit_numel,
+    }
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_forward):
+    """Between steps 18Ψ/N (+ AdamW step counts). On top, at the peak: two of the largest
+    unit in full (bf16 params and fp32 grads: the unit running and the one prefetched or
+    reducing) and the root unit's params, which stay full for the whole step. Without
+    resharding after forward every unit's params stay full until its backward."""
+    for r in run_distributed(_peak_case, 2, reshard_after_forward):
+        assert r["shard"] * 2 == r["psi"]
+        assert 18 * r["shard"] <= r["report"] <= 18 * r["shard"] + 4 * 64
+        root, largest = r["unit_numel"][0], max(r["unit_numel"])
+        assert r["scratch"] <= 2 * 4 * largest, r
+        if reshard_after_forward:
+            assert r["full_params"] <= 2 * root + 2 * 2 * largest, r
+            assert r["full_params"] + r["scratch"] <= 2 * root + 2 * 6 * largest, r
+        else:
+            assert r["full_params"] == 2 * r["psi"]
+
+
+# -- full params on demand -------------------------------------------------------------------
+def _full_params_case(path: str) -> dict:
+    torch.manual_seed(0)
+    model = TiedGPT()
+    reference = copy.deepcopy(model)
+    sharded = flatshard.shard(model, stage=3, bucket_size=2000)
+    opt = DistributedOptimizer(sharded, torch.optim.AdamW, lr=1e-2)
+    out = {"rank": _rank(), "initial": max_rel_diff(torch.cat([p.flatten() for p in full_params(sharded)]),
+                                   torch.cat([p.detach().flatten() for p in reference.parameters()]))}
+    _step(sharded, opt, 0)
+    full = sharded.full_state_dict()
+    out["keys_match"] = (not full) or list(full) == list(reference.state_dict())
+    out["on_cpu"] = all(t.device.type == "cpu" for t in full.values())
+    out["peak_after_state_dict"] = sharded.flatshard_state.unsharder.peak_full_bytes
+    # writeback: a change made inside the block reaches the shards and the main params
+    with sharded.summon_full_params(), torch.no_grad():
+        sharded.blocks[1].fc.bias.fill_(0.5)
+    with sharded.summon_full_params(writeback=False), torch.no_grad():
+        out["written"] = bool((sharded.blocks[1].fc.bias == 0.5).all())
+        sharded.blocks[1].fc.bias.fill_(-1.0)
+    with sharded.summon_full_params(writeback=False):
+        out["not_written"] = bool((sharded.blocks[1].fc.bias == 0.5).all())
+    with sharded.summon_full_params(rank0_only=True, writeback=False):
+        out["rank0_only_readable"] = not torch.isnan(sharded.blocks[0].fc.weight).any().item()
+    # grads: full values of the reduced grads
+    x, y = CORPUS.batch(1, _rank(), 4)
+    sharded(x, y).backward()
+    with sharded.summon_full_params(with_grads=True, writeback=False):
+        out["grad_norm"] = torch.cat([p.grad.flatten() for p in sharded.parameters() if p.requires_grad]).norm().item()
+    out["opt_norm"] = opt.clip_grad_norm_(1e9).item()
+    with pytest.raises(RuntimeError, match="summoned"):
+        with sharded.summon_full_params():
+            opt.step()
+    # a full state dict loads back (every rank passes it)
+    if _rank() == 0:
+        torch.save(full, path)
+    dist.barrier()
+    opt.step()
+    loaded = torch.load(path)
+    sharded.load_state_dict(loaded)
+    names = [n for n, _ in sharded.named_parameters()]
+    out["reloaded"] = max(max_rel_diff(a, loaded[n]) for n, a in zip(names, full_params(sharded), strict=True))
+    with pytest.raises(ValueError, match="shape"):
+        sharded.load_state_dict({**loaded, "wpe.weight": torch.zeros(3)})
+    return out
+
+
+def test_summon_full_state_dict_and_load(tmp_path):
+    for r in run_distributed(_full_params_case, 3, str(tmp_path / "full.pt")):
+        assert r["initial"] == 0.0
+        assert r["keys_match"] and r["on_cpu"]
+        assert r["written"] and r["not_written"]
+        assert r["rank0_only_readable"] == (r["rank"] == 0)
+        assert abs(r["grad_norm"] - r["opt_norm"]) < 1e-5 * r["opt_norm"]
+        assert r["reloaded"] == 0.0
