@@ -96,6 +96,34 @@ class TiedGPT(GPT):
         self.blocks[0].ln1.weight.requires_grad_(False)
 
 
+class SharedBlockGPT(TiedGPT):
+    """Runs its first block again after the others (a unit called twice per forward)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in [*self.blocks, self.blocks[0]]:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class SkippingGPT(TiedGPT):
+    """Skips its last block on every second forward (the same on every rank)."""
+
+    def __init__(self, cfg: GPTConfig = CFG) -> None:
+        super().__init__(cfg)
+        self.calls = 0
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        blocks = self.blocks if self.calls % 2 else self.blocks[:-1]
+        for block in blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def decay_groups(model: nn.Module, lr_no_decay: float = 3e-3) -> list[dict]:
     """Two param groups as users write them: no weight decay (and another lr) for 1-D params."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
@@ -119,13 +147,14 @@ def train_optimizer_side_by_side(
     overlap_param_gather: bool = True,
     model_cls=TiedGPT,
     mesh_shape: tuple[int, int] | None = None,
+    reference_kwargs: dict | None = None,
 ) -> dict:
     """Train a flatshard DistributedOptimizer and torch DDP + the same torch optimizer on
     the same data; report loss, grad-norm and param differences at every step."""
     opt_kwargs = {"lr": 1e-2, "weight_decay": 0.1} if opt_kwargs is None else opt_kwargs
     torch.manual_seed(0)
     model = model_cls()
-    reference = DDP(copy.deepcopy(model))
+    reference = DDP(copy.deepcopy(model), **(reference_kwargs or {}))
     if mesh_shape is not None:
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
         shard_kwargs = {**shard_kwargs, "group": mesh}

@@ -264,7 +264,7 @@ def test_params_are_views_into_the_flat_buffers_and_keep_values():
     ("kwargs", "error", "message"),
     [
         ({"stage": 5}, ValueError, "stage must be 0, 1, 2 or 3, got 5"),
-        ({"stage": 3}, NotImplementedError, "stage 3"),
+        ({"stage": 3, "forward_prefetch": -1}, ValueError, "forward_prefetch must be an int >= 0, got -1"),
         ({"bucket_size": 0}, ValueError, "bucket_size .* got 0"),
         ({"buckets_per_group": 0}, ValueError, "buckets_per_group .* got 0"),
         ({"grad_scale": -1.0}, ValueError, "grad_scale .* got -1.0"),

@@ -180,3 +180,68 @@ def test_summon_full_state_dict_and_load(tmp_path):
         assert r["rank0_only_readable"] == (r["rank"] == 0)
         assert abs(r["grad_norm"] - r["opt_norm"]) < 1e-5 * r["opt_norm"]
         assert r["reloaded"] == 0.0
+
+
+# -- initial values: rank 0's, and meta-device models ----------------------------------------
+def _init_gpt(module: nn.Module) -> None:
+    if hasattr(module, "reset_parameters"):
+        module.reset_parameters()
+    GPT._init(module)
+
+
+def _checksums(model) -> torch.Tensor:
+    """Every rank's sum of |param| of each full param, as a (ranks, params) tensor."""
+    mine = torch.stack([p.detach().abs().sum() for p in full_params(model)])
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(everyone, mine)
+    return torch.stack(everyone)
+
+
+def _init_case(meta: bool) -> dict:
+    torch.manual_seed(_rank())  # different values on every rank: rank 0's must win
+    if meta:
+        with torch.device("meta"):
+            model = GPT(DEEP)
+    else:
+        model = GPT(DEEP)
+        rank0 = torch.stack([p.detach().abs().sum() for p in model.parameters()])
+        dist.broadcast(rank0, 0)
+    sharded = flatshard.shard(model, stage=3, sync_module_states=True, param_init_fn=_init_gpt, bucket_size=2000)
+    peak = sharded.flatshard_state.unsharder.peak_full_bytes
+    sums = _checksums(sharded)
+    out = {
+        "ranks_agree": bool((sums == sums[0]).all()),
+        "finite": all(torch.isfinite(p).all().item() for p in full_params(sharded)),
+        "peak": peak,
+        "largest_unit": max(sum(p.bucket.numel for p in ps) for ps in sharded.flatshard_state.unsharder.parts) * 4,
+        "tied": sharded.lm_head.weight is sharded.wte.weight,
+    }
+    if not meta:
+        out["rank0_values"] = bool(torch.allclose(sums[0], rank0))
+    with sharded.summon_full_params(writeback=False):
+        out["ln_ones"] = bool((sharded.blocks[2].ln1.weight == 1).all())
+        out["std"] = sharded.blocks[2].fc.weight.std().item()
+    # and it trains like DDP from the same start
+    full = sharded.full_state_dict()
+    reference = GPT(DEEP)
+    if _rank() == 0:
+        reference.load_state_dict(full)
+    reference = torch.nn.parallel.DistributedDataParallel(reference)  # broadcasts rank 0's values
+    opt = DistributedOptimizer(sharded, torch.optim.AdamW, lr=1e-2)
+    opt_ref = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    out["loss_diffs"] = [abs(_step(sharded, opt, s) - _step(reference, opt_ref, s)) for s in range(3)]
+    return out
+
+
+@pytest.mark.parametrize("meta", [False, True])
+def test_sync_module_states_and_meta_init(meta):
+    """Ranks seeded differently end up with rank 0's values; a meta model is initialized one
+    unit at a time (never more than one unit in full) and then trains like DDP."""
+    for r in run_distributed(_init_case, 3, meta):
+        assert r["ranks_agree"] and r["finite"] and r["tied"] and r["ln_ones"]
+        assert 0.015 < r["std"] < 0.025, r["std"]
+        assert max(r["loss_diffs"]) < 1e-5, r["loss_diffs"]
+        if meta:
+            assert r["peak"] <= r["largest_unit"], r
+        else:
+            assert r["rank0_values"]

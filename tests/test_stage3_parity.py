@@ -7,7 +7,13 @@ docs/design.md); the units are the transformer blocks and the root.
 import pytest
 import torch
 
-from _parity import decay_groups, train_against_fsdp2, train_optimizer_side_by_side
+from _parity import (
+    SharedBlockGPT,
+    SkippingGPT,
+    decay_groups,
+    train_against_fsdp2,
+    train_optimizer_side_by_side,
+)
 from flatshard.testing import run_distributed
 
 SGD = {"optimizer_class": torch.optim.SGD, "opt_kwargs": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
@@ -85,5 +91,37 @@ def test_hybrid_sharding(mesh_shape):
     across rows; parity with DDP over all 4 ranks."""
     (result, *_) = run_distributed(
         train_optimizer_side_by_side, 4, {"stage": 3, "bucket_size": 3000}, **SGD, clip=0.5, mesh_shape=mesh_shape
+    )
+    _check(result, params=1e-5)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_a_unit_called_twice_per_forward(reshard_after_forward):
+    """The first block runs again after the others: it is gathered again for its second
+    call, and its grads sum both calls."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        3,
+        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
+        **SGD,
+        clip=0.5,
+        model_cls=SharedBlockGPT,
+    )
+    _check(result, params=1e-5)
+
+
+def test_a_unit_not_called_in_some_forwards():
+    """The last block is skipped on every second micro-batch: its grads are zero there, and
+    plain SGD (where a zero grad changes nothing, as a missing one in torch) follows DDP."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        3,
+        {"stage": 3, "bucket_size": 3000},
+        optimizer_class=torch.optim.SGD,
+        opt_kwargs={"lr": 0.1},
+        clip=0.5,
+        model_cls=SkippingGPT,
+        reference_kwargs={"find_unused_parameters": True},
+        steps=3,
     )
     _check(result, params=1e-5)

@@ -106,7 +106,7 @@ def initialize_units(
             for m in modules:
                 _materialize_locals(m, device)
             for part in unsharder.parts[unit.index]:
-                part.buffer.allocate_full(part.bucket).zero_()
+                unsharder.allocate(part).zero_()
                 part.buffer.point_params(part.bucket, part.params, full=True)
             for m in modules:
                 if _holds_state(m):
@@ -120,7 +120,7 @@ def initialize_units(
                 own = part.buffer.shard_range(bucket).shift(bucket.start)
                 part.buffer.param_shard(bucket).copy_(full[own.start : own.end])
                 part.buffer.point_params(bucket, part.params, full=False)
-                part.buffer.free_full(bucket)
+                unsharder.free(part)
 
 
 def _module_units(unsharder: Unsharder) -> dict[int, int]:

@@ -117,8 +117,7 @@ class Unsharder:
         with torch.no_grad():
             for part in self.parts[u]:
                 buffer, bucket = part.buffer, part.bucket
-                full = buffer.allocate_full(bucket)
-                self._count(full.numel() * full.element_size())
+                full = self.allocate(part)
                 own = buffer.shard_range(bucket).shift(bucket.start) if bucket.sharded else None
                 if own is None or part.world.size == 1:
                     full.copy_(buffer.param_shard(bucket))
@@ -149,10 +148,20 @@ class Unsharder:
                 handle.wait()
         for part in self.parts[u]:
             part.buffer.point_params(part.bucket, part.params, full=False)
-            full = part.buffer.full_bucket(part.bucket)
-            self.full_bytes -= full.numel() * full.element_size()
-            part.buffer.free_full(part.bucket)
+            self.free(part)
         self.state[u] = _State.SHARDED
+
+    def allocate(self, part: Part) -> torch.Tensor:
+        """The part's full bucket with its storage allocated (counted in ``full_bytes``)."""
+        full = part.buffer.allocate_full(part.bucket)
+        self.full_bytes += full.numel() * full.element_size()
+        self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes)
+        return full
+
+    def free(self, part: Part) -> None:
+        full = part.buffer.full_bucket(part.bucket)
+        self.full_bytes -= full.numel() * full.element_size()
+        part.buffer.free_full(part.bucket)
 
     def settle(self) -> None:
         """Free every unit (before a step writes shards, and after each backward)."""
@@ -164,10 +173,6 @@ class Unsharder:
     @property
     def in_flight(self) -> int:
         return sum(1 for s in self.state if s is _State.GATHERING)
-
-    def _count(self, nbytes: int) -> None:
-        self.full_bytes += nbytes
-        self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes)
 
     def _prefetch(self, units: Sequence[int]) -> None:
         for v in units:

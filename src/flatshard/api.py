@@ -256,8 +256,6 @@ def _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale) 
         raise ValueError(f"{type(module).__name__} is already sharded")
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
-    if stage not in IMPLEMENTED_STAGES:
-        raise NotImplementedError(f"stage {stage} is not implemented yet (available: {IMPLEMENTED_STAGES})")
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
         raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
     if buckets_per_group is not None and (not isinstance(buckets_per_group, int) or buckets_per_group < 1):
