@@ -22,6 +22,11 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
 
 With a replicate world (hybrid sharding), the shards are then all-reduced across it.
 
+With a ``reduce_dtype`` (``MixedPrecision.reduce_dtype``) that differs from the grad dtype,
+the collectives run on a copy in that dtype, multiplied by ``post`` ([``split_scale``]);
+the result is copied back (divided by ``post``) into the reduced part of ``grad`` before
+anything reads it, so accumulation stays in the grad dtype.
+
 In the sharded and scratch modes grads are scaled as they are accumulated
 (``main_grad += scale * grad``), so a shard that already holds a reduced sum is carried
 into the next reduction as it is, whatever the scale.
@@ -38,6 +43,7 @@ from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, Handle, all_reduce, reduce_scatter
 from flatshard._world import ONE, World
 from flatshard.layout import BucketLayout
+from flatshard.mixed_precision import split_scale
 
 
 class ScratchPool:
@@ -94,6 +100,7 @@ class BucketGroup:
         stats: CommStats,
         pool: ScratchPool | None = None,
         replicate: World = ONE,
+        reduce_dtype: torch.dtype | None = None,
     ) -> None:
         self.index = index
         self.buffer = buffer
@@ -112,6 +119,9 @@ class BucketGroup:
         )
         self.pool = pool or ScratchPool(0)
         self.replicate = replicate
+        self.reduce_dtype = None if reduce_dtype == buffer.layout.grad_dtype else reduce_dtype
+        self._post = split_scale(scale, self.reduce_dtype)
+        self._low: torch.Tensor | None = None  # the reduce-dtype copy while it is reduced
         self._replicated = False
         self._slots = [slot for bucket in self.buckets for slot in bucket.params]
         ends = [self.start] + [slot.end for slot in self._slots]
@@ -185,15 +195,39 @@ class BucketGroup:
             raise RuntimeError(f"bucket group {self.index} was launched twice in one backward")
         self.launched = True
         self.begin()
+        data = self._reduced_data()
         if not self.sharded:
-            self._handles = [all_reduce(self.grad, self.world, stats=self.stats)]
+            self._handles = [all_reduce(data, self.world, stats=self.stats)]
             return
         self._handles = []
         for bucket in self.buckets:
             shard = self.buffer.shard_range(bucket)
-            tensor = self.grad[bucket.start - self.start : bucket.end - self.start]
-            own = self.grad[shard.start - self.start : shard.end - self.start]
+            tensor = data[bucket.start - self.start : bucket.end - self.start]
+            own = data[shard.start - self.start : shard.end - self.start]
             self._handles.append(reduce_scatter(tensor, own, self.world, stats=self.stats))
+
+    def _reduced_data(self) -> torch.Tensor:
+        """What the collectives run on: ``grad``, or its copy in ``reduce_dtype``."""
+        if self.reduce_dtype is None:
+            return self.grad
+        low = self.grad * self._post if self._post != 1.0 else self.grad
+        self._low = low.to(self.reduce_dtype)
+        return self._low
+
+    def _own_ranges(self) -> list[tuple[int, int]]:
+        """Where this rank's reduced values sit, relative to the group's start."""
+        if not self.sharded:
+            return [(0, self.numel)]
+        return [tuple(self.buffer.shard_range(b).shift(self.start)) for b in self.buckets]
+
+    def _copy_back(self) -> None:
+        if self._low is None:
+            return
+        for lo, hi in self._own_ranges():
+            self.grad[lo:hi].copy_(self._low[lo:hi])
+            if self._post != 1.0:
+                self.grad[lo:hi].div_(self._post)
+        self._low = None
 
     def replicate_shards(self) -> None:
         """Hybrid sharding: once the reduce-scatter is done, all-reduce this rank's shards
@@ -202,11 +236,8 @@ class BucketGroup:
             return
         for handle in self._handles:
             handle.wait()
-        self._handles = []
-        for bucket in self.buckets:
-            shard = self.buffer.shard_range(bucket)
-            own = self.grad[shard.start - self.start : shard.end - self.start]
-            self._handles.append(all_reduce(own, self.replicate, stats=self.stats))
+        data = self.grad if self._low is None else self._low
+        self._handles = [all_reduce(data[lo:hi], self.replicate, stats=self.stats) for lo, hi in self._own_ranges()]
         self._replicated = True
 
     def finish_sync(self) -> None:
@@ -218,6 +249,7 @@ class BucketGroup:
             handle.wait()
         self._handles = None
         self._replicated = False
+        self._copy_back()
         if not self.sharded:
             return
         if self.buffer.full_grads:

@@ -66,7 +66,10 @@ class BufferSet:
 
 
 def build_bucket_groups(
-    sets: Sequence[BufferSet], buckets_per_group: int | None, stats: CommStats
+    sets: Sequence[BufferSet],
+    buckets_per_group: int | None,
+    stats: CommStats,
+    reduce_dtype: torch.dtype | None = None,
 ) -> list[BucketGroup]:
     """Bucket groups of every buffer, in launch order (see [Note: grad sync])."""
     found = []
@@ -83,7 +86,9 @@ def build_bucket_groups(
     found.sort(key=lambda item: item[:2])
     pool = ScratchPool(MAX_SCRATCH_IN_FLIGHT + 1)
     return [
-        BucketGroup(i, buffer, chunk, params, names, bset.world, bset.scale, stats, pool, bset.replicate)
+        BucketGroup(
+            i, buffer, chunk, params, names, bset.world, bset.scale, stats, pool, bset.replicate, reduce_dtype
+        )
         for i, (_, _, bset, buffer, chunk, params, names) in enumerate(found)
     ]
 

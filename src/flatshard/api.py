@@ -171,7 +171,9 @@ def shard(
         "backward_prefetch": backward_prefetch,
         "limit": limit_all_gathers,
     }
-    sharded = _assemble(module, stage, sets, buckets_per_group, find_unused_parameters, (unit_list, unit_of, stage3))
+    sharded = _assemble(
+        module, stage, sets, buckets_per_group, find_unused_parameters, mp.reduce_dtype, (unit_list, unit_of, stage3)
+    )
     sharded.flatshard_state.originals = originals or None
     if meta:
         worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
@@ -206,11 +208,13 @@ def _broadcast_originals(originals: dict[str, torch.Tensor], sets: list[BufferSe
         h.wait()
 
 
-def _assemble(module, stage, sets, buckets_per_group, find_unused_parameters, stage3) -> ShardedModule:
+def _assemble(
+    module, stage, sets, buckets_per_group, find_unused_parameters, reduce_dtype, stage3
+) -> ShardedModule:
     """Bucket groups, the grad-sync state machine, and the param gathers (stages 1-2) or
     the unsharder (stage 3)."""
     stats = CommStats()
-    groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats)
+    groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats, reduce_dtype)
     sync = GradSync(
         list(sets.values()),
         groups,

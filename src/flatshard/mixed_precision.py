@@ -8,10 +8,16 @@ optimizer's fp32 main params start from them rather than from their 16-bit round
 ``sync_module_states`` they are taken from rank 0 like everything else. Floating tensors
 passed to the module's forward are cast to ``param_dtype`` unless ``cast_forward_inputs``
 is False.
+
+``reduce_dtype`` is the dtype grads are *communicated* in (None: the dtype they accumulate
+in). Accumulation stays in fp32; each reduction casts a copy. So that a 16-bit sum stays in
+range, the division by the world size is split: grads are divided by ``N / post`` before
+the sum and by ``post`` after it (``post``: the largest power of two <= sqrt(N)).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -21,18 +27,26 @@ from torch.utils._pytree import tree_map
 
 @dataclass(frozen=True)
 class MixedPrecision:
-    """``param_dtype``: the dtype params are stored and computed in (None: as they are)."""
+    """``param_dtype``: the dtype params are stored and computed in (None: as they are);
+    ``reduce_dtype``: the dtype grads are reduced in (None: their accumulation dtype)."""
 
     param_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+    reduce_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        if self.param_dtype is not None and not (
-            isinstance(self.param_dtype, torch.dtype) and self.param_dtype.is_floating_point
-        ):
-            raise ValueError(
-                f"MixedPrecision.param_dtype must be a floating torch.dtype, got {self.param_dtype!r}"
-            )
+        for field in ("param_dtype", "reduce_dtype"):
+            value = getattr(self, field)
+            if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
+                raise ValueError(f"MixedPrecision.{field} must be a floating torch.dtype, got {value!r}")
+
+
+def split_scale(scale: float, reduce_dtype: torch.dtype | None) -> float:
+    """``post``: the factor by which a 16-bit reduction's sum is divided after the collective
+    (grads already carry ``scale``; they are multiplied by ``post`` before it)."""
+    if reduce_dtype not in (torch.float16, torch.bfloat16) or scale >= 1.0:
+        return 1.0
+    return float(2 ** math.floor(math.log2(math.sqrt(1.0 / scale))))
 
 
 def cast_params(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
