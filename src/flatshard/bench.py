@@ -50,14 +50,20 @@ def _torch_zero1(model: nn.Module, bucket_size: int | None):
     return model, optimizer, optimizer.optim
 
 
-def _fsdp2(model: nn.Module, bucket_size: int | None):
-    """FSDP2 with params kept unsharded between forward and backward (ZeRO-2-like); its
-    unsharded buffers are internal, so its memory is not counted."""
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.blocks:
-        fully_shard(block, mesh=mesh, reshard_after_forward=False)
-    fully_shard(model, mesh=mesh, reshard_after_forward=False)
-    return model, torch.optim.AdamW(model.parameters(), **ADAMW), None
+def _fsdp2(reshard_after_forward: bool) -> Peer:
+    """FSDP2 (``fully_shard`` per block, then the root); ``reshard_after_forward=False`` keeps
+    params unsharded between forward and backward (ZeRO-2-like). Its resident state is
+    counted from the local shards of its DTensors."""
+
+    def wrap(model: nn.Module, bucket_size: int | None):
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        return model, optimizer, optimizer
+
+    return wrap
 
 
 def _flatshard(stage: int) -> Peer:
@@ -78,7 +84,8 @@ def _flatshard(stage: int) -> Peer:
 PEERS: dict[str, Peer] = {
     "ddp": _ddp,
     "torch-zero1": _torch_zero1,
-    "fsdp2": _fsdp2,
+    "fsdp2": _fsdp2(False),
+    "fsdp2-zero3": _fsdp2(True),
     **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
 }
 

@@ -29,6 +29,8 @@ class MemoryReport:
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
     total = 0
     for t in tensors:
+        if hasattr(t, "to_local"):  # a DTensor (torch FSDP2): this rank's local shard
+            t = t.to_local()
         storage = t.untyped_storage()
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:
