@@ -24,7 +24,7 @@ from flatshard._collectives import CommStats, broadcast
 from flatshard._grad_sync import BufferSet
 from flatshard._units import Unit
 from flatshard._unshard import Part, Unsharder
-from flatshard._world import World
+from flatshard._world import World, side_world
 
 COALESCE_NUMEL = 2**22
 """Elements per broadcast when rank 0's values are sent to every rank before binding."""
@@ -34,10 +34,11 @@ def build_unsharder(units: list[Unit], unit_of: dict[int, int], sets: Sequence[B
     """The parts (buckets) of each unit and the ``Unsharder`` over them."""
     parts: list[list[Part]] = [[] for _ in units]
     for bset in sets:
+        gather_world = side_world(bset.world)
         for buffer in bset.buffers:
             for bucket in buffer.layout.buckets:
                 first = bset.params[bucket.params[0].index]
-                parts[unit_of[id(first)]].append(Part(buffer, bucket, bset.world, bset.params))
+                parts[unit_of[id(first)]].append(Part(buffer, bucket, gather_world, bset.params))
     return Unsharder(units, parts, stats, **options)
 
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.data import SyntheticCorpus
-from flatshard.memory import memory_report
+from flatshard.memory import memory_report, retain_freed_cpu_memory
 from flatshard.models import GPT, PRESETS
 
 
@@ -62,6 +62,8 @@ def _device(name: str) -> torch.device:
 
 def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dict:
     model_cfg = PRESETS[cfg.model]
+    if device.type == "cpu":
+        retain_freed_cpu_memory()
     torch.manual_seed(cfg.seed)  # same init on every rank
     model = flatshard.shard(GPT(model_cfg).to(device), stage=cfg.stage, bucket_size=cfg.bucket_size)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]

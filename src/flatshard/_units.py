@@ -9,9 +9,11 @@ a unit too: it owns every param outside the others. Units may nest.
 
 A param belongs to exactly one unit: the innermost unit that contains *every* module
 registering it (so a param tied between two blocks belongs to their common ancestor, which
-is full whenever either block runs). Units are listed in module pre-order (root first),
-which is the registration order the layout follows; ``ParamSpec.unit`` carries the unit's
-index, so a bucket never holds params of two units.
+is full whenever either block runs). Units are listed in module pre-order (root first).
+At stage 3 the params are handed to the layout grouped by unit (in that order, registration
+order within a unit), so each unit's params are contiguous in the buffer and the root's
+few params form one bucket rather than one at each end; ``ParamSpec.unit`` carries the
+unit's index, so a bucket never holds params of two units.
 """
 
 from __future__ import annotations

@@ -170,6 +170,13 @@ class Unsharder:
         for u in range(len(self.units)):
             self.reshard(u)
 
+    def prefetch_first(self) -> None:
+        """Start gathering the units the next forward runs first (the root and the next
+        ``forward_prefetch``), so they overlap whatever runs between a step and the next
+        forward."""
+        if self.order:
+            self._prefetch(self.order[: 1 + self.forward_prefetch])
+
     @property
     def in_flight(self) -> int:
         return sum(1 for s in self.state if s is _State.GATHERING)
@@ -181,17 +188,17 @@ class Unsharder:
             self.unshard(v)
 
     def _next_in_order(self, u: int, step: int, count: int) -> list[int]:
-        """Up to ``count`` units after (``step=1``) or before (``-1``) ``u`` in the recorded
-        order that hold params and are sharded."""
+        """Those of the ``count`` units after (``step=1``) or before (``-1``) ``u`` in the
+        recorded order that are sharded (the others are gathering or full already)."""
         if self.order is None or u not in self.order or count == 0:
             return []
         i, out = self.order.index(u), []
-        while len(out) < count:
+        for _ in range(count):
             i += step
             if not 0 <= i < len(self.order):
                 break
             v = self.order[i]
-            if self.parts[v] and self.state[v] is _State.SHARDED:
+            if self.state[v] is _State.SHARDED:
                 out.append(v)
         return out
 
@@ -213,7 +220,8 @@ class Unsharder:
                 if not self.summoned:
                     self.reshard(u)
                 return
-            if u != 0 and self.reshard_after_forward and not self.summoned:
+            last = self.order is not None and self.order[-1] == u  # backward starts with it
+            if u != 0 and self.reshard_after_forward and not self.summoned and not last:
                 self.reshard(u)
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if tensors:

@@ -66,6 +66,23 @@ def resolve_world(group: object = None) -> World:
     return _of_group(group)
 
 
+_SIDE_GROUPS: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
+
+
+def side_world(world: World) -> World:
+    """A second process group over ``world``'s ranks (one per rank list, created once), so
+    that collectives issued on it are ordered independently of those on ``world`` (stage 3
+    issues param gathers on it, grad reductions on ``world``). Only ``world``'s members
+    take part in creating it."""
+    if world.group is None:
+        return world
+    ranks = tuple(dist.get_process_group_ranks(world.group))
+    key = (world.backend, ranks)
+    if key not in _SIDE_GROUPS:
+        _SIDE_GROUPS[key] = dist.new_group(list(ranks), backend=world.backend, use_local_synchronization=True)
+    return World(_SIDE_GROUPS[key], world.rank, world.size)
+
+
 def _device_mesh_type() -> type | None:
     try:
         from torch.distributed.device_mesh import DeviceMesh

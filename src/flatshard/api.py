@@ -142,6 +142,8 @@ def shard(
     tied = _tied_params(module)
     unit_list = find_units(module, units) if stage == 3 else []
     unit_of = assign_params(module, unit_list) if stage == 3 else {}
+    if stage == 3:  # each unit's params contiguous: fewer, larger gathers ([Note: units])
+        named.sort(key=lambda item: unit_of[id(item[1])])
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     config = (
         f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
@@ -321,7 +323,7 @@ def param_specs(
             p.numel(),
             p.dtype,
             grad_dtype(p.dtype),
-            id(p) in tied,
+            id(p) in tied and not unit_of,  # at stage 3 a unit's buckets are what is gathered
             None if id(p) not in unit_of else str(unit_of[id(p)]),
         )
         for n, p in named

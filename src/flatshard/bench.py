@@ -26,7 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
 from flatshard.data import SyntheticCorpus
-from flatshard.memory import memory_report
+from flatshard.memory import memory_report, retain_freed_cpu_memory
 from flatshard.models import GPT, PRESETS
 from flatshard.testing import run_distributed
 
@@ -91,6 +91,7 @@ PEERS: dict[str, Peer] = {
 
 
 def _rank_bench(preset: str, peers: list[str], steps: int, rounds: int, batch: int, bucket_size) -> dict:
+    retain_freed_cpu_memory()  # the same allocator settings for every peer
     rank = dist.get_rank()
     cfg = PRESETS[preset]
     torch.manual_seed(0)

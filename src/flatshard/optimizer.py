@@ -298,6 +298,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             gather.launch()
             if not self.overlap_param_gather:
                 gather.wait_all()
+        unsharder = self._sharded.unsharder
+        if unsharder is not None and self.overlap_param_gather:
+            unsharder.prefetch_first()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Zero the model's grads (the shards the inner optimizer reads included)."""
