@@ -124,6 +124,19 @@ class SkippingGPT(TiedGPT):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class CheckpointedGPT(TiedGPT):
+    """Recomputes each block's activations in backward (non-reentrant checkpointing)."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        logits = self.lm_head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 def decay_groups(model: nn.Module, lr_no_decay: float = 3e-3) -> list[dict]:
     """Two param groups as users write them: no weight decay (and another lr) for 1-D params."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]

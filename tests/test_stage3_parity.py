@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _parity import (
+    CheckpointedGPT,
     SharedBlockGPT,
     SkippingGPT,
     decay_groups,
@@ -123,5 +124,19 @@ def test_a_unit_not_called_in_some_forwards():
         model_cls=SkippingGPT,
         reference_kwargs={"find_unused_parameters": True},
         steps=3,
+    )
+    _check(result, params=1e-5)
+
+
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_activation_checkpointing(reshard_after_forward):
+    """Blocks recomputed in backward (non-reentrant checkpointing) see their params full."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        2,
+        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
+        **SGD,
+        clip=0.5,
+        model_cls=CheckpointedGPT,
     )
     _check(result, params=1e-5)

@@ -21,6 +21,8 @@ each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *g
   is resized to zero on release. Saved activations that reference a param's storage see
   it refilled with the same values before backward uses them.
 * **no grad**: a forward under ``torch.no_grad`` frees every unit after it, the root too.
+* **activation checkpointing**: a forward that autograd recomputes during backward only
+  makes sure its unit is full; the unit's backward follows and frees it as usual.
 
 A unit that runs twice in one forward is gathered again for the second call if it was
 freed in between; a unit that does not run is never gathered (its grads are zero). The
@@ -205,6 +207,9 @@ class Unsharder:
     # -- hooks ---------------------------------------------------------------------------------
     def _pre_forward_hook(self, u: int):
         def hook(module: nn.Module, args: object) -> None:
+            if _in_backward():  # activation checkpointing recomputes the unit's forward
+                self.wait(u)
+                return
             if self.order is None and u not in self._recording:
                 self._recording.append(u)
             self.wait(u)
@@ -214,6 +219,8 @@ class Unsharder:
 
     def _post_forward_hook(self, u: int):
         def hook(module: nn.Module, args: object, output: object) -> None:
+            if _in_backward():  # a recomputation: its backward follows at once
+                return
             if u == 0 and self.order is None:
                 self.order = list(self._recording)
             if not torch.is_grad_enabled():
@@ -253,3 +260,9 @@ class Unsharder:
         self._waiting = [set(s) for s in self._params]
         if not self.summoned:
             self.settle()
+
+
+def _in_backward() -> bool:
+    """Whether autograd is running a backward on this thread (e.g. recomputing a
+    checkpointed forward)."""
+    return torch._C._current_graph_task_id() != -1
