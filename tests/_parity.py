@@ -124,6 +124,27 @@ class SkippingGPT(TiedGPT):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+class RankSkippingGPT(SkippingGPT):
+    """Ranks take different control flow: with four blocks, on every 4k+2-th forward rank r
+    runs only the first 4 - r (an early exit), on every 4k-th it skips block r."""
+
+    def __init__(self) -> None:
+        super().__init__(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        rank, blocks = dist.get_rank(), list(self.blocks)
+        if self.calls % 4 == 2:
+            blocks = blocks[: len(blocks) - rank]
+        elif self.calls % 4 == 0:
+            blocks = [b for i, b in enumerate(blocks) if i != rank]
+        for block in blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
 class CheckpointedGPT(TiedGPT):
     """Recomputes each block's activations in backward (non-reentrant checkpointing)."""
 

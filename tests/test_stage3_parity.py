@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from _parity import (
+    RankSkippingGPT,
     CheckpointedGPT,
     SharedBlockGPT,
     SkippingGPT,
@@ -111,19 +112,24 @@ def test_a_unit_called_twice_per_forward(reshard_after_forward):
     _check(result, params=1e-5)
 
 
-def test_a_unit_not_called_in_some_forwards():
-    """The last block is skipped on every second micro-batch: its grads are zero there, and
-    plain SGD (where a zero grad changes nothing, as a missing one in torch) follows DDP."""
+@pytest.mark.parametrize("model_cls", [SkippingGPT, RankSkippingGPT])
+@pytest.mark.parametrize("reshard_after_forward", [True, False])
+def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward):
+    """A block is skipped on every second micro-batch, by every rank (SkippingGPT) or by
+    rank r for block r (RankSkippingGPT: ranks take different control flow; every rank still
+    issues the same gathers, [Note: unsharding]). Its grads are zero there, and plain SGD
+    (where a zero grad changes nothing, as a missing one in torch) follows DDP."""
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {"stage": 3, "bucket_size": 3000},
+        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
         optimizer_class=torch.optim.SGD,
         opt_kwargs={"lr": 0.1},
         clip=0.5,
-        model_cls=SkippingGPT,
+        model_cls=model_cls,
         reference_kwargs={"find_unused_parameters": True},
         steps=3,
+        timeout=60,
     )
     _check(result, params=1e-5)
 

@@ -31,6 +31,7 @@ optimizer step frees every unit first (``settle``), so full copies never go stal
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
@@ -41,7 +42,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, Handle, all_gather
+from flatshard._collectives import CommStats, Handle, all_gather, all_reduce
 from flatshard._units import Unit
 from flatshard._world import World
 from flatshard.layout import BucketLayout
@@ -94,8 +95,11 @@ class Unsharder:
         self.limit = limit
         self.state = [_State.SHARDED] * len(units)
         self._handles: dict[int, list[Handle]] = {}
-        self.order: list[int] | None = None  # units in the order the first forward ran them
-        self._recording: list[int] = []
+        self._recording: list[int] | None = []  # units in the order the first forward runs them
+        self._ran: set[int] = set()  # units whose forward ran since the last backward
+        self._ran_now: set[int] = set()  # units whose forward ran in the current forward
+        self._fwd = self._bwd = _Schedule([])
+        self._set_schedule([unit.index for unit, ps in zip(units, parts, strict=True) if ps])
         self._params = [{id(p.params[s.index]) for p in ps for s in p.bucket.params} for ps in parts]
         self._waiting: list[set[int]] = [set(s) for s in self._params]  # params without grad yet
         self._in_backward = False
@@ -104,7 +108,7 @@ class Unsharder:
         self.peak_full_bytes = 0  # the most ever alive at once
         self._hooks = []
         for unit, unit_parts in zip(units, parts, strict=True):
-            if unit_parts:
+            if unit_parts or unit.index == 0:  # the root's hooks also end each forward
                 self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit.index)))
                 self._hooks.append(unit.module.register_forward_hook(self._post_forward_hook(unit.index)))
                 for p in {id(q.params[s.index]): q.params[s.index] for q in unit_parts for s in q.bucket.params}.values():
@@ -171,38 +175,85 @@ class Unsharder:
             raise RuntimeError("params are summoned (summon_full_params): leave the block first")
         for u in range(len(self.units)):
             self.reshard(u)
+        self._fwd.restart()  # the next forward issues its gathers from the start
 
     def prefetch_first(self) -> None:
         """Start gathering the units the next forward runs first (the root and the next
         ``forward_prefetch``), so they overlap whatever runs between a step and the next
         forward."""
-        if self.order:
-            self._prefetch(self.order[: 1 + self.forward_prefetch])
+        if self._fwd.pos == 0:
+            self._advance(self._fwd, self.forward_prefetch)
 
     @property
     def in_flight(self) -> int:
         return sum(1 for s in self.state if s is _State.GATHERING)
 
-    def _prefetch(self, units: Sequence[int]) -> None:
-        for v in units:
-            if self.in_flight >= self.limit:
-                return
+    # -- the gather schedules ----------------------------------------------------------------
+    def _advance(self, schedule: _Schedule, pos: int) -> None:
+        """Issue the schedule's gathers up to entry ``pos`` (in order, each once); in backward
+        a unit that did not run since the last backward is freed as soon as it lands."""
+        while schedule.pos <= min(pos, len(schedule.units) - 1):
+            v = schedule.units[schedule.pos]
+            schedule.pos += 1
             self.unshard(v)
+            if schedule is self._bwd and v not in self._ran:
+                self.reshard(v)
 
-    def _next_in_order(self, u: int, step: int, count: int) -> list[int]:
-        """Those of the ``count`` units after (``step=1``) or before (``-1``) ``u`` in the
-        recorded order that are sharded (the others are gathering or full already)."""
-        if self.order is None or u not in self.order or count == 0:
-            return []
-        i, out = self.order.index(u), []
-        for _ in range(count):
-            i += step
-            if not 0 <= i < len(self.order):
-                break
-            v = self.order[i]
-            if self.state[v] is _State.SHARDED:
-                out.append(v)
-        return out
+    def _need(self, schedule: _Schedule, u: int) -> None:
+        """Make ``u`` full, issuing the schedule up to its entry (or, for a second call of
+        a unit already freed again, one gather outside it)."""
+        pos = schedule.index.get(u)
+        if pos is not None:
+            schedule.needed = max(schedule.needed, pos)
+        if self.state[u] is _State.SHARDED and pos is not None and pos >= schedule.pos:
+            self._advance(schedule, pos)
+        self.wait(u)
+
+    def _prefetch(self, schedule: _Schedule, count: int) -> None:
+        """Issue entries up to ``count`` past the last one needed while fewer than ``limit``
+        gathers fly; in backward only as far as units that ran (others are issued when
+        reached)."""
+        while (
+            schedule.pos <= schedule.needed + count
+            and schedule.pos < len(schedule.units)
+            and self.in_flight < self.limit
+        ):
+            if schedule is self._bwd and schedule.units[schedule.pos] not in self._ran:
+                return
+            self._advance(schedule, schedule.pos)
+
+    def _end_forward(self) -> None:
+        """Issue what this rank's forward skipped (so every rank issues the same gathers)
+        and free the units gathered for nothing; fix the schedule after the first forward."""
+        self._advance(self._fwd, len(self._fwd.units))
+        for v in self._fwd.units:
+            if v not in self._ran_now:
+                self.reshard(v)
+        self._fwd.restart()
+        self._ran_now = set()
+        if self._recording is not None:
+            recorded, self._recording = self._recording, None
+            self._set_schedule(self._agreed(recorded))
+
+    def _set_schedule(self, order: list[int]) -> None:
+        """Forward gathers follow ``order``; backward ones its reverse, without the root and
+        the last unit (both stay full from their forward into their backward)."""
+        order = order + [u for u in self._fwd.units if u not in order]
+        self._fwd = _Schedule(order)
+        kept = {0, order[-1]} if len(order) > 1 else {0}
+        self._bwd = _Schedule([u for u in reversed(order) if u not in kept] if self.reshard_after_forward else [])
+
+    def _agreed(self, recorded: list[int]) -> list[int]:
+        """``recorded`` if every rank recorded the same order, else the registration order."""
+        digest = int.from_bytes(hashlib.sha256(repr(recorded).encode()).digest()[:7], "little")
+        for world in {id(p.world): p.world for ps in self.parts for p in ps}.values():
+            if world.size == 1:
+                continue
+            both = torch.tensor([digest, -digest])
+            all_reduce(both, world, op="max").wait()  # the largest and (minus) the smallest
+            if int(both[0]) != -int(both[1]):
+                return list(self._fwd.units)
+        return recorded
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre_forward_hook(self, u: int):
@@ -210,10 +261,12 @@ class Unsharder:
             if _in_backward():  # activation checkpointing recomputes the unit's forward
                 self.wait(u)
                 return
-            if self.order is None and u not in self._recording:
+            if self._recording is not None and u not in self._recording:
                 self._recording.append(u)
-            self.wait(u)
-            self._prefetch(self._next_in_order(u, 1, self.forward_prefetch))
+            self._ran.add(u)
+            self._ran_now.add(u)
+            self._need(self._fwd, u)
+            self._prefetch(self._fwd, self.forward_prefetch)
 
         return hook
 
@@ -221,17 +274,16 @@ class Unsharder:
         def hook(module: nn.Module, args: object, output: object) -> None:
             if _in_backward():  # a recomputation: its backward follows at once
                 return
-            if u == 0 and self.order is None:
-                self.order = list(self._recording)
-            if not torch.is_grad_enabled():
-                if not self.summoned:
-                    self.reshard(u)
+            if self.summoned:
                 return
-            last = self.order is not None and self.order[-1] == u  # backward starts with it
-            if u != 0 and self.reshard_after_forward and not self.summoned and not last:
+            if not torch.is_grad_enabled():
                 self.reshard(u)
+            elif u != 0 and self.reshard_after_forward and u != self._fwd.units[-1]:
+                self.reshard(u)  # (the last unit is the first backward needs)
+            if u == 0:
+                self._end_forward()
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors:
+            if tensors and torch.is_grad_enabled():
                 register_multi_grad_hook(tensors, lambda grads: self._pre_backward(u), mode="any")
 
         return hook
@@ -240,9 +292,9 @@ class Unsharder:
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
-        self.wait(u)
+        self._need(self._bwd, u)
         if self.backward_prefetch == "pre":
-            self._prefetch(self._next_in_order(u, -1, 1))
+            self._prefetch(self._bwd, 1)
 
     def _grad_hook(self, u: int):
         def hook(param: nn.Parameter) -> None:
@@ -251,15 +303,33 @@ class Unsharder:
             if not waiting and not self.summoned:
                 self.reshard(u)
                 if self.backward_prefetch == "post":
-                    self._prefetch(self._next_in_order(u, -1, 1))
+                    self._prefetch(self._bwd, 1)
 
         return hook
 
     def _end_backward(self) -> None:
         self._in_backward = False
         self._waiting = [set(s) for s in self._params]
+        self._advance(self._bwd, len(self._bwd.units))
+        self._bwd.restart()
+        self._ran = set()
         if not self.summoned:
             self.settle()
+
+
+@dataclass
+class _Schedule:
+    """A fixed order of gathers and how far this pass has issued it."""
+
+    units: list[int]
+    pos: int = 0  # entries before this one are issued
+    needed: int = -1  # the furthest entry a hook has needed in this pass
+
+    def __post_init__(self) -> None:
+        self.index = {u: i for i, u in enumerate(self.units)}
+
+    def restart(self) -> None:
+        self.pos, self.needed = 0, -1
 
 
 def _in_backward() -> bool:
