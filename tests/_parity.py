@@ -16,6 +16,16 @@ import flatshard
 from flatshard.data import SyntheticCorpus
 from flatshard.models import GPT, GPTConfig
 
+SGD = {"optimizer_class": torch.optim.SGD, "opt_kwargs": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
+
+
+def check_parity(result: dict, *, params: float, loss: float = 1e-5, norm: float = 1e-5) -> None:
+    """Losses, grad norms and params of a side-by-side run within the given tolerances."""
+    assert max(result["loss_diffs"]) < loss, result["loss_diffs"]
+    assert max(result["param_diffs"]) < params, result["param_diffs"]
+    assert max(result["norm_diffs"], default=0.0) < norm, result["norm_diffs"]
+
+
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, tie_embeddings=True)
 
 

@@ -152,6 +152,11 @@ def test_split_scale_divides_by_a_power_of_two_near_sqrt_n_after_the_sum():
     from flatshard.mixed_precision import split_scale
 
     assert [split_scale(1 / n, torch.bfloat16) for n in (1, 2, 4, 8, 16, 64)] == [1, 1, 2, 2, 4, 8]
-    assert split_scale(1 / 64, torch.float32) == split_scale(1 / 64, None) == split_scale(1.0, torch.float16) == 1
+    assert (
+        split_scale(1 / 64, torch.float32)
+        == split_scale(1 / 64, None)
+        == split_scale(1.0, torch.float16)
+        == 1
+    )
     with pytest.raises(ValueError, match="reduce_dtype"):
         MixedPrecision(reduce_dtype=torch.int32)

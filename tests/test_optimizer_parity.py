@@ -8,16 +8,8 @@ step (tolerances: [Parity tolerances] in docs/design.md).
 import pytest
 import torch
 
-from _parity import decay_groups, train_optimizer_side_by_side
+from _parity import SGD, check_parity, decay_groups, train_optimizer_side_by_side
 from flatshard.testing import run_distributed
-
-SGD = {"optimizer_class": torch.optim.SGD, "opt_kwargs": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
-
-
-def _check(result, *, params: float, loss: float = 1e-5, norm: float = 1e-5) -> None:
-    assert max(result["loss_diffs"]) < loss, result["loss_diffs"]
-    assert max(result["param_diffs"]) < params, result["param_diffs"]
-    assert max(result["norm_diffs"], default=0.0) < norm, result["norm_diffs"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -35,7 +27,7 @@ def test_sgd_groups_schedule_clip_accumulation(world_size, stage, bucket_size):
         schedule=True,
         clip=0.5,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -48,7 +40,7 @@ def test_adamw_groups_schedule(world_size, stage):
         groups=decay_groups,
         schedule=True,
     )
-    _check(result, params=1e-5 if world_size <= 2 else 1e-2)
+    check_parity(result, params=1e-5 if world_size <= 2 else 1e-2)
 
 
 @pytest.mark.parametrize("world_size", [2, 3])
@@ -64,7 +56,7 @@ def test_reducing_every_micro_batch_accumulates_like_no_sync(world_size, stage):
         accum=3,
         sync_every_micro_batch=True,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
@@ -82,7 +74,7 @@ def test_summed_grads_every_micro_batch(world_size, stage):
         accum=3,
         sync_every_micro_batch=True,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize("optimizer_class", [torch.optim.Adam, torch.optim.Adagrad, torch.optim.RMSprop])
@@ -94,7 +86,7 @@ def test_other_elementwise_optimizers(optimizer_class):
         optimizer_class=optimizer_class,
         opt_kwargs={"lr": 1e-2},
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)])
@@ -111,7 +103,7 @@ def test_hybrid_sharding_over_a_2d_mesh(mesh_shape, stage):
         clip=0.5,
         mesh_shape=mesh_shape,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize(
@@ -127,4 +119,4 @@ def test_coalesced_groups_and_high_busbw_padding(stage, layout_kwargs):
         **SGD,
         clip=0.5,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)

@@ -132,8 +132,13 @@ def _full_params_case(path: str) -> dict:
     reference = copy.deepcopy(model)
     sharded = flatshard.shard(model, stage=3, bucket_size=2000)
     opt = DistributedOptimizer(sharded, torch.optim.AdamW, lr=1e-2)
-    out = {"rank": _rank(), "initial": max_rel_diff(torch.cat([p.flatten() for p in full_params(sharded)]),
-                                   torch.cat([p.detach().flatten() for p in reference.parameters()]))}
+    out = {
+        "rank": _rank(),
+        "initial": max_rel_diff(
+            torch.cat([p.flatten() for p in full_params(sharded)]),
+            torch.cat([p.detach().flatten() for p in reference.parameters()]),
+        ),
+    }
     _step(sharded, opt, 0)
     full = sharded.full_state_dict()
     out["keys_match"] = (not full) or list(full) == list(reference.state_dict())
@@ -153,11 +158,12 @@ def _full_params_case(path: str) -> dict:
     x, y = CORPUS.batch(1, _rank(), 4)
     sharded(x, y).backward()
     with sharded.summon_full_params(with_grads=True, writeback=False):
-        out["grad_norm"] = torch.cat([p.grad.flatten() for p in sharded.parameters() if p.requires_grad]).norm().item()
+        out["grad_norm"] = (
+            torch.cat([p.grad.flatten() for p in sharded.parameters() if p.requires_grad]).norm().item()
+        )
     out["opt_norm"] = opt.clip_grad_norm_(1e9).item()
-    with pytest.raises(RuntimeError, match="summoned"):
-        with sharded.summon_full_params():
-            opt.step()
+    with pytest.raises(RuntimeError, match="summoned"), sharded.summon_full_params():
+        opt.step()
     # a full state dict loads back (every rank passes it)
     if _rank() == 0:
         torch.save(full, path)
@@ -166,7 +172,9 @@ def _full_params_case(path: str) -> dict:
     loaded = torch.load(path)
     sharded.load_state_dict(loaded)
     names = [n for n, _ in sharded.named_parameters()]
-    out["reloaded"] = max(max_rel_diff(a, loaded[n]) for n, a in zip(names, full_params(sharded), strict=True))
+    out["reloaded"] = max(
+        max_rel_diff(a, loaded[n]) for n, a in zip(names, full_params(sharded), strict=True)
+    )
     with pytest.raises(ValueError, match="shape"):
         sharded.load_state_dict({**loaded, "wpe.weight": torch.zeros(3)})
     return out
@@ -206,14 +214,17 @@ def _init_case(meta: bool) -> dict:
         model = GPT(DEEP)
         rank0 = torch.stack([p.detach().abs().sum() for p in model.parameters()])
         dist.broadcast(rank0, 0)
-    sharded = flatshard.shard(model, stage=3, sync_module_states=True, param_init_fn=_init_gpt, bucket_size=2000)
+    sharded = flatshard.shard(
+        model, stage=3, sync_module_states=True, param_init_fn=_init_gpt, bucket_size=2000
+    )
     peak = sharded.flatshard_state.unsharder.peak_full_bytes
     sums = _checksums(sharded)
     out = {
         "ranks_agree": bool((sums == sums[0]).all()),
         "finite": all(torch.isfinite(p).all().item() for p in full_params(sharded)),
         "peak": peak,
-        "largest_unit": max(sum(p.bucket.numel for p in ps) for ps in sharded.flatshard_state.unsharder.parts) * 4,
+        "largest_unit": max(sum(p.bucket.numel for p in ps) for ps in sharded.flatshard_state.unsharder.parts)
+        * 4,
         "tied": sharded.lm_head.weight is sharded.wte.weight,
     }
     if not meta:

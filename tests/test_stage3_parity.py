@@ -8,23 +8,17 @@ import pytest
 import torch
 
 from _parity import (
-    RankSkippingGPT,
+    SGD,
     CheckpointedGPT,
+    RankSkippingGPT,
     SharedBlockGPT,
     SkippingGPT,
+    check_parity,
     decay_groups,
     train_against_fsdp2,
     train_optimizer_side_by_side,
 )
 from flatshard.testing import run_distributed
-
-SGD = {"optimizer_class": torch.optim.SGD, "opt_kwargs": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
-
-
-def _check(result, *, params: float, loss: float = 1e-5, norm: float = 1e-5) -> None:
-    assert max(result["loss_diffs"]) < loss, result["loss_diffs"]
-    assert max(result["param_diffs"]) < params, result["param_diffs"]
-    assert max(result["norm_diffs"], default=0.0) < norm, result["norm_diffs"]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -39,7 +33,7 @@ def test_sgd_groups_schedule_clip_accumulation(world_size, reshard_after_forward
         schedule=True,
         clip=0.5,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -51,7 +45,7 @@ def test_adamw_groups_schedule(world_size):
         groups=decay_groups,
         schedule=True,
     )
-    _check(result, params=1e-5 if world_size <= 2 else 1e-2)
+    check_parity(result, params=1e-5 if world_size <= 2 else 1e-2)
 
 
 @pytest.mark.parametrize(
@@ -71,10 +65,10 @@ def test_prefetch_settings_do_not_change_the_trajectory(forward_prefetch, backwa
         **SGD,
         clip=0.5,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_follows_fsdp2(world_size, reshard_after_forward):
     """flatshard stage 3 and torch FSDP2 on the same blocks, both with AdamW."""
@@ -84,7 +78,7 @@ def test_follows_fsdp2(world_size, reshard_after_forward):
         {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
         fsdp_kwargs={"reshard_after_forward": reshard_after_forward},
     )
-    _check(result, params=1e-5 if world_size <= 2 else 1e-2)
+    check_parity(result, params=1e-5 if world_size <= 2 else 1e-2)
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
@@ -92,24 +86,31 @@ def test_hybrid_sharding(mesh_shape):
     """A 2-D (replicate, shard) mesh: units gathered within a row, grad shards all-reduced
     across rows; parity with DDP over all 4 ranks."""
     (result, *_) = run_distributed(
-        train_optimizer_side_by_side, 4, {"stage": 3, "bucket_size": 3000}, **SGD, clip=0.5, mesh_shape=mesh_shape
+        train_optimizer_side_by_side,
+        4,
+        {"stage": 3, "bucket_size": 3000},
+        **SGD,
+        clip=0.5,
+        mesh_shape=mesh_shape,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
+@pytest.mark.parametrize("model_cls", [SharedBlockGPT, CheckpointedGPT])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_a_unit_called_twice_per_forward(reshard_after_forward):
-    """The first block runs again after the others: it is gathered again for its second
-    call, and its grads sum both calls."""
+def test_shared_blocks_and_activation_checkpointing(model_cls, reshard_after_forward):
+    """SharedBlockGPT runs its first block again after the others (gathered again for the
+    second call; its grads sum both calls); CheckpointedGPT recomputes every block in
+    backward (non-reentrant checkpointing), which finds its params full."""
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
         {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
         **SGD,
         clip=0.5,
-        model_cls=SharedBlockGPT,
+        model_cls=model_cls,
     )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize("model_cls", [SkippingGPT, RankSkippingGPT])
@@ -131,18 +132,4 @@ def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward):
         steps=3,
         timeout=60,
     )
-    _check(result, params=1e-5)
-
-
-@pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_activation_checkpointing(reshard_after_forward):
-    """Blocks recomputed in backward (non-reentrant checkpointing) see their params full."""
-    (result, *_) = run_distributed(
-        train_optimizer_side_by_side,
-        2,
-        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
-        **SGD,
-        clip=0.5,
-        model_cls=CheckpointedGPT,
-    )
-    _check(result, params=1e-5)
+    check_parity(result, params=1e-5)

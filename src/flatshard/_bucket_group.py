@@ -237,7 +237,9 @@ class BucketGroup:
         for handle in self._handles:
             handle.wait()
         data = self.grad if self._low is None else self._low
-        self._handles = [all_reduce(data[lo:hi], self.replicate, stats=self.stats) for lo, hi in self._own_ranges()]
+        self._handles = [
+            all_reduce(data[lo:hi], self.replicate, stats=self.stats) for lo, hi in self._own_ranges()
+        ]
         self._replicated = True
 
     def finish_sync(self) -> None:

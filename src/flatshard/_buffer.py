@@ -105,7 +105,9 @@ class FlatBuffer:
         if not param.is_meta:
             self.load_param(slot, param)
         if param.grad is not None:
-            raise ValueError(f"param {slot.name!r} has a .grad; call zero_grad(set_to_none=True) before stage 3")
+            raise ValueError(
+                f"param {slot.name!r} has a .grad; call zero_grad(set_to_none=True) before stage 3"
+            )
         param.main_grad = None
         if not param.is_meta:
             param.data = self.placeholder.expand(param.shape)

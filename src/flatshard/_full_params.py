@@ -20,6 +20,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+
 from flatshard._collectives import all_gather
 from flatshard._unshard import Part, Unsharder
 
@@ -28,7 +29,9 @@ from flatshard._unshard import Part, Unsharder
 def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
     unsharder: Unsharder = state.unsharder
     if writeback and rank0_only:
-        raise ValueError("summon_full_params: writeback=True with rank0_only=True would lose other ranks' writes")
+        raise ValueError(
+            "summon_full_params: writeback=True with rank0_only=True would lose other ranks' writes"
+        )
     if unsharder.summoned:
         raise RuntimeError("summon_full_params: params are already summoned (blocks do not nest)")
     unsharder.settle()

@@ -13,8 +13,8 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from flatshard._collectives import CommStats
-from flatshard._grad_sync import BufferSet, GradSync
 from flatshard._full_params import full_state_dict, load_full_state_dict, summon
+from flatshard._grad_sync import BufferSet, GradSync
 from flatshard._param_gather import ParamGather
 from flatshard._unshard import Unsharder
 from flatshard.layout import Layout
@@ -125,7 +125,11 @@ class ShardedModule(nn.Module):
         if self._flatshard.stage != 3:
             self._flatshard.wait_for_params()
             rank = next(iter(self._flatshard.sets.values())).world.rank
-            return {k: v.detach().to("cpu", copy=True) for k, v in super().state_dict().items()} if rank == 0 else {}
+            return (
+                {k: v.detach().to("cpu", copy=True) for k, v in super().state_dict().items()}
+                if rank == 0
+                else {}
+            )
         return full_state_dict(self._flatshard, partial(nn.Module.state_dict, self))
 
     @contextmanager

@@ -30,7 +30,9 @@ COALESCE_NUMEL = 2**22
 """Elements per broadcast when rank 0's values are sent to every rank before binding."""
 
 
-def build_unsharder(units: list[Unit], unit_of: dict[int, int], sets: Sequence[BufferSet], stats: CommStats, **options) -> Unsharder:
+def build_unsharder(
+    units: list[Unit], unit_of: dict[int, int], sets: Sequence[BufferSet], stats: CommStats, **options
+) -> Unsharder:
     """The parts (buckets) of each unit and the ``Unsharder`` over them."""
     parts: list[list[Part]] = [[] for _ in units]
     for bset in sets:
@@ -113,7 +115,11 @@ def initialize_units(
                 if _holds_state(m):
                     _init_module(m, init_fn)
             if sync_worlds:
-                pairs = [(part.buffer.full_bucket(part.bucket), w) for part in unsharder.parts[unit.index] for w in sync_worlds]
+                pairs = [
+                    (part.buffer.full_bucket(part.bucket), w)
+                    for part in unsharder.parts[unit.index]
+                    for w in sync_worlds
+                ]
                 pairs += [(t, w) for m in modules for t in _locals(m) for w in sync_worlds]
                 broadcast_values(pairs)
             for part in unsharder.parts[unit.index]:
@@ -148,7 +154,9 @@ def _materialize_locals(module: nn.Module, device: torch.device) -> None:
 
 
 def _holds_state(module: nn.Module) -> bool:
-    return any(True for _ in module.parameters(recurse=False)) or any(True for _ in module.buffers(recurse=False))
+    return any(True for _ in module.parameters(recurse=False)) or any(
+        True for _ in module.buffers(recurse=False)
+    )
 
 
 def _init_module(module: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:

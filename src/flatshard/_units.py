@@ -62,7 +62,9 @@ def _matcher(root: nn.Module, units: UnitSpec) -> Callable[[str, nn.Module], boo
     classes = tuple(units)
     for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
-            raise TypeError(f"units must be nn.Module classes or a predicate (name, module) -> bool; got {cls!r}")
+            raise TypeError(
+                f"units must be nn.Module classes or a predicate (name, module) -> bool; got {cls!r}"
+            )
     return lambda name, m: isinstance(m, classes)
 
 

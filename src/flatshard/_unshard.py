@@ -6,16 +6,14 @@ Between uses a rank holds only its shard of every bucket (``FlatBuffer.param_sha
 each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *gathering*
 (its buckets' all-gathers are in flight) or *full* (its params are views into full buckets):
 
-* **forward**: the unit's forward pre-hook gathers it (if nothing prefetched it) and waits,
-  then *prefetches* the next ``forward_prefetch`` units of the order recorded in the first
-  forward. The forward hook frees it again unless ``reshard_after_forward=False`` (or it is
-  the root, whose backward starts at once); outputs get a hook that fires when backward
-  reaches them.
-* **backward**: that hook gathers the unit again if it was freed and (``backward_prefetch=
-  "pre"``) prefetches the unit that backward reaches next. Once every param of the unit
-  has its grad (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the
-  unit is freed (``"post"`` prefetches at this point instead). At the end of backward every
-  unit is freed.
+* **forward**: the unit's forward pre-hook makes it full, then *prefetches* the next
+  ``forward_prefetch`` units. The forward hook frees it again unless
+  ``reshard_after_forward=False``, or it is the root or the last unit (backward needs both
+  at once); its outputs get a hook that fires when backward reaches them.
+* **backward**: that hook makes the unit full again and (``backward_prefetch="pre"``)
+  prefetches the unit backward reaches next. Once every param of the unit has its grad
+  (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the unit is freed
+  (``"post"`` prefetches at this point instead). At the end of backward every unit is freed.
 * **bounded memory**: prefetches start only while fewer than ``limit`` gathers are in
   flight; a unit's full buckets exist only from its gather to its release, and their storage
   is resized to zero on release. Saved activations that reference a param's storage see
@@ -24,9 +22,19 @@ each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *g
 * **activation checkpointing**: a forward that autograd recomputes during backward only
   makes sure its unit is full; the unit's backward follows and frees it as usual.
 
-A unit that runs twice in one forward is gathered again for the second call if it was
-freed in between; a unit that does not run is never gathered (its grads are zero). The
-optimizer step frees every unit first (``settle``), so full copies never go stale.
+**The gather schedule.** Gathers are collectives: every rank must issue the same ones in
+the same order, even when ranks take different control flow. So they are issued in a
+fixed *schedule* on a process group of their own (``side_world``: the grad reductions'
+order, which depends on when grads arrive, cannot interleave with them). The forward
+schedule is the order in which the first forward ran the units (registration order until
+then, and kept only if every rank recorded the same one); the backward schedule is its
+reverse without the root and the last unit. A hook that needs a unit issues every entry up
+to it; prefetching issues entries ahead. At the end of a forward a rank issues the entries
+it never reached (units it skipped) and frees them as they land; a backward does the same
+for units that did not run since the last backward. So a rank that skips a block or exits
+early issues exactly the gathers the others do, and the result equals DDP's (tested with
+ranks skipping different blocks). A unit that runs a second time after it was freed is
+gathered again outside the schedule: ranks must agree on such repeats.
 """
 
 from __future__ import annotations
@@ -81,7 +89,9 @@ class Unsharder:
         limit: int = 2,
     ) -> None:
         if backward_prefetch not in BACKWARD_PREFETCH:
-            raise ValueError(f"backward_prefetch must be one of {BACKWARD_PREFETCH}, got {backward_prefetch!r}")
+            raise ValueError(
+                f"backward_prefetch must be one of {BACKWARD_PREFETCH}, got {backward_prefetch!r}"
+            )
         if not isinstance(forward_prefetch, int) or forward_prefetch < 0:
             raise ValueError(f"forward_prefetch must be an int >= 0, got {forward_prefetch!r}")
         if not isinstance(limit, int) or limit < 1:
@@ -111,7 +121,9 @@ class Unsharder:
             if unit_parts or unit.index == 0:  # the root's hooks also end each forward
                 self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit.index)))
                 self._hooks.append(unit.module.register_forward_hook(self._post_forward_hook(unit.index)))
-                for p in {id(q.params[s.index]): q.params[s.index] for q in unit_parts for s in q.bucket.params}.values():
+                for p in {
+                    id(q.params[s.index]): q.params[s.index] for q in unit_parts for s in q.bucket.params
+                }.values():
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit.index)))
 
     # -- the three states ----------------------------------------------------------------------
@@ -241,7 +253,9 @@ class Unsharder:
         order = order + [u for u in self._fwd.units if u not in order]
         self._fwd = _Schedule(order)
         kept = {0, order[-1]} if len(order) > 1 else {0}
-        self._bwd = _Schedule([u for u in reversed(order) if u not in kept] if self.reshard_after_forward else [])
+        self._bwd = _Schedule(
+            [u for u in reversed(order) if u not in kept] if self.reshard_after_forward else []
+        )
 
     def _agreed(self, recorded: list[int]) -> list[int]:
         """``recorded`` if every rank recorded the same order, else the registration order."""

@@ -125,25 +125,9 @@ def shard(
             "got stage 0 (pass the flattened group for plain data parallelism)"
         )
     mp = mixed_precision or MixedPrecision()
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    if not named:
-        raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
-    meta = is_meta_model(named)
-    if meta:
-        if stage != 3:
-            raise ValueError(f"a model on the meta device is materialized unit by unit at stage 3; got stage {stage}")
-        device = _default_device() if device is None else torch.device(device)
-        replace_meta_params(module, device)
-    originals = cast_params(module, mp.param_dtype) if mp.param_dtype is not None and not meta else {}
-    if meta and mp.param_dtype is not None:
-        cast_params(module, mp.param_dtype)
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    _check_devices(named)
+    named, meta, device, originals = _prepare_params(module, stage, mp, device)
     tied = _tied_params(module)
-    unit_list = find_units(module, units) if stage == 3 else []
-    unit_of = assign_params(module, unit_list) if stage == 3 else {}
-    if stage == 3:  # each unit's params contiguous: fewer, larger gathers ([Note: units])
-        named.sort(key=lambda item: unit_of[id(item[1])])
+    unit_list, unit_of = _stage3_units(module, named, units) if stage == 3 else ([], {})
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     config = (
         f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
@@ -154,10 +138,7 @@ def shard(
         for w in (part_world, part_replicate):
             check_ranks_agree(w, [config, *_describe(part, key, unit_of)], f"the {key} params")
     if sync_module_states and stage == 3 and not meta:  # before binding: the shards come from rank 0
-        pairs = [(p.data, w) for _, pw, pr, part, _ in parts for _, p in part for w in (pw, pr)]
-        pairs += [(t, w) for t in _unsharded_tensors(module) for w in (world, replicate)]
-        pairs += [(t, w) for t in originals.values() for w in (world, replicate)]
-        broadcast_values(pairs)
+        _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
     for key, part_world, part_replicate, part, scale in parts:
         sets[key] = _build_set(
@@ -167,14 +148,12 @@ def shard(
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
         _broadcast_originals(originals, list(sets.values()))
-    stage3 = {
-        "reshard_after_forward": reshard_after_forward,
-        "forward_prefetch": forward_prefetch,
-        "backward_prefetch": backward_prefetch,
-        "limit": limit_all_gathers,
-    }
+    stage3 = (unit_list, unit_of, {"reshard_after_forward": reshard_after_forward})
+    stage3[2].update(
+        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch, limit=limit_all_gathers
+    )
     sharded = _assemble(
-        module, stage, sets, buckets_per_group, find_unused_parameters, mp.reduce_dtype, (unit_list, unit_of, stage3)
+        module, stage, sets, buckets_per_group, find_unused_parameters, mp.reduce_dtype, stage3
     )
     sharded.flatshard_state.originals = originals or None
     if meta:
@@ -185,6 +164,35 @@ def shard(
             _mixed_precision_hook(sharded.flatshard_state, mp), with_kwargs=True
         )
     return sharded
+
+
+def _prepare_params(module: nn.Module, stage: int, mp: MixedPrecision, device):
+    """(trainable named params, whether the model is on meta, the device, fp32 originals):
+    a meta model gets placeholders on ``device``; params are cast to ``mp.param_dtype``."""
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    if not named:
+        raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
+    meta = is_meta_model(named)
+    if meta and stage != 3:
+        raise ValueError(
+            f"a model on the meta device is materialized unit by unit at stage 3; got stage {stage}"
+        )
+    originals = cast_params(module, mp.param_dtype) if mp.param_dtype is not None else {}
+    if meta:  # placeholders on the device (cast first: meta tensors cost nothing)
+        originals = {}  # the main params start from the initialized values
+        device = _default_device() if device is None else torch.device(device)
+        replace_meta_params(module, device)
+    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    _check_devices(named)
+    return named, meta, device, originals
+
+
+def _broadcast_before_binding(module: nn.Module, parts, originals, worlds) -> None:
+    """Stage 3 ``sync_module_states``: rank 0's full values, before each rank keeps its shards."""
+    pairs = [(p.data, w) for _, pw, pr, part, _ in parts for _, p in part for w in (pw, pr)]
+    pairs += [(t, w) for t in _unsharded_tensors(module) for w in worlds]
+    pairs += [(t, w) for t in originals.values() for w in worlds]
+    broadcast_values(pairs)
 
 
 def _mixed_precision_hook(state: ShardState, mp: MixedPrecision):
@@ -330,13 +338,26 @@ def param_specs(
     ]
 
 
-def model_specs(module: nn.Module) -> list[ParamSpec]:
-    """``param_specs`` of a module's trainable params (works on the meta device)."""
+def model_specs(module: nn.Module, *, stage: int = 0, units: UnitSpec = None) -> list[ParamSpec]:
+    """``param_specs`` of a module's trainable params as ``shard(module, stage=stage)`` lays
+    them out (works on the meta device)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    return param_specs(named, _tied_params(module))
+    unit_of = _stage3_units(module, named, units)[1] if stage == 3 else {}
+    return param_specs(named, _tied_params(module), unit_of)
 
 
-def _build_set(world, replicate, named, tied, stage, bucket_size, pad_for_high_busbw, scale, unit_of) -> BufferSet:
+def _stage3_units(module: nn.Module, named: list, units: UnitSpec):
+    """The units and each param's unit; sorts ``named`` by unit, so each unit's params are
+    contiguous in the layout (fewer, larger gathers; [Note: units])."""
+    unit_list = find_units(module, units)
+    unit_of = assign_params(module, unit_list)
+    named.sort(key=lambda item: unit_of[id(item[1])])
+    return unit_list, unit_of
+
+
+def _build_set(
+    world, replicate, named, tied, stage, bucket_size, pad_for_high_busbw, scale, unit_of
+) -> BufferSet:
     specs = param_specs(named, tied, unit_of)
     layout = plan_layout(
         specs,

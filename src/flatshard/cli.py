@@ -167,13 +167,14 @@ def _plan(args: argparse.Namespace) -> int:
             print("flatshard plan: --grad-dtype applies to --params only", file=sys.stderr)
             return 2
         try:
-            specs = _model_specs(args.model, plan.DTYPES[args.param_dtype])
+            specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype])
             plans = plan.plan_from_specs(
                 specs,
                 world_size=args.world_size,
                 bucket_size=args.bucket_size,
                 optimizer=args.optimizer,
                 rank=args.rank,
+                stage3_specs=stage3_specs,
             )
         except (ValueError, ImportError, AttributeError) as e:
             print(f"flatshard plan: {e}", file=sys.stderr)
@@ -188,7 +189,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _model_specs(model: str, dtype):
-    """Build ``model`` (a GPT preset or module:factory) on the meta device: no memory used."""
+    """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
+    its specs as stages 0-2 and stage 3 lay them out."""
     import importlib
 
     import torch
@@ -207,4 +209,5 @@ def _model_specs(model: str, dtype):
         module = build()
     if not isinstance(module, torch.nn.Module):
         raise ValueError(f"{model} returned {type(module).__name__}, not an nn.Module")
-    return model_specs(module.to(dtype))
+    module = module.to(dtype)
+    return model_specs(module), model_specs(module, stage=3)

@@ -45,8 +45,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     """Count the params, grads, main params and optimizer state that ``model`` and
     ``optimizer`` keep on this rank. Flat buffers count once however many params view
     them; a storage shared by two roles counts for the first (params, grads, state). At
-    stage 3 a unit's full params exist only while it runs, so between steps they count 0
-    (``model.flatshard_state.unsharder.peak_full_bytes`` says the most ever alive)."""
+    stage 3 a unit's full params count while they exist (between steps: the units a step
+    prefetched for the next forward; ``model.wait_for_params()`` frees them);
+    ``model.flatshard_state.unsharder.peak_full_bytes`` says the most ever alive."""
     seen: set[int] = set()
     params = list(model.parameters())
     state = getattr(model, "flatshard_state", None)
@@ -55,6 +56,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         in_buffers = {id(p) for bset in state.sets.values() for p in bset.params}
         held = [b.param_storage() for bset in state.sets.values() for b in bset.buffers]
         held += [p for p in params if id(p) not in in_buffers]
+        if state.unsharder is not None:  # stage-3 units full right now (e.g. prefetched)
+            held += [p.buffer.full_bucket(p.bucket) for parts in state.unsharder.parts for p in parts]
     param_bytes = _storage_bytes(held, seen)
     grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
     if state is not None:  # grads that no param views between backwards (stage-2/3 shards)
@@ -87,6 +90,8 @@ def retain_freed_cpu_memory(threshold: int = 2**28) -> bool:
     """
     try:
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_TRIM_THRESHOLD, threshold)) and bool(libc.mallopt(M_MMAP_THRESHOLD, threshold))
+        return bool(libc.mallopt(M_TRIM_THRESHOLD, threshold)) and bool(
+            libc.mallopt(M_MMAP_THRESHOLD, threshold)
+        )
     except (OSError, AttributeError):
         return False

@@ -62,11 +62,22 @@ def _check(world_size: int, optimizer: str) -> tuple[int, int]:
     return OPTIMIZERS[optimizer]
 
 
-def _comm(stage: int, numel: int, world: int, param_bytes: int, grad_bytes: int) -> int:
-    """Ring wire bytes per step for ``numel`` elements (one bucket, or all of them)."""
+def _comm(stage: int, numel: int, world: int, param_bytes: int, grad_bytes: int, gathers: int = 2) -> int:
+    """Ring wire bytes per step for ``numel`` elements (one bucket, or all of them); at
+    stage 3 a bucket is gathered ``gathers`` times (once for the root and the last unit,
+    which stay full from forward into backward)."""
     ring = (world - 1) / world
     per_element = {0: 2 * grad_bytes, 1: grad_bytes + param_bytes, 2: grad_bytes + param_bytes}
-    return int(ring * numel * per_element.get(stage, grad_bytes + 2 * param_bytes))
+    return int(ring * numel * per_element.get(stage, grad_bytes + gathers * param_bytes))
+
+
+def _gathers_per_bucket(specs: Sequence[ParamSpec]):
+    """Stage-3 gathers per step of a bucket: once for the root unit ("0") and the last unit
+    (they stay full into backward), twice for the others (and without units)."""
+    unit_of = {spec.name: spec.unit for spec in specs}
+    units = [int(u) for u in unit_of.values() if u is not None]
+    kept = {"0", str(max(units))} if units else set()
+    return lambda bucket: 1 if unit_of[bucket.params[0].name] in kept else 2
 
 
 def plan_from_count(
@@ -103,15 +114,19 @@ def plan_from_specs(
     bucket_size: int | None,
     optimizer: str = "adamw",
     rank: int = 0,
+    stage3_specs: Sequence[ParamSpec] | None = None,
 ) -> dict[int, StagePlan]:
     """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
-    as flatshard would use them), on the layout ``shard`` would build."""
+    as flatshard would use them), on the layout ``shard`` would build; stage 3 lays out
+    ``stage3_specs`` (``model_specs(module, stage=3)``: grouped by unit) when given."""
     state_bytes, scalar_bytes = _check(world_size, optimizer)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
     plans = {}
     for stage in STAGES:
-        layout = plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=stage > 0)
+        staged = stage3_specs if stage == 3 and stage3_specs is not None else specs
+        layout = plan_layout(staged, world_size=world_size, bucket_size=bucket_size, shard=stage > 0)
+        gathers = _gathers_per_bucket(staged)
         totals = dict.fromkeys(
             ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step"), 0
         )
@@ -125,7 +140,7 @@ def plan_from_specs(
             totals["main_params"] += 4 * shard if buffer.dtype in (torch.float16, torch.bfloat16) else 0
             totals["optimizer_state"] += sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
             totals["comm_bytes_per_step"] += sum(
-                _comm(stage, b.numel, world_size, pb, gb) for b in buffer.buckets
+                _comm(stage, b.numel, world_size, pb, gb, gathers(b)) for b in buffer.buckets
             )
         if world_size == 1:
             totals["comm_bytes_per_step"] = 0
