@@ -97,7 +97,13 @@ def _peak_case(reshard_after_forward: bool) -> dict:
     unit_numel = [sum(p.bucket.numel for p in parts) for parts in state.unsharder.parts]
     layout = model.layouts["main"]
     rank = state.sets["main"].world.rank
+    at_rest = memory_report(model, opt).total  # the step prefetched the first units
+    prefetched = state.unsharder.full_bytes
+    model.wait_for_params()
     return {
+        "at_rest": at_rest,
+        "prefetched": prefetched,
+        "first_units": 2 * (unit_numel[0] + unit_numel[1]),
         "report": memory_report(model, opt).total,
         "shard": sum(b.shard_numel(rank) for b in layout.buffers),
         "psi": layout.numel,
@@ -109,13 +115,15 @@ def _peak_case(reshard_after_forward: bool) -> dict:
 
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_forward):
-    """Between steps 18Ψ/N (+ AdamW step counts). On top, at the peak: two of the largest
+    """Between steps 18Ψ/N (+ AdamW step counts), plus the root and first block that the
+    step prefetched for the next forward (bf16). On top, at the peak: two of the largest
     unit in full (bf16 params and fp32 grads: the unit running and the one prefetched or
     reducing) and the root unit (params and grads), which is full for the whole step.
     Without resharding after forward every unit's params stay full until its backward."""
     for r in run_distributed(_peak_case, 2, reshard_after_forward):
         assert r["shard"] * 2 == r["psi"]
         assert 18 * r["shard"] <= r["report"] <= 18 * r["shard"] + 4 * 64
+        assert r["prefetched"] == r["first_units"] == r["at_rest"] - r["report"], r
         root, largest = r["unit_numel"][0], max(r["unit_numel"])
         assert r["scratch"] <= 4 * root + 2 * 4 * largest, r
         if reshard_after_forward:
