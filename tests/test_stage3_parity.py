@@ -71,12 +71,15 @@ def test_prefetch_settings_do_not_change_the_trajectory(forward_prefetch, backwa
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_follows_fsdp2(world_size, reshard_after_forward):
-    """flatshard stage 3 and torch FSDP2 on the same blocks, both with AdamW."""
+    """flatshard stage 3 and torch FSDP2 on the same blocks, both with AdamW (unclipped:
+    a clipping coefficient that differs in the 7th digit turns into differences of order lr
+    under Adam, see [Parity tolerances]; clipping is compared with SGD above)."""
     (result, *_) = run_distributed(
         train_against_fsdp2,
         world_size,
         {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
         fsdp_kwargs={"reshard_after_forward": reshard_after_forward},
+        clip=None,
     )
     check_parity(result, params=1e-5 if world_size <= 2 else 1e-2)
 
