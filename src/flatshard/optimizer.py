@@ -133,7 +133,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             (e.g. ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``);
             None: every trainable param in one group. A param in no group is not updated.
         overlap_param_gather: wait for each bucket's all-gather in the forward pre-hook of
-            the modules that use it (True) or at the end of ``step`` (False).
+            the modules that use it (True) or at the end of ``step`` (False). At stage 3,
+            True starts gathering the root and first unit for the next forward at the end
+            of ``step``; False leaves every unit sharded between steps.
         loss_scale: None, a number (static) or ``"dynamic"`` (or a scaler from
             ``flatshard.loss_scale``): scale the loss with ``scale_loss`` before backward.
         skip_nonfinite: skip a step whose grads hold inf or NaN on any rank.
