@@ -16,10 +16,13 @@ def _flatshard(*args, timeout=240):
     )
 
 
-def test_train_starts_its_ranks_and_the_loss_falls():
-    out = _flatshard("train", "--world-size", "2", "--model", "tiny", "--steps", "60", "--lr", "1e-2")
+@pytest.mark.parametrize("stage", ["0", "3"])
+def test_train_starts_its_ranks_and_the_loss_falls(stage):
+    out = _flatshard(
+        "train", "--world-size", "2", "--model", "tiny", "--steps", "60", "--lr", "1e-2", "--stage", stage
+    )
     assert out.returncode == 0, out.stderr
-    assert "tiny GPT" in out.stdout and "2 rank(s)" in out.stdout
+    assert "tiny GPT" in out.stdout and f"stage {stage}, 2 rank(s)" in out.stdout
     line = next(x for x in out.stdout.splitlines() if x.strip().startswith("loss"))
     first, final = (float(v) for v in line.split()[1:4:2])
     uniform = float(line.split("uniform guess ")[1].split(",")[0])
