@@ -42,6 +42,9 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage):
         (["plan", "--model", "tiny", "--grad-dtype", "fp16"], "--grad-dtype applies to --params only"),
         (["plan", "--params", "10", "--optimizer", "lamb"], "argument --optimizer: invalid choice: 'lamb'"),
         (["plan", "--model", "tiny", "--rank", "5", "-n", "2"], "rank 5 is outside a world of size 2"),
+        (["layout"], "the following arguments are required: --model"),
+        (["layout", "--model", "nosuch"], "neither a GPT preset"),
+        (["layout", "--model", "tiny", "--stage", "4"], "argument --stage: invalid choice: 4"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
@@ -55,3 +58,16 @@ def test_help_lists_every_train_option():
     assert out.returncode == 0
     for option in ("--world-size", "--stage", "--model", "--steps", "--batch-size", "--lr", "--bucket-size"):
         assert option in out.stdout
+
+
+def test_layout_prints_every_ranks_shards_and_draws_a_png(tmp_path):
+    png = tmp_path / "layout.png"
+    out = _flatshard("layout", "--model", "tiny", "-n", "3", "--stage", "3", "--out", str(png), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "sharded over 3 ranks" in out.stdout and "wte.weight" in out.stdout
+    shard_lines = [line for line in out.stdout.splitlines() if line.strip().startswith("buffer 0 bucket")]
+    assert shard_lines and all("rank 2:" in line for line in shard_lines)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    help_text = _flatshard("layout", "--help", timeout=60).stdout
+    for option in ("--model", "--world-size", "--stage", "--param-dtype", "--bucket-size", "--out"):
+        assert option in help_text

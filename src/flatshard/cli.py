@@ -68,7 +68,32 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--seed", type=int, default=0, help="model init seed")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     _add_plan(sub)
+    _add_layout(sub)
     return parser
+
+
+def _add_layout(sub) -> None:
+    from flatshard.plan import DTYPE_BYTES
+
+    layout = sub.add_parser(
+        "layout",
+        help="a model's buffers, buckets, padding and rank shards: table and PNG",
+        description="Print a model's flat layout (buffers, buckets, params, alignment gaps and "
+        "end padding) and every rank's shard of each bucket, as flatshard.shard would build it; "
+        "with --out, also draw it as a PNG (needs matplotlib).",
+    )
+    layout.add_argument(
+        "--model", required=True, help="a GPT preset, or module:factory returning an nn.Module"
+    )
+    layout.add_argument(
+        "--world-size", "--world", "-n", type=_positive_int, default=2, help="ranks (default 2)"
+    )
+    layout.add_argument("--stage", type=int, choices=IMPLEMENTED_STAGES, default=2, help="default 2")
+    layout.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
+    layout.add_argument(
+        "--bucket-size", type=_bucket_size, default=DEFAULT_BUCKET_SIZE, help="default %(default)s"
+    )
+    layout.add_argument("--out", help="also write the drawing to this PNG file")
 
 
 def _add_plan(sub) -> None:
@@ -111,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, argv)
     if args.command == "plan":
         return _plan(args)
+    if args.command == "layout":
+        return _layout(args)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -185,6 +212,33 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
         print(plan.format_plan(plans, title))
+    return 0
+
+
+def _layout(args: argparse.Namespace) -> int:
+    from flatshard import draw, plan
+    from flatshard.layout import plan_layout
+
+    try:
+        specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype])
+    except (ValueError, ImportError, AttributeError) as e:
+        print(f"flatshard layout: {e}", file=sys.stderr)
+        return 2
+    layout = plan_layout(
+        stage3_specs if args.stage == 3 else specs,
+        world_size=args.world_size,
+        bucket_size=args.bucket_size,
+        shard=args.stage > 0,
+    )
+    print(draw.format_shards(layout))
+    if args.out:
+        title = f"{args.model}: stage {args.stage}, {args.world_size} ranks, {args.param_dtype} params"
+        try:
+            draw.draw_layout(layout, args.out, title)
+        except ImportError:
+            print("flatshard layout: --out needs matplotlib (pip install 'flatshard[plot]')", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out}")
     return 0
 
 
