@@ -138,9 +138,6 @@ class FlatBuffer:
     def free_full(self, bucket: BucketLayout) -> None:
         self._full[bucket.index].untyped_storage().resize_(0)
 
-    def full_allocated(self, bucket: BucketLayout) -> bool:
-        return self._full[bucket.index].untyped_storage().nbytes() > 0
-
     def point_params(self, bucket: BucketLayout, params: Sequence[nn.Parameter], *, full: bool) -> None:
         """Point the bucket's params at their views of the full bucket, or at the placeholder."""
         for slot in bucket.params:
@@ -175,6 +172,11 @@ class FlatBuffer:
         """Where ``bucket``'s shard sits in the shard frame."""
         start = self._frame_starts[bucket.index]
         return Range(start, start + bucket.shard_range(self.rank).size)
+
+    def own_part(self, tensor: torch.Tensor, bucket: BucketLayout) -> torch.Tensor:
+        """This rank's shard within ``tensor``, a bucket-sized tensor (e.g. a full bucket)."""
+        own = self.shard_range(bucket).shift(bucket.start)
+        return tensor[own.start : own.end]
 
     def param_shard(self, bucket: BucketLayout) -> torch.Tensor:
         """This rank's shard of ``bucket``'s params (a view of ``param_data``, or at stage 3

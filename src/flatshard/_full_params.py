@@ -40,19 +40,18 @@ def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Ite
         unsharder.unshard(u)
     for u in range(len(unsharder.units)):
         unsharder.wait(u)
-    unsharder.summoned = True
     before = [part.buffer.param_shard(part.bucket).clone() for part in parts] if writeback else []
-    grads = _gather_grads(parts) if with_grads else []
+    if with_grads:
+        _gather_grads(parts)
     if rank0_only and _rank(parts) != 0:
-        unsharder.summoned = False
         unsharder.settle()
-        unsharder.summoned = True
+    unsharder.summoned = True
     try:
         yield
     finally:
         unsharder.summoned = False
-        for part in parts:
-            for slot in part.bucket.params if grads else ():
+        for part in parts if with_grads else ():
+            for slot in part.bucket.params:
                 part.params[slot.index].grad = None
         if writeback:
             _write_back(state, parts, before)
@@ -67,8 +66,7 @@ def _write_back(state, parts: list[Part], before: list[torch.Tensor]) -> None:
     with torch.no_grad():
         for part, old in zip(parts, before, strict=True):
             buffer, bucket = part.buffer, part.bucket
-            own = buffer.shard_range(bucket).shift(bucket.start)
-            new = buffer.full_bucket(bucket)[own.start : own.end]
+            new = buffer.own_part(buffer.full_bucket(bucket), bucket)
             changed = new != old
             if not bool(changed.any()):
                 continue
@@ -77,17 +75,17 @@ def _write_back(state, parts: list[Part], before: list[torch.Tensor]) -> None:
                 state.optimizer.refresh_main_params(buffer, bucket, changed)
 
 
-def _gather_grads(parts: list[Part]) -> list[torch.Tensor]:
+def _gather_grads(parts: list[Part]) -> None:
     """Full grads of every bucket from the reduced grad shards; ``param.grad`` views them
     (a copy in the param's dtype when the grads are kept in fp32)."""
     out, handles = [], []
     for part in parts:
         buffer, bucket = part.buffer, part.bucket
         full = torch.zeros(bucket.numel, dtype=buffer.layout.grad_dtype, device=buffer.device)
-        own = buffer.shard_range(bucket).shift(bucket.start)
-        full[own.start : own.end].copy_(buffer.grad_shard(bucket))
+        mine = buffer.own_part(full, bucket)
+        mine.copy_(buffer.grad_shard(bucket))
         if part.world.size > 1:
-            handles.append(all_gather(full, full[own.start : own.end], part.world))
+            handles.append(all_gather(full, mine, part.world))
         out.append(full)
     for h in handles:
         h.wait()
@@ -96,7 +94,6 @@ def _gather_grads(parts: list[Part]) -> list[torch.Tensor]:
             param = part.params[slot.index]
             grad = full[slot.start - part.bucket.start : slot.end - part.bucket.start].view(param.shape)
             param.grad = grad.to(param.dtype)
-    return out
 
 
 def full_state_dict(state, plain_state_dict) -> dict[str, torch.Tensor]:

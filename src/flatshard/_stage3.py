@@ -123,10 +123,9 @@ def initialize_units(
                 pairs += [(t, w) for m in modules for t in _locals(m) for w in sync_worlds]
                 broadcast_values(pairs)
             for part in unsharder.parts[unit.index]:
-                bucket, full = part.bucket, part.buffer.full_bucket(part.bucket)
-                own = part.buffer.shard_range(bucket).shift(bucket.start)
-                part.buffer.param_shard(bucket).copy_(full[own.start : own.end])
-                part.buffer.point_params(bucket, part.params, full=False)
+                buffer, bucket = part.buffer, part.bucket
+                buffer.param_shard(bucket).copy_(buffer.own_part(buffer.full_bucket(bucket), bucket))
+                buffer.point_params(bucket, part.params, full=False)
                 unsharder.free(part)
 
 

@@ -45,7 +45,7 @@ def find_units(module: nn.Module, units: UnitSpec = None) -> list[Unit]:
         parent_name = name.rpartition(".")[0]
         parent = module.get_submodule(parent_name) if parent_name else module
         outer = enclosing[id(parent)]
-        if match(name, sub) and id(sub) not in {id(u.module) for u in found}:
+        if match(name, sub):  # named_modules lists a shared module once
             found.append(Unit(len(found), name, sub, outer))
             enclosing[id(sub)] = len(found) - 1
         else:

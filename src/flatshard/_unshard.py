@@ -134,15 +134,11 @@ class Unsharder:
         handles = []
         with torch.no_grad():
             for part in self.parts[u]:
-                buffer, bucket = part.buffer, part.bucket
                 full = self.allocate(part)
-                own = buffer.shard_range(bucket).shift(bucket.start) if bucket.sharded else None
-                if own is None or part.world.size == 1:
-                    full.copy_(buffer.param_shard(bucket))
-                    continue
-                mine = full[own.start : own.end]
-                mine.copy_(buffer.param_shard(bucket))
-                handles.append(all_gather(full, mine, part.world, stats=self.stats))
+                mine = part.buffer.own_part(full, part.bucket)
+                mine.copy_(part.buffer.param_shard(part.bucket))
+                if part.world.size > 1:
+                    handles.append(all_gather(full, mine, part.world, stats=self.stats))
         self._handles[u] = handles
         self.state[u] = _State.GATHERING
 

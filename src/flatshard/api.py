@@ -148,10 +148,13 @@ def shard(
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
         _broadcast_originals(originals, list(sets.values()))
-    stage3 = (unit_list, unit_of, {"reshard_after_forward": reshard_after_forward})
-    stage3[2].update(
-        forward_prefetch=forward_prefetch, backward_prefetch=backward_prefetch, limit=limit_all_gathers
-    )
+    options = {
+        "reshard_after_forward": reshard_after_forward,
+        "forward_prefetch": forward_prefetch,
+        "backward_prefetch": backward_prefetch,
+        "limit": limit_all_gathers,
+    }
+    stage3 = (unit_list, unit_of, options)
     sharded = _assemble(
         module, stage, sets, buckets_per_group, find_unused_parameters, mp.reduce_dtype, stage3
     )

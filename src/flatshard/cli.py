@@ -73,8 +73,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_layout(sub) -> None:
-    from flatshard.plan import DTYPE_BYTES
-
     layout = sub.add_parser(
         "layout",
         help="a model's buffers, buckets, padding and rank shards: table and PNG",
@@ -85,15 +83,30 @@ def _add_layout(sub) -> None:
     layout.add_argument(
         "--model", required=True, help="a GPT preset, or module:factory returning an nn.Module"
     )
-    layout.add_argument(
-        "--world-size", "--world", "-n", type=_positive_int, default=2, help="ranks (default 2)"
-    )
     layout.add_argument("--stage", type=int, choices=IMPLEMENTED_STAGES, default=2, help="default 2")
-    layout.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
-    layout.add_argument(
-        "--bucket-size", type=_bucket_size, default=DEFAULT_BUCKET_SIZE, help="default %(default)s"
-    )
+    _add_layout_options(layout, world_size=2, bucket_help="")
     layout.add_argument("--out", help="also write the drawing to this PNG file")
+
+
+def _add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
+    """The options ``plan`` and ``layout`` share: ranks, param dtype, bucket size."""
+    from flatshard.plan import DTYPE_BYTES
+
+    parser.add_argument(
+        "--world-size",
+        "--world",
+        "-n",
+        type=_positive_int,
+        default=world_size,
+        help=f"ranks (default {world_size})",
+    )
+    parser.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
+    parser.add_argument(
+        "--bucket-size",
+        type=_bucket_size,
+        default=DEFAULT_BUCKET_SIZE,
+        help=f"{bucket_help}(default %(default)s)",
+    )
 
 
 def _add_plan(sub) -> None:
@@ -109,22 +122,13 @@ def _add_plan(sub) -> None:
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=_positive_int, help="number of parameters, e.g. 7.5e9")
     source.add_argument("--model", help="a GPT preset, or module:factory returning an nn.Module")
-    plan.add_argument(
-        "--world-size", "--world", "-n", type=_positive_int, default=8, help="ranks (default 8)"
-    )
-    plan.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
+    _add_layout_options(plan, world_size=8, bucket_help="with --model ")
     plan.add_argument(
         "--grad-dtype",
         choices=sorted(DTYPE_BYTES),
         help="with --params (default fp32); a model's grads follow flatshard's policy",
     )
     plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="default adam")
-    plan.add_argument(
-        "--bucket-size",
-        type=_bucket_size,
-        default=DEFAULT_BUCKET_SIZE,
-        help="with --model (default %(default)s)",
-    )
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
     plan.add_argument("--json", action="store_true", help='print {"stages": {"0": {...}, ...}} instead')
 
