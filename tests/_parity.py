@@ -181,6 +181,7 @@ def train_optimizer_side_by_side(
     optimizer_class=torch.optim.AdamW,
     opt_kwargs: dict | None = None,
     ours_opt_kwargs: dict | None = None,
+    ours_optimizer_class=None,
     groups=None,
     steps: int = 4,
     accum: int = 2,
@@ -207,7 +208,7 @@ def train_optimizer_side_by_side(
     opt_ref = optimizer_class(ref_params, **opt_kwargs)
     opt = flatshard.DistributedOptimizer(
         ours,
-        optimizer_class,
+        ours_optimizer_class or optimizer_class,
         params=None if groups is None else groups(ours),
         overlap_param_gather=overlap_param_gather,
         **(opt_kwargs if ours_opt_kwargs is None else ours_opt_kwargs),

@@ -7,6 +7,7 @@ from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.mixed_precision import MixedPrecision
+from flatshard.hybrid_optimizer import HybridDeviceOptimizer
 from flatshard.optimizer import DistributedOptimizer
 
 __all__ = [
@@ -14,6 +15,7 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicLossScaler",
     "ExpertGroup",
+    "HybridDeviceOptimizer",
     "Layout",
     "MemoryReport",
     "MixedPrecision",

@@ -63,6 +63,7 @@ def _rank(parts: list[Part]) -> int:
 
 
 def _write_back(state, parts: list[Part], before: list[torch.Tensor]) -> None:
+    changes = []
     with torch.no_grad():
         for part, old in zip(parts, before, strict=True):
             buffer, bucket = part.buffer, part.bucket
@@ -71,8 +72,9 @@ def _write_back(state, parts: list[Part], before: list[torch.Tensor]) -> None:
             if not bool(changed.any()):
                 continue
             buffer.param_shard(bucket).copy_(new)
-            if state.optimizer is not None:
-                state.optimizer.refresh_main_params(buffer, bucket, changed)
+            changes.append((buffer, bucket, changed))
+    if state.optimizer is not None:
+        state.optimizer.refresh_main_params(changes)
 
 
 def _gather_grads(parts: list[Part]) -> None:

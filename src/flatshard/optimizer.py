@@ -157,7 +157,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         **defaults: Any,
     ) -> None:
         state = _sharded_state(model)
-        _check_optimizer_class(optimizer_class)
+        _check_optimizer_class(optimizer_class, defaults)
         self._model = model
         self._sharded: ShardState = state
         groups, group_of = _param_groups(state, params)
@@ -318,16 +318,28 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sharded.wait_for_params()
         for shards in self._shards:
             shards.load_main_from_params()
+        self._main_params_changed()
+
+    def _main_params_changed(self) -> None:
+        """Let an inner optimizer that keeps its own copies (``HybridDeviceOptimizer``)
+        refresh them from the main params."""
+        reload = getattr(self.inner, "reload_model_params", None)
+        if reload is not None:
+            reload()
 
     @torch.no_grad()
-    def refresh_main_params(self, buffer: FlatBuffer, bucket, changed: torch.Tensor) -> None:
-        """Copy the elements of ``bucket``'s param shard marked in ``changed`` (a bool mask
-        over the shard) into the main params (after params were written by hand)."""
-        for shards in self._shards:
-            if shards.buffer is buffer and shards.main_data is not None:
-                frame = buffer.frame_range(bucket)
-                main = shards.main_data[frame.start : frame.end]
-                main.copy_(torch.where(changed, buffer.param_shard(bucket).float(), main))
+    def refresh_main_params(self, changes: list[tuple[FlatBuffer, Any, torch.Tensor]]) -> None:
+        """For each ``(buffer, bucket, changed)``, copy the elements of the bucket's param
+        shard marked in ``changed`` (a bool mask over the shard) into the main params (after
+        params were written by hand)."""
+        for buffer, bucket, changed in changes:
+            for shards in self._shards:
+                if shards.buffer is buffer and shards.main_data is not None:
+                    frame = buffer.frame_range(bucket)
+                    main = shards.main_data[frame.start : frame.end]
+                    main.copy_(torch.where(changed, buffer.param_shard(bucket).float(), main))
+        if changes:
+            self._main_params_changed()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
@@ -361,10 +373,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if (self.loss_scaler is None) != (state_dict["loss_scaler"] is None):
             raise ValueError("optimizer state and this optimizer disagree on whether the loss is scaled")
         self._sharded.wait_for_params()
-        self.inner.load_state_dict(state_dict["inner"])
         for shards, main in zip(self._shards, state_dict["main_params"], strict=True):
             if shards.main_data is not None:
                 shards.main_data.copy_(main)
+        self.inner.load_state_dict(state_dict["inner"])  # after the main params it may copy
         if self.loss_scaler is not None:
             self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
         self.skipped_steps = int(state_dict.get("skipped_steps", 0))
@@ -398,7 +410,17 @@ def _sharded_state(model: nn.Module) -> ShardState:
     return state
 
 
-def _check_optimizer_class(optimizer_class: type) -> None:
+def _check_optimizer_class(optimizer_class: type, defaults: dict[str, Any] | None = None) -> None:
+    """Refuse what cannot step flat shards; a ``HybridDeviceOptimizer``'s classes are
+    checked in its place."""
+    from flatshard.hybrid_optimizer import HybridDeviceOptimizer
+
+    defaults = defaults or {}
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, HybridDeviceOptimizer):
+        for key in ("cpu_optimizer_class", "device_optimizer_class"):
+            if defaults.get(key) is not None:
+                _check_optimizer_class(defaults[key])
+        return
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
     if _NOT_ELEMENTWISE and issubclass(optimizer_class, _NOT_ELEMENTWISE):
