@@ -13,7 +13,15 @@ import pytest
 import torch
 
 import flatshard
-from _parity import CFG, SGD, AwkwardGPT, check_parity, decay_groups, full_params, train_optimizer_side_by_side
+from _parity import (
+    CFG,
+    SGD,
+    AwkwardGPT,
+    check_parity,
+    decay_groups,
+    full_params,
+    train_optimizer_side_by_side,
+)
 from flatshard import DistributedOptimizer, HybridDeviceOptimizer
 from flatshard.data import SyntheticCorpus
 from flatshard.hybrid_optimizer import _offloaded
@@ -45,7 +53,9 @@ def _hybrid(model, fraction: float, cls=torch.optim.AdamW, overlap: bool = True,
 
 @pytest.mark.parametrize("fraction", [0.0, 0.3, 1.0])
 @pytest.mark.parametrize("overlap", [True, False])
-@pytest.mark.parametrize(("cls", "kwargs"), [(torch.optim.AdamW, ADAMW), (SGD["optimizer_class"], SGD["opt_kwargs"])])
+@pytest.mark.parametrize(
+    ("cls", "kwargs"), [(torch.optim.AdamW, ADAMW), (torch.optim.SGD, SGD["opt_kwargs"])]
+)
 def test_follows_the_plain_optimizer_bit_for_bit(fraction, overlap, cls, kwargs):
     """Two param groups, a StepLR schedule, a frozen param and a param that never gets a
     grad: every param equals the plain optimizer's after every step."""
@@ -173,20 +183,20 @@ def test_bad_arguments_name_the_value():
     model = AwkwardGPT()
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0, 1\], got 1.5"):
         _hybrid(model, 1.5)
-    with pytest.raises(TypeError, match="torch.optim.Optimizer subclass, got 'adam'"):
+    with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer subclass, got 'adam'"):
         HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, cpu_optimizer_class="adam")
     with pytest.raises(ValueError, match="Invalid learning rate: -1"):
         _hybrid(model, 0.5, lr=-1.0)
     opt = _hybrid(model, 0.5, **ADAMW)
     state = opt.state_dict()
     state["param_groups"][1]["params"] = state["param_groups"][1]["params"][:-1]
-    with pytest.raises(ValueError, match="param group 1 has .* params in the state dict"):
+    with pytest.raises(ValueError, match=r"param group 1 has \d+ params in the state dict"):
         opt.load_state_dict(state)
 
 
 # -- inside DistributedOptimizer ---------------------------------------------------------------------
-def _hybrid_kwargs(fraction: float, overlap: bool = True) -> dict:
-    return {"offload_fraction": fraction, "cpu_optimizer_class": torch.optim.AdamW, "overlap": overlap}
+def _hybrid_kwargs(fraction: float, overlap: bool = True, cls=torch.optim.AdamW) -> dict:
+    return {"offload_fraction": fraction, "cpu_optimizer_class": cls, "overlap": overlap}
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -215,7 +225,7 @@ def test_as_the_inner_optimizer_with_sgd_at_the_extremes(fraction):
         **SGD,
         clip=0.5,
         ours_optimizer_class=HybridDeviceOptimizer,
-        ours_opt_kwargs={**SGD["opt_kwargs"], **_hybrid_kwargs(fraction), "cpu_optimizer_class": torch.optim.SGD},
+        ours_opt_kwargs={**SGD["opt_kwargs"], **_hybrid_kwargs(fraction, cls=torch.optim.SGD)},
     )
     check_parity(result, params=1e-5)
 

@@ -3,12 +3,13 @@
 from flatshard._collectives import CommStats
 from flatshard._sharded_module import ShardedModule
 from flatshard.api import ExpertGroup, shard
+from flatshard.hybrid_optimizer import HybridDeviceOptimizer
 from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.mixed_precision import MixedPrecision
-from flatshard.hybrid_optimizer import HybridDeviceOptimizer
 from flatshard.optimizer import DistributedOptimizer
+from flatshard.owner_optimizer import OwnerShardedOptimizer
 
 __all__ = [
     "CommStats",
@@ -19,6 +20,7 @@ __all__ = [
     "Layout",
     "MemoryReport",
     "MixedPrecision",
+    "OwnerShardedOptimizer",
     "ParamSpec",
     "ShardedModule",
     "StaticLossScaler",
