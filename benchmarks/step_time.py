@@ -6,7 +6,7 @@ python benchmarks/step_time.py --world-size 2 --model small --out bench-results/
 import argparse
 import os
 
-from flatshard.bench import PEERS, format_table, run_bench, write_json
+from flatshard.bench import PEERS, STAGE_PEERS, format_table, run_bench, write_json
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(
@@ -14,7 +14,7 @@ if __name__ == "__main__":
     )
     parser.add_argument("--world-size", type=int, default=2)
     parser.add_argument("--model", default="small")
-    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=list(PEERS))
+    parser.add_argument("--peers", nargs="+", default=list(STAGE_PEERS), choices=list(PEERS))
     parser.add_argument("--steps", type=int, default=10, help="steps per peer per round")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--batch", type=int, default=16)

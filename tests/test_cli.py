@@ -16,13 +16,26 @@ def _flatshard(*args, timeout=240):
     )
 
 
-@pytest.mark.parametrize("stage", ["0", "3"])
-def test_train_starts_its_ranks_and_the_loss_falls(stage):
+@pytest.mark.parametrize(("stage", "extra"), [("0", []), ("3", []), ("1", ["--offload-fraction", "0.5"])])
+def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
     out = _flatshard(
-        "train", "--world-size", "2", "--model", "tiny", "--steps", "60", "--lr", "1e-2", "--stage", stage
+        "train",
+        "--world-size",
+        "2",
+        "--model",
+        "tiny",
+        "--steps",
+        "60",
+        "--lr",
+        "1e-2",
+        "--stage",
+        stage,
+        *extra,
     )
     assert out.returncode == 0, out.stderr
     assert "tiny GPT" in out.stdout and f"stage {stage}, 2 rank(s)" in out.stdout
+    if extra:
+        assert "50% of the optimizer on the host" in out.stdout
     line = next(x for x in out.stdout.splitlines() if x.strip().startswith("loss"))
     first, final = (float(v) for v in line.split()[1:4:2])
     uniform = float(line.split("uniform guess ")[1].split(",")[0])
@@ -36,6 +49,10 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage):
         (["train", "--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
         (["train", "--model", "huge"], "argument --model: invalid choice: 'huge'"),
         (["train", "--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
+        (
+            ["train", "--offload-fraction", "2"],
+            "argument --offload-fraction: expected a number in [0, 1], got '2'",
+        ),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["plan"], "one of the arguments --params --model is required"),
         (["plan", "--model", "nosuch"], "neither a GPT preset"),
@@ -56,7 +73,16 @@ def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
 def test_help_lists_every_train_option():
     out = _flatshard("train", "--help", timeout=60)
     assert out.returncode == 0
-    for option in ("--world-size", "--stage", "--model", "--steps", "--batch-size", "--lr", "--bucket-size"):
+    for option in (
+        "--world-size",
+        "--stage",
+        "--model",
+        "--steps",
+        "--batch-size",
+        "--lr",
+        "--bucket-size",
+        "--offload-fraction",
+    ):
         assert option in out.stdout
 
 

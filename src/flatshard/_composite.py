@@ -108,6 +108,11 @@ class CompositeOptimizer(torch.optim.Optimizer):
         the param does (fp32 masters of 16-bit params); saved with the state."""
         return {}
 
+    def main_params(self) -> list[torch.Tensor]:
+        """The stand-ins that are tensors of their own (host copies, fp32 masters), for
+        ``memory_report``."""
+        return [s for sub in self.subs for p, s in zip(sub.params, sub.stand_ins, strict=True) if s is not p]
+
     def reload_model_params(self) -> None:
         """Refresh the stand-ins from the params (after the params were changed by hand)."""
 

@@ -30,6 +30,7 @@ class TrainConfig:
     bucket_size: int | None = flatshard.api.DEFAULT_BUCKET_SIZE
     seed: int = 0
     device: str = "auto"
+    offload_fraction: float = 0.0  # share of this rank's optimizer updates run on the host
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -68,13 +69,20 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     model = flatshard.shard(GPT(model_cfg).to(device), stage=cfg.stage, bucket_size=cfg.bucket_size)
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    inner: dict = {"optimizer_class": torch.optim.AdamW}
+    if cfg.offload_fraction > 0:
+        inner = {
+            "optimizer_class": flatshard.HybridDeviceOptimizer,
+            "offload_fraction": cfg.offload_fraction,
+            "cpu_optimizer_class": torch.optim.AdamW,
+        }
     optimizer = flatshard.DistributedOptimizer(
         model,
-        torch.optim.AdamW,
         params=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         weight_decay=0.1,
         betas=(0.9, 0.95),
+        **inner,
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(cfg.warmup, cfg.steps))
     corpus = SyntheticCorpus(model_cfg.vocab_size, model_cfg.seq_len, seed=1234)
@@ -100,6 +108,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         "model": cfg.model,
         "params": sum(p.numel() for p in model.parameters()),
         "stage": cfg.stage,
+        "offload_fraction": cfg.offload_fraction,
         "world_size": world,
         "steps": cfg.steps,
         "tokens_per_s": cfg.steps * cfg.batch_size * model_cfg.seq_len * world / elapsed,
@@ -126,10 +135,15 @@ def _warmup_cosine(warmup: int, steps: int):
 
 def format_summary(s: dict) -> str:
     mem = s["memory"]
+    offload = s.get("offload_fraction", 0.0)
+    offload = f", {offload:.0%} of the optimizer on the host" if offload else ""
     return "\n".join(
         [
             f"flatshard train: {s['model']} GPT ({s['params']:,} params), stage {s['stage']}, "
-            f"{s['world_size']} rank(s)",
+            f"{s['world_size']} rank(s)"
+            + (
+                f", {s['offload_fraction']:.0%} of the optimizer on the host" if s["offload_fraction"] else ""
+            ),
             f"  steps            {s['steps']}",
             f"  tokens/s         {s['tokens_per_s']:,.0f}",
             f"  loss             {s['first_loss']:.3f} -> {s['final_loss']:.3f}  "

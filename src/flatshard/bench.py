@@ -81,13 +81,53 @@ def _flatshard(stage: int) -> Peer:
     return wrap
 
 
-PEERS: dict[str, Peer] = {
+def _hybrid(fraction: float, overlap: bool) -> Peer:
+    """torch DDP + ``HybridDeviceOptimizer(AdamW)`` with ``fraction`` of the params on the host."""
+
+    def wrap(model: nn.Module, bucket_size: int | None):
+        model = DDP(model, gradient_as_bucket_view=True)
+        optimizer = flatshard.HybridDeviceOptimizer(
+            model.parameters(),
+            offload_fraction=fraction,
+            cpu_optimizer_class=torch.optim.AdamW,
+            overlap=overlap,
+            **ADAMW,
+        )
+        return model, optimizer, optimizer
+
+    return wrap
+
+
+def _owner(bucket_cap_bytes: int) -> Peer:
+    """torch DDP + ``OwnerShardedOptimizer(AdamW)``; ``bucket_cap_bytes=0``: one broadcast per param."""
+
+    def wrap(model: nn.Module, bucket_size: int | None):
+        model = DDP(model, gradient_as_bucket_view=True)
+        optimizer = flatshard.OwnerShardedOptimizer(
+            model.parameters(), torch.optim.AdamW, bucket_cap_bytes=bucket_cap_bytes, **ADAMW
+        )
+        return model, optimizer, optimizer
+
+    return wrap
+
+
+STAGE_PEERS: dict[str, Peer] = {
     "ddp": _ddp,
     "torch-zero1": _torch_zero1,
     "fsdp2": _fsdp2(False),
     "fsdp2-zero3": _fsdp2(True),
     **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
 }
+OPTIMIZER_PEERS: dict[str, Peer] = {
+    "ddp": _ddp,
+    "torch-zero1": _torch_zero1,
+    "owner": _owner(25 * 2**20),
+    "owner-per-param": _owner(0),
+    "hybrid-0.5": _hybrid(0.5, overlap=True),
+    "hybrid-1.0": _hybrid(1.0, overlap=True),
+    "hybrid-1.0-sync": _hybrid(1.0, overlap=False),
+}
+PEERS: dict[str, Peer] = {**STAGE_PEERS, **OPTIMIZER_PEERS}
 
 
 def _rank_bench(preset: str, peers: list[str], steps: int, rounds: int, batch: int, bucket_size) -> dict:
@@ -155,8 +195,9 @@ def run_bench(
     batch: int = 16,
     bucket_size: int | None = None,
 ) -> dict:
-    """Run every peer on ``world_size`` local ranks; return a JSON-ready result."""
-    peers = peers or list(PEERS)
+    """Run every peer (default: DDP, the torch peers and flatshard's stages) on
+    ``world_size`` local ranks; return a JSON-ready result."""
+    peers = peers or list(STAGE_PEERS)
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; known: {sorted(PEERS)}")
@@ -194,14 +235,14 @@ def format_table(result: dict) -> str:
         f"{result['model']} GPT ({result['params']:,} params), {result['world_size']} ranks, "
         f"{result['rounds']} rounds x {result['steps_per_round']} steps, {result['date']},",
         f"  {result['machine']}",
-        f"{'peer':<14} {'median step':>12} {'vs DDP':>8} {'model state/rank':>18} {'final loss':>11}",
+        f"{'peer':<16} {'median step':>12} {'vs DDP':>8} {'model state/rank':>18} {'final loss':>11}",
     ]
     for name, r in result["peers"].items():
         ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
         state = r["model_state_bytes"]
         state = "-" if state is None else f"{state / 2**20:.2f} MiB"
         lines.append(
-            f"{name:<14} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>8} {state:>18} {r['final_loss']:>11.4f}"
+            f"{name:<16} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>8} {state:>18} {r['final_loss']:>11.4f}"
         )
     return "\n".join(lines)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 
@@ -31,6 +32,16 @@ def _positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
     return value
 
 
@@ -64,6 +75,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=_bucket_size,
         default=DEFAULT_BUCKET_SIZE,
         help="elements per bucket, or 'none' for one bucket per buffer (default %(default)s)",
+    )
+    train.add_argument(
+        "--offload-fraction",
+        type=_fraction,
+        default=0.0,
+        help="share of each rank's optimizer state and updates kept on the host "
+        "(HybridDeviceOptimizer; default 0)",
     )
     train.add_argument("--seed", type=int, default=0, help="model init seed")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
@@ -174,6 +192,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         bucket_size=args.bucket_size,
         seed=args.seed,
         device=args.device,
+        offload_fraction=args.offload_fraction,
     )
     run(cfg)
     return 0
