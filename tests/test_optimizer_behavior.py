@@ -302,17 +302,23 @@ def _resume_case(stage: int, dtype: torch.dtype) -> bool:
         return model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
     model, opt = build(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     for step in range(2):
         _train_step(model, opt, step)
-    saved_model, saved_opt = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        sched.step()
+    saved = copy.deepcopy((model.state_dict(), opt.state_dict(), sched.state_dict()))
     for step in range(2, 4):
         _train_step(model, opt, step)
+        sched.step()
     model.wait_for_params()
     resumed, resumed_opt = build(1)
-    resumed.load_state_dict(saved_model)
-    resumed_opt.load_state_dict(saved_opt)
-    for step in range(2, 4):
+    resumed_sched = torch.optim.lr_scheduler.StepLR(resumed_opt, step_size=1, gamma=0.5)
+    resumed.load_state_dict(saved[0])
+    resumed_opt.load_state_dict(saved[1])
+    resumed_sched.load_state_dict(saved[2])
+    for step in range(2, 4):  # the schedule must still reach the inner optimizer after its load
         _train_step(resumed, resumed_opt, step)
+        resumed_sched.step()
     resumed.wait_for_params()
     return all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters(), strict=True))
 

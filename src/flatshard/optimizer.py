@@ -161,6 +161,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._model = model
         self._sharded: ShardState = state
         groups, group_of = _param_groups(state, params)
+        self._group_of = group_of  # optimized param name -> its param group
         self._shards = [
             _build_shards(buffer, bset.world, group_of)
             for bset in state.sets.values()
@@ -194,9 +195,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def _init_base(self) -> None:
         """The parts of ``torch.optim.Optimizer.__init__`` that apply: hook registries and
         the profiled step; ``param_groups``, ``state`` and ``defaults`` are the inner's."""
-        self.defaults = self.inner.defaults
-        self.param_groups = self.inner.param_groups
-        self.state = self.inner.state
         self._optimizer_step_pre_hooks = OrderedDict()
         self._optimizer_step_post_hooks = OrderedDict()
         self._optimizer_state_dict_pre_hooks = OrderedDict()
@@ -205,6 +203,31 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._optimizer_load_state_dict_post_hooks = OrderedDict()
         self._patch_step_function()
         self._warned_capturable_if_run_uncaptured = True
+
+    # The inner optimizer's own objects, looked up each time: its load_state_dict replaces them.
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.inner.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.inner.param_groups = value
+
+    @property
+    def state(self):
+        return self.inner.state
+
+    @state.setter
+    def state(self, value) -> None:
+        self.inner.state = value
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.inner.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.inner.defaults = value
 
     # -- loss scaling ------------------------------------------------------------------------
     @property
@@ -318,11 +341,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sharded.wait_for_params()
         for shards in self._shards:
             shards.load_main_from_params()
-        self._main_params_changed()
+        self.main_params_changed()
 
-    def _main_params_changed(self) -> None:
+    def main_params_changed(self) -> None:
         """Let an inner optimizer that keeps its own copies (``HybridDeviceOptimizer``)
-        refresh them from the main params."""
+        refresh them from the main params (after they were written other than by a step)."""
         reload = getattr(self.inner, "reload_model_params", None)
         if reload is not None:
             reload()
@@ -339,7 +362,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
                     main = shards.main_data[frame.start : frame.end]
                     main.copy_(torch.where(changed, buffer.param_shard(bucket).float(), main))
         if changes:
-            self._main_params_changed()
+            self.main_params_changed()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(
