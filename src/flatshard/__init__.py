@@ -3,6 +3,7 @@
 from flatshard._collectives import CommStats
 from flatshard._sharded_module import ShardedModule
 from flatshard.api import ExpertGroup, shard
+from flatshard.checkpoint import load_checkpoint, save_checkpoint
 from flatshard.hybrid_optimizer import HybridDeviceOptimizer
 from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.loss_scale import DynamicLossScaler, StaticLossScaler
@@ -24,8 +25,10 @@ __all__ = [
     "ParamSpec",
     "ShardedModule",
     "StaticLossScaler",
+    "load_checkpoint",
     "memory_report",
     "plan_layout",
+    "save_checkpoint",
     "shard",
 ]
 __version__ = "0.1.0"

@@ -1,0 +1,320 @@
+"""What a rank writes to, and reads from, a checkpoint: model and optimizer as ``Piece``s.
+
+See [Note: checkpoints] in docs/design.md. ``*_to_save`` functions return ``{key: Piece |
+tensor | object}`` views of this rank's data; ``*_to_load`` functions return the same
+shape of dict with destinations, plus a ``finish`` callable that hands what was read to
+the optimizer once DCP has filled the destinations.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from flatshard._dcp import Piece
+from flatshard._sharded_module import ShardedModule
+from flatshard.optimizer import DistributedOptimizer
+
+MODEL, MAIN, STATE, GROUPS, META = "model/", "main/", "state/", "optimizer/param_groups", "optimizer/meta"
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module whose names key the checkpoint (DDP's ``module``, else the model)."""
+    return model.module if isinstance(model, nn.parallel.DistributedDataParallel) else model
+
+
+def param_names(model: nn.Module) -> dict[int, str]:
+    """id(param) -> its name (the first name of a tied param)."""
+    return {id(p): n for n, p in _unwrap(model).named_parameters()}
+
+
+def model_shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
+    """Every param and persistent buffer: name -> (shape, dtype), as the manifest keeps them."""
+    tensors = [*_unwrap(model).named_parameters(), *_persistent_buffers(model)]
+    return {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors}
+
+
+def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    module = _unwrap(model)
+    for mod_name, mod in module.named_modules():
+        for name, buf in mod.named_buffers(recurse=False):
+            if buf is not None and name not in mod._non_persistent_buffers_set:
+                yield (f"{mod_name}.{name}" if mod_name else name), buf
+
+
+def _flat(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1)
+
+
+# -- the model ---------------------------------------------------------------------------------
+def _sharded_sets(model: nn.Module):
+    if not isinstance(model, ShardedModule):
+        return None
+    state = model.flatshard_state
+    if "expert" in state.sets:
+        raise NotImplementedError(
+            "checkpoints of models with ExpertGroup params are not supported yet: expert params share "
+            "names across expert ranks"
+        )
+    return state
+
+
+def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:
+    """``model/<name>`` for every param and persistent buffer this rank holds: the pieces
+    of its shards (stages 1-3), whole params where it holds them whole (to save: the same
+    pieces on every rank are written once; to load at stages 0-2: the whole param)."""
+    out: dict[str, Any] = {}
+    state = _sharded_sets(model)
+    covered: set[int] = set()
+    if state is not None:
+        state.wait_for_params()
+        for bset in state.sets.values():
+            covered.update(id(p) for p in bset.params)
+            for buffer in bset.buffers:
+                numel = {slot.name: slot.numel for slot in buffer.layout.params}
+                for bucket in buffer.layout.buckets:
+                    if load and buffer.param_data is not None:  # stages 0-2: read whole params
+                        for slot in bucket.params:
+                            view = buffer.param_data[slot.start : slot.end]
+                            out[MODEL + slot.name] = Piece(slot.numel, 0, view)
+                        continue
+                    shard = buffer.param_shard(bucket)
+                    for piece in bucket.local_ranges(buffer.rank):
+                        view = shard[piece.in_shard.start : piece.in_shard.end]
+                        out[MODEL + piece.name] = Piece(numel[piece.name], piece.in_param.start, view)
+    for name, p in _unwrap(model).named_parameters():
+        if id(p) not in covered:
+            out[MODEL + name] = Piece(p.numel(), 0, _flat(p.data) if load else _flat(p))
+    for name, buf in _persistent_buffers(model):
+        out[MODEL + name] = Piece(buf.numel(), 0, buf.data.view(-1) if load else _flat(buf))
+    if load:
+        for key, piece in out.items():
+            if not piece.tensor.is_contiguous():
+                name = key.removeprefix(MODEL)
+                raise ValueError(f"{name!r} is not contiguous: it cannot be loaded in place")
+    return out
+
+
+# -- DistributedOptimizer ------------------------------------------------------------------------
+def _run_pieces(opt: DistributedOptimizer) -> Iterator[tuple[int, Any, Any, list]]:
+    """(inner param index, run, run tensor, [(name, param numel, ShardRanges)]) per run."""
+    index = {id(t): i for i, t in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
+    for shards in opt._shards:
+        numel = {slot.name: slot.numel for slot in shards.buffer.layout.params}
+        for run, tensor in zip(shards.runs, shards.tensors, strict=True):
+            bucket = shards.buffer.layout.buckets[run.bucket]
+            pieces = [
+                (p.name, numel[p.name], p)
+                for p in bucket.local_ranges(shards.buffer.rank)
+                if opt._group_of.get(p.name) == run.group
+                and run.in_shard.start <= p.in_shard.start
+                and p.in_shard.end <= run.in_shard.end
+            ]
+            yield index[id(tensor)], run, tensor, pieces
+
+
+def _group_records(param_groups: list[dict], names_of_group: list[list[str]]) -> list[dict]:
+    return [
+        {"hyper": {k: v for k, v in group.items() if k != "params"}, "params": names}
+        for group, names in zip(param_groups, names_of_group, strict=True)
+    ]
+
+
+def distributed_optimizer_to_save(opt: DistributedOptimizer) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for shards in opt._shards:
+        if shards.main_data is None:
+            continue
+        numel = {slot.name: slot.numel for slot in shards.buffer.layout.params}
+        for piece, main in shards.main_pieces():
+            if piece.name in opt._group_of:
+                out[MAIN + piece.name] = Piece(numel[piece.name], piece.in_param.start, main)
+    for _, run, tensor, pieces in _run_pieces(opt):
+        for key, value in opt.inner.state.get(tensor, {}).items():
+            for name, numel, p in pieces:
+                span = (p.in_shard.start - run.in_shard.start, p.in_shard.end - run.in_shard.start)
+                entry = _state_entry(key, name, value, tensor.shape, numel, p.in_param.start, span)
+                out[f"{STATE}{key}/{name}"] = entry
+    out[GROUPS] = _group_records(opt.param_groups, _names_by_group(opt))
+    out[META] = {
+        "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
+        "skipped_steps": opt.skipped_steps,
+    }
+    return out
+
+
+def _state_entry(key: str, name: str, value: Any, shape, numel: int, offset: int, span) -> Any:
+    """A state entry to save: a 0-d tensor as it is, an elementwise one as the piece
+    ``span`` of its flat view (elements ``offset...`` of param ``name``)."""
+    if not isinstance(value, torch.Tensor):
+        kind = type(value).__name__
+        raise TypeError(f"optimizer state {key!r} of {name!r} is a {kind}; only tensors are saved")
+    if value.dim() == 0:
+        return value
+    if value.shape != shape:
+        raise ValueError(
+            f"optimizer state {key!r} of {name!r} has shape {tuple(value.shape)}, not its param's "
+            f"{tuple(shape)}: only elementwise state can be saved by param"
+        )
+    return Piece(numel, offset, _flat(value)[span[0] : span[1]])
+
+
+def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, Any]) -> tuple[dict, Callable]:
+    """Destinations for the main params and for the inner optimizer's state of every run
+    (keys present in the checkpoint only), and the step that hands them over."""
+    out: dict[str, Any] = {}
+    has_main = set()
+    for shards in opt._shards:
+        if shards.main_data is None:
+            continue
+        numel = {slot.name: slot.numel for slot in shards.buffer.layout.params}
+        for piece, main in shards.main_pieces():
+            if piece.name in opt._group_of and MAIN + piece.name in saved:
+                out[MAIN + piece.name] = Piece(numel[piece.name], piece.in_param.start, main)
+                has_main.add(id(shards))
+    inner_state: dict[int, dict[str, torch.Tensor]] = {}
+    for index, run, tensor, pieces in _run_pieces(opt):
+        entries: dict[str, torch.Tensor] = {}
+        for name, numel, p in pieces:
+            for key, md in _saved_state_keys(saved, name):
+                if not md.size:  # a scalar: from the run's first param that has it
+                    if key not in entries:
+                        entries[key] = torch.zeros((), dtype=md.properties.dtype)
+                        out[f"{STATE}{key}/{name}"] = entries[key]
+                    continue
+                dest = entries.setdefault(key, torch.zeros_like(tensor))
+                lo, hi = p.in_shard.start - run.in_shard.start, p.in_shard.end - run.in_shard.start
+                out[f"{STATE}{key}/{name}"] = Piece(numel, p.in_param.start, dest[lo:hi])
+        if entries:
+            inner_state[index] = entries
+    out[GROUPS] = None
+    if META in saved:  # absent when another kind of optimizer wrote the checkpoint
+        out[META] = None
+
+    def finish(loaded: dict[str, Any]) -> None:
+        _apply_groups(opt.param_groups, loaded[GROUPS], _names_by_group(opt), "the model's")
+        groups = opt.inner.state_dict()["param_groups"]
+        opt.inner.load_state_dict({"state": inner_state, "param_groups": groups})
+        for shards in opt._shards:
+            if shards.main_data is not None and id(shards) not in has_main:
+                shards.load_main_from_params()  # saved without main params: from the params
+        meta = loaded.get(META)
+        if meta is not None:
+            if (opt.loss_scaler is None) != (meta["loss_scaler"] is None):
+                raise ValueError("the checkpoint and this optimizer disagree on whether the loss is scaled")
+            if opt.loss_scaler is not None:
+                opt.loss_scaler.load_state_dict(meta["loss_scaler"])
+            opt.skipped_steps = int(meta["skipped_steps"])
+        opt.main_params_changed()
+
+    return out, finish
+
+
+def _names_by_group(opt: DistributedOptimizer) -> list[list[str]]:
+    names: list[list[str]] = [[] for _ in opt.param_groups]
+    for name, group in opt._group_of.items():
+        names[group].append(name)
+    return names
+
+
+def _saved_state_keys(saved: dict[str, Any], name: str) -> Iterator[tuple[str, TensorStorageMetadata]]:
+    suffix = "/" + name
+    for fqn, md in saved.items():
+        if fqn.startswith(STATE) and fqn.endswith(suffix) and isinstance(md, TensorStorageMetadata):
+            key = fqn[len(STATE) : -len(suffix)]
+            if "/" not in key:
+                yield key, md
+
+
+def _apply_groups(groups: list[dict], saved: list[dict], names: list[list[str]], whose: str) -> None:
+    """Take the saved hyperparameters of each param group, after checking that the groups
+    hold the same params."""
+    if len(saved) != len(groups):
+        raise ValueError(f"the checkpoint has {len(saved)} param groups, {whose} optimizer {len(groups)}")
+    for index, (group, record, mine) in enumerate(zip(groups, saved, names, strict=True)):
+        if set(record["params"]) != set(mine):
+            moved = sorted(set(record["params"]) ^ set(mine))
+            raise ValueError(f"param group {index} holds other params in the checkpoint: {moved[:3]} differ")
+        group.update(record["hyper"])
+
+
+# -- any other torch optimizer (keyed by param) ----------------------------------------------------
+def _owned(opt: torch.optim.Optimizer, param: torch.Tensor) -> bool:
+    owner_of = getattr(opt, "owner_of", None)
+    world = getattr(opt, "world", None)
+    return owner_of is None or owner_of(param) == world.rank
+
+
+def param_optimizer_to_save(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """A torch optimizer over the model's own params (plain, hybrid or owner-sharded):
+    each state entry whole, written by the rank that holds it (once if every rank does)."""
+    names = param_names(model)
+    out: dict[str, Any] = {}
+    groups = []
+    masters = getattr(opt, "masters", dict)()
+    for group in opt.param_groups:
+        members = []
+        for p in group["params"]:
+            name = _name_of(names, p)
+            members.append(name)
+            if not _owned(opt, p):
+                continue
+            for key, value in opt.state.get(p, {}).items():
+                entry = _state_entry(key, name, value, p.shape, p.numel(), 0, (0, p.numel()))
+                out[f"{STATE}{key}/{name}"] = entry
+            if p in masters:
+                out[MAIN + name] = Piece(p.numel(), 0, _flat(masters[p]))
+        groups.append(members)
+    out[GROUPS] = _group_records(opt.param_groups, groups)
+    return out
+
+
+def _name_of(names: dict[int, str], p: torch.Tensor) -> str:
+    name = names.get(id(p))
+    if name is None:
+        shape = tuple(p.shape)
+        raise ValueError(f"the optimizer holds a tensor of shape {shape} that is not a param of the model")
+    return name
+
+
+def param_optimizer_to_load(
+    opt: torch.optim.Optimizer, model: nn.Module, saved: dict[str, Any]
+) -> tuple[dict, Callable]:
+    names = param_names(model)
+    out: dict[str, Any] = {}
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    masters: dict[int, torch.Tensor] = {}
+    index = 0
+    member_names = []
+    for group in opt.param_groups:
+        member_names.append([])
+        for p in group["params"]:
+            name = _name_of(names, p)
+            member_names[-1].append(name)
+            if _owned(opt, p):
+                entries = {}
+                for key, md in _saved_state_keys(saved, name):
+                    dest = torch.zeros(tuple(p.shape) if md.size else (), dtype=md.properties.dtype)
+                    entries[key] = dest
+                    out[f"{STATE}{key}/{name}"] = Piece(p.numel(), 0, dest.view(-1)) if md.size else dest
+                if entries:
+                    state[index] = entries
+                if MAIN + name in saved:
+                    masters[index] = torch.zeros(p.numel(), dtype=torch.float32)
+                    out[MAIN + name] = Piece(p.numel(), 0, masters[index])
+            index += 1
+    out[GROUPS] = None
+
+    def finish(loaded: dict[str, Any]) -> None:
+        _apply_groups(opt.param_groups, loaded[GROUPS], member_names, "this")
+        params = [p for g in opt.param_groups for p in g["params"]]
+        full = {"state": state, "param_groups": opt.state_dict()["param_groups"]}
+        if masters:
+            full["master_params"] = {i: m.view_as(params[i]) for i, m in masters.items()}
+        opt.load_state_dict(full)
+
+    return out, finish

@@ -1,0 +1,259 @@
+"""Sharded checkpoints that load at any world size and stage: ``save_checkpoint`` and
+``load_checkpoint``.
+
+See [Note: checkpoints] in docs/design.md. Both are collective: every rank of the default
+process group calls them with its own model and optimizer. A checkpoint is a directory
+(``torch.distributed.checkpoint`` files plus ``flatshard.json``) that appears under its
+name only once it is complete. Objects in it (``extra``, param groups) are pickled: load
+only checkpoints you trust, as with ``torch.load(weights_only=False)``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from flatshard import _checkpoint_state as cs
+from flatshard._dcp import PieceLoadPlanner, PieceSavePlanner
+from flatshard.optimizer import DistributedOptimizer
+
+FORMAT = "flatshard-checkpoint/1"
+MANIFEST = "flatshard.json"
+EXTRA = "extra"
+
+
+def _rank_and_size() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _stage(model: nn.Module) -> int | None:
+    state = getattr(model, "flatshard_state", None)
+    return None if state is None else state.stage
+
+
+def _optimizer_entries(model, optimizer, *, load: bool, saved=None):
+    if optimizer is None:
+        return {}, None
+    if isinstance(optimizer, DistributedOptimizer):
+        if load:
+            return cs.distributed_optimizer_to_load(optimizer, saved)
+        return cs.distributed_optimizer_to_save(optimizer), None
+    if (_stage(model) or 0) > 0:
+        raise TypeError(
+            f"at stage {_stage(model)} checkpoints need the model's DistributedOptimizer, got "
+            f"{type(optimizer).__name__}"
+        )
+    if load:
+        return cs.param_optimizer_to_load(optimizer, model, saved)
+    return cs.param_optimizer_to_save(optimizer, model), None
+
+
+# -- extra: the rest of a run ---------------------------------------------------------------------
+def _rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy
+
+        state["numpy"] = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        pass
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy
+
+        numpy.random.set_state(state["numpy"])
+
+
+def _extra_to_save(extra: Mapping[str, Any] | None) -> dict[str, Any]:
+    """Objects with ``state_dict()`` (schedulers, scalers, samplers) are saved by their state."""
+    return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in (extra or {}).items()}
+
+
+# -- saving ----------------------------------------------------------------------------------------
+def save_checkpoint(
+    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, extra=None
+) -> None:
+    """Save ``model`` and ``optimizer`` (every rank calls this) to directory ``path``.
+
+    Each rank writes only what it holds; nothing is gathered. ``extra`` is a dict of
+    picklable values or of objects with ``state_dict()`` (LR schedulers, samplers): the step,
+    the data position, ... Every rank's RNG states are saved too. ``path`` appears only when
+    the checkpoint is complete; a checkpoint already there is replaced only then.
+    """
+    path = os.fspath(path)
+    rank, size = _rank_and_size()
+    partial = path + ".partial"
+    if rank == 0 and os.path.exists(partial):
+        shutil.rmtree(partial)
+    _barrier()
+    state = cs.model_pieces(model, load=False)
+    optimizer_entries, _ = _optimizer_entries(model, optimizer, load=False)
+    state.update(optimizer_entries)
+    state[EXTRA] = _extra_to_save(extra)
+    state[f"rng/{rank}"] = _rng_state()
+    dcp.save(
+        state, storage_writer=dcp.FileSystemWriter(partial), planner=PieceSavePlanner(), no_dist=size == 1
+    )
+    if rank == 0:
+        _write_manifest(partial, model, optimizer, size)
+        _publish(partial, path)
+    _barrier()
+
+
+def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int) -> None:
+    files = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
+    manifest = {
+        "format": FORMAT,
+        "world_size": world_size,
+        "stage": _stage(model),
+        "optimizer": None if optimizer is None else type(optimizer).__name__,
+        "params": cs.model_shapes(model),
+        "files": files,
+    }
+    with open(os.path.join(directory, MANIFEST), "w") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _publish(partial: str, path: str) -> None:
+    """Make ``partial`` visible as ``path``; an older checkpoint there stays complete under
+    ``path.old`` until the new one is in place."""
+    old = path + ".old"
+    if os.path.exists(path):
+        if os.path.exists(old):
+            shutil.rmtree(old)
+        os.rename(path, old)
+    os.rename(partial, path)
+    _fsync_dir(os.path.dirname(os.path.abspath(path)))
+    if os.path.exists(old):
+        shutil.rmtree(old)
+
+
+def _fsync_dir(directory: str) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def resolve_checkpoint(path: str | os.PathLike) -> str:
+    """The complete checkpoint behind ``path`` (``path.old`` if a save was killed between
+    its renames); raises naming what is missing or incomplete."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        old = path + ".old"
+        if os.path.isfile(os.path.join(old, MANIFEST)):
+            warnings.warn(
+                f"{path} is missing; loading {old}, left complete by a save that was cut off", stacklevel=3
+            )
+            return old
+        raise FileNotFoundError(f"no checkpoint at {path}")
+    if not os.path.isfile(os.path.join(path, MANIFEST)):
+        raise ValueError(f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did not finish)")
+    return path
+
+
+def read_manifest(path: str) -> dict[str, Any]:
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT})")
+    for name, size in manifest["files"].items():
+        full = os.path.join(path, name)
+        if not os.path.isfile(full):
+            raise ValueError(f"checkpoint {path} is corrupted: file {name} is missing")
+        if os.path.getsize(full) != size:
+            raise ValueError(
+                f"checkpoint {path} is corrupted: {name} has {os.path.getsize(full)} bytes, "
+                f"{size} when it was written"
+            )
+    return manifest
+
+
+def _check_model(manifest: dict[str, Any], model: nn.Module, path: str) -> None:
+    saved, mine = manifest["params"], cs.model_shapes(model)
+    missing = [n for n in mine if n not in saved]
+    if missing:
+        raise KeyError(
+            f"checkpoint {path} has no {missing[0]!r} ({len(missing)} of the model's tensors missing)"
+        )
+    unexpected = [n for n in saved if n not in mine]
+    if unexpected:
+        raise KeyError(
+            f"checkpoint {path} has {unexpected[0]!r}, which the model does not ({len(unexpected)} such)"
+        )
+    for name, (shape, _) in mine.items():
+        if list(saved[name][0]) != shape:
+            was, now = tuple(saved[name][0]), tuple(shape)
+            raise ValueError(f"{name!r} has shape {was} in checkpoint {path}, {now} in the model")
+
+
+def load_checkpoint(
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra: Mapping[str, Any] | None = None,
+    restore_rng: bool = True,
+) -> dict[str, Any]:
+    """Load a checkpoint saved at any world size and stage into ``model`` and ``optimizer``
+    (every rank calls this); returns the saved ``extra`` dict.
+
+    Each entry of ``extra`` that has ``load_state_dict`` (an LR scheduler, ...) is loaded
+    from the saved value of the same key. RNG states are restored when the checkpoint was
+    written by as many ranks as there are now (``restore_rng=False``: never).
+    """
+    path = resolve_checkpoint(path)
+    manifest = read_manifest(path)
+    _check_model(manifest, model, path)
+    rank, size = _rank_and_size()
+    reader = dcp.FileSystemReader(path)
+    saved = reader.read_metadata().state_dict_metadata
+    state = cs.model_pieces(model, load=True)
+    optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
+    state.update(optimizer_entries)
+    state[EXTRA] = None
+    same_world = manifest["world_size"] == size
+    if restore_rng and same_world:
+        state[f"rng/{rank}"] = None
+    dcp.load(state, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=size == 1)
+    if finish is not None:
+        finish(state)
+    if restore_rng and same_world:
+        _set_rng_state(state[f"rng/{rank}"])
+    values = state[EXTRA]
+    for key, target in (extra or {}).items():
+        if key not in values:
+            raise KeyError(f"checkpoint {path} has no extra entry {key!r} (it has {sorted(values)})")
+        if hasattr(target, "load_state_dict"):
+            target.load_state_dict(values[key])
+    return values

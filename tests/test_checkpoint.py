@@ -1,0 +1,234 @@
+"""Checkpoints: saved at world size N and stage s, loaded at M and t, training continues on
+the uninterrupted trajectory; exact resume at the same layout (RNG and schedule included);
+other optimizers; visible only when complete; clear errors for bad checkpoints."""
+
+import itertools
+import os
+import shutil
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatshard
+from _parity import CFG, TiedGPT, decay_groups, full_params
+from flatshard import DistributedOptimizer, load_checkpoint, save_checkpoint
+from flatshard.data import SyntheticCorpus
+from flatshard.models import GPTConfig
+from flatshard.testing import RankError, run_distributed
+
+CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+GLOBAL_BATCH = 12  # split evenly at world sizes 1-4, so every world size takes the same steps
+SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
+ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
+
+
+def _batch(step: int):
+    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    x, y = CORPUS.batch(step, 0, GLOBAL_BATCH)
+    k = GLOBAL_BATCH // size
+    return x[rank * k : (rank + 1) * k], y[rank * k : (rank + 1) * k]
+
+
+def _build(stage: int, optimizer=SGD, seed: int = 0, bucket_size=3000, dtype=None):
+    torch.manual_seed(seed)
+    kwargs = {} if dtype is None else {"mixed_precision": flatshard.MixedPrecision(param_dtype=dtype)}
+    model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=bucket_size, **kwargs)
+    cls, hyper = optimizer
+    opt = DistributedOptimizer(model, cls, params=decay_groups(model), **hyper)
+    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+
+
+def _train(model, opt, sched, steps) -> list[float]:
+    losses = []
+    for step in steps:
+        x, y = _batch(step)
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        mean = loss.detach().clone()  # over the global batch: comparable across world sizes
+        if dist.is_initialized():
+            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
+        losses.append(mean.item())
+    return losses
+
+
+def _params(model):
+    return [p.float().clone() for p in full_params(model)]
+
+
+def _save_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None, steps: int = 3):
+    model, opt, sched = _build(stage, optimizer, bucket_size=bucket_size, dtype=dtype)
+    _train(model, opt, sched, range(steps))
+    save_checkpoint(path, model, opt, extra={"step": steps, "sched": sched})
+    after_save = torch.rand(3)  # what the next draw would be
+    losses = _train(model, opt, sched, range(steps, steps + 3))
+    return {"params": _params(model), "losses": losses, "rng": after_save}
+
+
+def _load_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None):
+    model, opt, sched = _build(stage, optimizer, seed=1, bucket_size=bucket_size, dtype=dtype)
+    extra = load_checkpoint(path, model, opt, extra={"sched": sched})
+    rng = torch.rand(3)
+    losses = _train(model, opt, sched, range(extra["step"], extra["step"] + 3))
+    return {"params": _params(model), "losses": losses, "rng": rng}
+
+
+def _max_diff(a, b) -> float:
+    return max(float((p - q).abs().max() / q.abs().max().clamp_min(1e-12)) for p, q in zip(a, b, strict=True))
+
+
+CROSS = [((2, 2), (3, 3)), ((1, 0), (4, 1)), ((4, 3), (2, 0)), ((3, 1), (1, 3)), ((2, 3), (2, 1))]
+
+
+@pytest.mark.parametrize(("saved", "loaded"), CROSS, ids=[f"{a}to{b}" for a, b in CROSS])
+def test_any_world_size_and_stage_continues_the_trajectory(tmp_path, saved, loaded):
+    """SGD + momentum, two param groups and a StepLR schedule: saved at (N, s) after 3
+    steps, loaded at (M, t) and trained 3 more, the params equal the uninterrupted run's."""
+    path = str(tmp_path / "ckpt")
+    reference = run_distributed(_save_case, saved[0], path, saved[1])[0]
+    resumed = run_distributed(_load_case, loaded[0], path, loaded[1], bucket_size=None)[0]
+    assert _max_diff(resumed["params"], reference["params"]) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(resumed["losses"], reference["losses"], strict=True)) < 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("saved", "loaded"),
+    [(a, b) for a, b in itertools.product(itertools.product([1, 2, 3, 4], [0, 1, 2, 3]), repeat=2) if a != b],
+)
+def test_every_pair_of_layouts(tmp_path, saved, loaded):
+    test_any_world_size_and_stage_continues_the_trajectory(tmp_path, saved, loaded)
+
+
+@pytest.mark.parametrize(
+    ("world_size", "stage", "dtype"), [(2, 2, None), (3, 3, torch.bfloat16), (1, 1, None)]
+)
+def test_same_layout_resumes_bit_for_bit(tmp_path, world_size, stage, dtype):
+    """AdamW (bf16 params with fp32 main params at stage 3): the same params, losses and
+    RNG draws as the run that was never interrupted, on every rank."""
+    path = str(tmp_path / "ckpt")
+    reference = run_distributed(_save_case, world_size, path, stage, ADAMW, dtype=dtype)
+    resumed = run_distributed(_load_case, world_size, path, stage, ADAMW, dtype=dtype)
+    for ref, res in zip(reference, resumed, strict=True):
+        assert res["losses"] == ref["losses"]
+        assert torch.equal(res["rng"], ref["rng"])
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"], strict=True))
+
+
+def test_bf16_with_main_params_loads_at_another_layout(tmp_path):
+    path = str(tmp_path / "ckpt")
+    reference = run_distributed(_save_case, 2, path, 3, ADAMW, dtype=torch.bfloat16)[0]
+    resumed = run_distributed(_load_case, 3, path, 1, ADAMW, dtype=torch.bfloat16)[0]
+    assert max(abs(a - b) / b for a, b in zip(resumed["losses"], reference["losses"], strict=True)) < 2e-3
+
+
+# -- other optimizers ---------------------------------------------------------------------------------
+def _ddp_case(path: str, kind: str, mode: str, steps: int = 3):
+    """DDP + a param-keyed optimizer (``plain``, ``owner``, ``hybrid``): save after 3 steps
+    (``mode="save"``, then train on) or load and train 3 more (``mode="load"``)."""
+    torch.manual_seed(0 if mode == "save" else 1)
+    model = DDP(TiedGPT())
+    groups = decay_groups(model.module)
+    cls, hyper = ADAMW
+    if kind == "owner":
+        opt = flatshard.OwnerShardedOptimizer(groups, cls, **hyper)
+    elif kind == "hybrid":
+        opt = flatshard.HybridDeviceOptimizer(groups, offload_fraction=0.5, cpu_optimizer_class=cls, **hyper)
+    else:
+        opt = cls(groups, **hyper)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    if mode == "save":
+        _train(model, opt, sched, range(steps))
+        save_checkpoint(path, model, opt, extra={"step": steps, "sched": sched})
+    else:
+        steps = load_checkpoint(path, model, opt, extra={"sched": sched})["step"]
+    losses = _train(model, opt, sched, range(steps, steps + 3))
+    return {"params": [p.detach().clone() for p in model.module.parameters()], "losses": losses}
+
+
+@pytest.mark.parametrize(
+    ("saver", "loader"),
+    [
+        (("owner", 2), ("owner", 3)),
+        (("owner", 3), ("plain", 1)),
+        (("hybrid", 2), ("hybrid", 1)),
+        (("plain", 2), ("distributed", 3)),
+        (("distributed", 2), ("owner", 2)),
+    ],
+    ids=lambda case: f"{case[0]}{case[1]}",
+)
+def test_optimizers_load_each_others_checkpoints(tmp_path, saver, loader):
+    """State is keyed by param name, not by optimizer: a DistributedOptimizer, torch AdamW,
+    OwnerShardedOptimizer and HybridDeviceOptimizer load each other's checkpoints at other
+    world sizes and continue the same trajectory (AdamW; grads differ in the last bits
+    between world sizes, hence 1e-4)."""
+    path = str(tmp_path / "ckpt")
+    if saver[0] == "distributed":
+        reference = run_distributed(_save_case, saver[1], path, 2, ADAMW)[0]
+    else:
+        reference = run_distributed(_ddp_case, saver[1], path, saver[0], "save")[0]
+    if loader[0] == "distributed":
+        resumed = run_distributed(_load_case, loader[1], path, 1, ADAMW)[0]
+    else:
+        resumed = run_distributed(_ddp_case, loader[1], path, loader[0], "load")[0]
+    assert max(abs(a - b) / b for a, b in zip(resumed["losses"], reference["losses"], strict=True)) < 1e-4
+
+
+# -- safety ------------------------------------------------------------------------------------------
+def _save_twice_case(path: str) -> None:
+    model, opt, sched = _build(2)
+    _train(model, opt, sched, range(1))
+    save_checkpoint(path, model, opt, extra={"step": 1})
+    _train(model, opt, sched, range(1, 2))
+    save_checkpoint(path, model, opt, extra={"step": 2})
+
+
+def _load_step_case(path: str, tiny: bool = False):
+    if tiny:
+        torch.manual_seed(0)
+        model = flatshard.shard(
+            TiedGPT(GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_layers=2, n_heads=2))
+        )
+        return load_checkpoint(path, model)["step"]
+    model, opt, _ = _build(1)
+    return load_checkpoint(path, model, opt)["step"]
+
+
+def test_a_checkpoint_is_replaced_only_when_the_new_one_is_complete(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_twice_case, 2, path)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no partial or old copy left behind
+    assert run_distributed(_load_step_case, 2, path) == [2, 2]
+    # a save cut off between its two renames leaves only PATH.old: it is what loads
+    os.rename(path, path + ".old")
+    with pytest.warns(UserWarning, match="left complete by a save that was cut off"):
+        assert _load_step_case(path) == 2
+
+
+def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_case, 2, path, 2)
+    with pytest.raises(
+        RankError, match=r"'wte\.weight' has shape \(64, 32\) in checkpoint .*, \(64, 16\) in the model"
+    ):
+        run_distributed(_load_step_case, 1, path, True)
+    bigger = TiedGPT()
+    bigger.add_module("head2", torch.nn.Linear(2, 2))
+    with pytest.raises(KeyError, match=r"has no 'head2\.weight' \(2 of the model's tensors missing\)"):
+        load_checkpoint(path, bigger)
+    broken = str(tmp_path / "broken")
+    shutil.copytree(path, broken)
+    data = next(n for n in os.listdir(broken) if n.endswith(".distcp"))
+    with open(os.path.join(broken, data), "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=f"checkpoint {broken} is corrupted: {data} has 100 bytes"):
+        _load_step_case(broken)
+    os.remove(os.path.join(broken, "flatshard.json"))
+    with pytest.raises(ValueError, match=r"is incomplete: it has no flatshard\.json"):
+        _load_step_case(broken)
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        _load_step_case(str(tmp_path / "nothing"))
