@@ -30,6 +30,14 @@ class SubOptimizer:
         self.optimizer.step()
 
 
+def run_closure(closure) -> Any:
+    """What ``step(closure)`` does first in every torch optimizer: re-evaluate the loss."""
+    if closure is None:
+        return None
+    with torch.enable_grad():
+        return closure()
+
+
 def class_defaults(optimizer_class: type, defaults: dict[str, Any]) -> dict[str, Any]:
     """Every hyperparameter ``optimizer_class(params, **defaults)`` puts in a group (the
     class validates ``defaults`` here, so a bad value fails at construction)."""

@@ -250,3 +250,32 @@ def format_table(result: dict) -> str:
 def write_json(result: dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def script_main(doc: str, peers: dict[str, Peer], default_out: str, argv: list[str] | None = None) -> None:
+    """The command line of the scripts in ``benchmarks/``: run ``peers``, print, write JSON."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--model", default="small")
+    parser.add_argument("--peers", nargs="+", default=list(peers), choices=list(PEERS))
+    parser.add_argument("--steps", type=int, default=10, help="steps per peer per round")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--bucket-size", type=int, default=None)
+    parser.add_argument("--out", default=default_out)
+    args = parser.parse_args(argv)
+    result = run_bench(
+        world_size=args.world_size,
+        preset=args.model,
+        peers=args.peers,
+        steps=args.steps,
+        rounds=args.rounds,
+        batch=args.batch,
+        bucket_size=args.bucket_size,
+    )
+    print(format_table(result))
+    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+    write_json(result, args.out)
+    print(f"wrote {args.out}")

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from flatshard._composite import CompositeOptimizer, SubOptimizer
+from flatshard._composite import CompositeOptimizer, SubOptimizer, run_closure
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -122,10 +122,7 @@ class HybridDeviceOptimizer(CompositeOptimizer):
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.push_hyperparameters()
         self._download_grads()
         self._step_device()

@@ -39,6 +39,7 @@ from torch import nn
 
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import all_reduce
+from flatshard._composite import run_closure
 from flatshard._shard_map import Run, plan_runs
 from flatshard._sharded_module import ShardedModule, ShardState
 from flatshard._world import World
@@ -288,10 +289,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of this rank's shards, then the param all-gathers; see the note."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self._check_grads_synced()
         if not self._sharded.grad_sync.synced:
             return loss  # no backward since zero_grad: nothing to step, as in torch

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard._collectives import CommStats, Handle, broadcast
-from flatshard._composite import CompositeOptimizer, SubOptimizer
+from flatshard._composite import CompositeOptimizer, SubOptimizer, run_closure
 from flatshard._world import World, check_ranks_agree, resolve_world
 
 ASSIGNMENTS = ("balanced", "round_robin")
@@ -182,10 +182,7 @@ class OwnerShardedOptimizer(CompositeOptimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's params, then broadcast every bucket from its owner."""
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = run_closure(closure)
         self.push_hyperparameters()
         if not self.overlap:
             for bucket in self._buckets[self.world.rank]:
