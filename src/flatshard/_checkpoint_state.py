@@ -50,6 +50,11 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach().reshape(-1)
 
 
+def _numels(layout) -> dict[str, int]:
+    """Param name -> element count, for the params of a buffer layout."""
+    return {slot.name: slot.numel for slot in layout.params}
+
+
 # -- the model ---------------------------------------------------------------------------------
 def _sharded_sets(model: nn.Module):
     if not isinstance(model, ShardedModule):
@@ -75,7 +80,7 @@ def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:
         for bset in state.sets.values():
             covered.update(id(p) for p in bset.params)
             for buffer in bset.buffers:
-                numel = {slot.name: slot.numel for slot in buffer.layout.params}
+                numel = _numels(buffer.layout)
                 for bucket in buffer.layout.buckets:
                     if load and buffer.param_data is not None:  # stages 0-2: read whole params
                         for slot in bucket.params:
@@ -100,21 +105,35 @@ def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:
 
 
 # -- DistributedOptimizer ------------------------------------------------------------------------
-def _run_pieces(opt: DistributedOptimizer) -> Iterator[tuple[int, Any, Any, list]]:
-    """(inner param index, run, run tensor, [(name, param numel, ShardRanges)]) per run."""
+def _run_pieces(opt: DistributedOptimizer) -> Iterator[tuple[int, torch.Tensor, list]]:
+    """(inner param index, run tensor, [(name, param numel, offset in the param, (lo, hi)
+    in the run)]) for every run of the inner optimizer."""
     index = {id(t): i for i, t in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
     for shards in opt._shards:
-        numel = {slot.name: slot.numel for slot in shards.buffer.layout.params}
+        numel = _numels(shards.buffer.layout)
         for run, tensor in zip(shards.runs, shards.tensors, strict=True):
             bucket = shards.buffer.layout.buckets[run.bucket]
+            start, end = run.in_shard
             pieces = [
-                (p.name, numel[p.name], p)
+                (p.name, numel[p.name], p.in_param.start, (p.in_shard.start - start, p.in_shard.end - start))
                 for p in bucket.local_ranges(shards.buffer.rank)
                 if opt._group_of.get(p.name) == run.group
-                and run.in_shard.start <= p.in_shard.start
-                and p.in_shard.end <= run.in_shard.end
+                and start <= p.in_shard.start
+                and p.in_shard.end <= end
             ]
-            yield index[id(tensor)], run, tensor, pieces
+            yield index[id(tensor)], tensor, pieces
+
+
+def _main_pieces(opt: DistributedOptimizer) -> Iterator[tuple[str, Piece, Any]]:
+    """(key, piece of the fp32 main params, its buffer's shards) for every optimized param
+    piece of a 16-bit buffer."""
+    for shards in opt._shards:
+        if shards.main_data is None:
+            continue
+        numel = _numels(shards.buffer.layout)
+        for piece, main in shards.main_pieces():
+            if piece.name in opt._group_of:
+                yield MAIN + piece.name, Piece(numel[piece.name], piece.in_param.start, main), shards
 
 
 def _group_records(param_groups: list[dict], names_of_group: list[list[str]]) -> list[dict]:
@@ -125,19 +144,11 @@ def _group_records(param_groups: list[dict], names_of_group: list[list[str]]) ->
 
 
 def distributed_optimizer_to_save(opt: DistributedOptimizer) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for shards in opt._shards:
-        if shards.main_data is None:
-            continue
-        numel = {slot.name: slot.numel for slot in shards.buffer.layout.params}
-        for piece, main in shards.main_pieces():
-            if piece.name in opt._group_of:
-                out[MAIN + piece.name] = Piece(numel[piece.name], piece.in_param.start, main)
-    for _, run, tensor, pieces in _run_pieces(opt):
+    out: dict[str, Any] = {key: piece for key, piece, _ in _main_pieces(opt)}
+    for _, tensor, pieces in _run_pieces(opt):
         for key, value in opt.inner.state.get(tensor, {}).items():
-            for name, numel, p in pieces:
-                span = (p.in_shard.start - run.in_shard.start, p.in_shard.end - run.in_shard.start)
-                entry = _state_entry(key, name, value, tensor.shape, numel, p.in_param.start, span)
+            for name, numel, offset, span in pieces:
+                entry = _state_entry(key, name, value, tensor.shape, numel, offset, span)
                 out[f"{STATE}{key}/{name}"] = entry
     out[GROUPS] = _group_records(opt.param_groups, _names_by_group(opt))
     out[META] = {
@@ -168,27 +179,23 @@ def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, An
     (keys present in the checkpoint only), and the step that hands them over."""
     out: dict[str, Any] = {}
     has_main = set()
-    for shards in opt._shards:
-        if shards.main_data is None:
-            continue
-        numel = {slot.name: slot.numel for slot in shards.buffer.layout.params}
-        for piece, main in shards.main_pieces():
-            if piece.name in opt._group_of and MAIN + piece.name in saved:
-                out[MAIN + piece.name] = Piece(numel[piece.name], piece.in_param.start, main)
-                has_main.add(id(shards))
+    for key, piece, shards in _main_pieces(opt):
+        if key in saved:
+            out[key] = piece
+            has_main.add(id(shards))
+    saved_state = _state_index(saved)
     inner_state: dict[int, dict[str, torch.Tensor]] = {}
-    for index, run, tensor, pieces in _run_pieces(opt):
+    for index, tensor, pieces in _run_pieces(opt):
         entries: dict[str, torch.Tensor] = {}
-        for name, numel, p in pieces:
-            for key, md in _saved_state_keys(saved, name):
+        for name, numel, offset, (lo, hi) in pieces:
+            for key, md in saved_state.get(name, ()):
                 if not md.size:  # a scalar: from the run's first param that has it
                     if key not in entries:
                         entries[key] = torch.zeros((), dtype=md.properties.dtype)
                         out[f"{STATE}{key}/{name}"] = entries[key]
                     continue
                 dest = entries.setdefault(key, torch.zeros_like(tensor))
-                lo, hi = p.in_shard.start - run.in_shard.start, p.in_shard.end - run.in_shard.start
-                out[f"{STATE}{key}/{name}"] = Piece(numel, p.in_param.start, dest[lo:hi])
+                out[f"{STATE}{key}/{name}"] = Piece(numel, offset, dest[lo:hi])
         if entries:
             inner_state[index] = entries
     out[GROUPS] = None
@@ -221,13 +228,15 @@ def _names_by_group(opt: DistributedOptimizer) -> list[list[str]]:
     return names
 
 
-def _saved_state_keys(saved: dict[str, Any], name: str) -> Iterator[tuple[str, TensorStorageMetadata]]:
-    suffix = "/" + name
+def _state_index(saved: dict[str, Any]) -> dict[str, list[tuple[str, TensorStorageMetadata]]]:
+    """Param name -> [(state key, its metadata)] of the checkpoint's ``state/<key>/<name>``
+    entries (one pass over the checkpoint's keys; state keys hold no "/")."""
+    out: dict[str, list[tuple[str, TensorStorageMetadata]]] = {}
     for fqn, md in saved.items():
-        if fqn.startswith(STATE) and fqn.endswith(suffix) and isinstance(md, TensorStorageMetadata):
-            key = fqn[len(STATE) : -len(suffix)]
-            if "/" not in key:
-                yield key, md
+        if fqn.startswith(STATE) and isinstance(md, TensorStorageMetadata):
+            key, _, name = fqn[len(STATE) :].partition("/")
+            out.setdefault(name, []).append((key, md))
+    return out
 
 
 def _apply_groups(groups: list[dict], saved: list[dict], names: list[list[str]], whose: str) -> None:
@@ -285,6 +294,7 @@ def param_optimizer_to_load(
     opt: torch.optim.Optimizer, model: nn.Module, saved: dict[str, Any]
 ) -> tuple[dict, Callable]:
     names = param_names(model)
+    saved_state = _state_index(saved)
     out: dict[str, Any] = {}
     state: dict[int, dict[str, torch.Tensor]] = {}
     masters: dict[int, torch.Tensor] = {}
@@ -297,7 +307,7 @@ def param_optimizer_to_load(
             member_names[-1].append(name)
             if _owned(opt, p):
                 entries = {}
-                for key, md in _saved_state_keys(saved, name):
+                for key, md in saved_state.get(name, ()):
                     dest = torch.zeros(tuple(p.shape) if md.size else (), dtype=md.properties.dtype)
                     entries[key] = dest
                     out[f"{STATE}{key}/{name}"] = Piece(p.numel(), 0, dest.view(-1)) if md.size else dest
