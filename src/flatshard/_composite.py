@@ -52,10 +52,11 @@ class CompositeOptimizer(torch.optim.Optimizer):
 
     def __init__(self, params: Iterable[Any], classes: Sequence[type], defaults: dict[str, Any]) -> None:
         self.subs: list[SubOptimizer] = []
-        self._class_keys = [set(class_defaults(cls, defaults)) for cls in classes]
+        filled = [class_defaults(cls, defaults) for cls in classes]
+        self._class_keys = [set(f) for f in filled]
         merged: dict[str, Any] = {}
-        for cls in reversed(classes):
-            merged.update(class_defaults(cls, defaults))
+        for f in reversed(filled):  # the first class's values win
+            merged.update(f)
         super().__init__(params, merged)
 
     # -- building ----------------------------------------------------------------------------

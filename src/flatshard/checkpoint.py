@@ -25,6 +25,7 @@ from torch import nn
 
 from flatshard import _checkpoint_state as cs
 from flatshard._dcp import PieceLoadPlanner, PieceSavePlanner
+from flatshard._world import World, resolve_world
 from flatshard.optimizer import DistributedOptimizer
 
 FORMAT = "flatshard-checkpoint/1"
@@ -32,14 +33,13 @@ MANIFEST = "flatshard.json"
 EXTRA = "extra"
 
 
-def _rank_and_size() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+def _world() -> World:
+    """The default process group (checkpoints are collective over every rank)."""
+    return resolve_world(None)
 
 
 def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _world().group is not None:
         dist.barrier()
 
 
@@ -107,7 +107,8 @@ def save_checkpoint(
     the checkpoint is complete; a checkpoint already there is replaced only then.
     """
     path = os.fspath(path)
-    rank, size = _rank_and_size()
+    world = _world()
+    rank, size = world.rank, world.size
     partial = path + ".partial"
     if rank == 0 and os.path.exists(partial):
         shutil.rmtree(partial)
@@ -235,7 +236,8 @@ def load_checkpoint(
     path = resolve_checkpoint(path)
     manifest = read_manifest(path)
     _check_model(manifest, model, path)
-    rank, size = _rank_and_size()
+    world = _world()
+    rank, size = world.rank, world.size
     reader = dcp.FileSystemReader(path)
     saved = reader.read_metadata().state_dict_metadata
     state = cs.model_pieces(model, load=True)
