@@ -62,6 +62,9 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
         (["layout"], "the following arguments are required: --model"),
         (["layout", "--model", "nosuch"], "neither a GPT preset"),
         (["layout", "--model", "tiny", "--stage", "4"], "argument --stage: invalid choice: 4"),
+        (["export", "/nonexistent/ckpt", "out.pt"], "no checkpoint at /nonexistent/ckpt"),
+        (["export", "ckpt"], "the following arguments are required: out"),
+        (["export", "a", "b.pt", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
@@ -96,4 +99,25 @@ def test_layout_prints_every_ranks_shards_and_draws_a_png(tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     help_text = _flatshard("layout", "--help", timeout=60).stdout
     for option in ("--model", "--world-size", "--stage", "--param-dtype", "--bucket-size", "--out"):
+        assert option in help_text
+
+
+def test_export_writes_a_state_dict_the_plain_model_loads(tmp_path):
+    import torch
+
+    import flatshard
+    from _parity import TiedGPT
+
+    torch.manual_seed(3)
+    model = flatshard.shard(TiedGPT(), stage=0)
+    flatshard.save_checkpoint(str(tmp_path / "ckpt"), model)
+    out = _flatshard("export", str(tmp_path / "ckpt"), str(tmp_path / "m.pt"), "--dtype", "bf16", timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(f"wrote {tmp_path / 'm.pt'}: ")
+    plain = TiedGPT()
+    plain.load_state_dict(torch.load(str(tmp_path / "m.pt"), weights_only=True))
+    for p, q in zip(plain.parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q.bfloat16().float())
+    help_text = _flatshard("export", "--help", timeout=60).stdout
+    for option in ("checkpoint", "out", "--weights", "--dtype", "--chunk-mib"):
         assert option in help_text

@@ -11,6 +11,7 @@ from flatshard.memory import MemoryReport, memory_report
 from flatshard.mixed_precision import MixedPrecision
 from flatshard.optimizer import DistributedOptimizer
 from flatshard.owner_optimizer import OwnerShardedOptimizer
+from flatshard.weights import export_checkpoint, load_weights
 
 __all__ = [
     "CommStats",
@@ -25,7 +26,9 @@ __all__ = [
     "ParamSpec",
     "ShardedModule",
     "StaticLossScaler",
+    "export_checkpoint",
     "load_checkpoint",
+    "load_weights",
     "memory_report",
     "plan_layout",
     "save_checkpoint",

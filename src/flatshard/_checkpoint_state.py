@@ -38,6 +38,16 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
     return {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors}
 
 
+def model_aliases(model: nn.Module) -> dict[str, str]:
+    """Every further name of a tied param -> its first name (the one the checkpoint keys)."""
+    first: dict[int, str] = {}
+    out: dict[str, str] = {}
+    for name, p in _unwrap(model).named_parameters(remove_duplicate=False):
+        if first.setdefault(id(p), name) != name:
+            out[name] = first[id(p)]
+    return out
+
+
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     module = _unwrap(model)
     for mod_name, mod in module.named_modules():
@@ -124,7 +134,7 @@ def _run_pieces(opt: DistributedOptimizer) -> Iterator[tuple[int, torch.Tensor, 
             yield index[id(tensor)], tensor, pieces
 
 
-def _main_pieces(opt: DistributedOptimizer) -> Iterator[tuple[str, Piece, Any]]:
+def main_pieces(opt: DistributedOptimizer) -> Iterator[tuple[str, Piece, Any]]:
     """(key, piece of the fp32 main params, its buffer's shards) for every optimized param
     piece of a 16-bit buffer."""
     for shards in opt._shards:
@@ -144,7 +154,7 @@ def _group_records(param_groups: list[dict], names_of_group: list[list[str]]) ->
 
 
 def distributed_optimizer_to_save(opt: DistributedOptimizer) -> dict[str, Any]:
-    out: dict[str, Any] = {key: piece for key, piece, _ in _main_pieces(opt)}
+    out: dict[str, Any] = {key: piece for key, piece, _ in main_pieces(opt)}
     for _, tensor, pieces in _run_pieces(opt):
         for key, value in opt.inner.state.get(tensor, {}).items():
             for name, numel, offset, span in pieces:
@@ -179,7 +189,7 @@ def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, An
     (keys present in the checkpoint only), and the step that hands them over."""
     out: dict[str, Any] = {}
     has_main = set()
-    for key, piece, shards in _main_pieces(opt):
+    for key, piece, shards in main_pieces(opt):
         if key in saved:
             out[key] = piece
             has_main.add(id(shards))

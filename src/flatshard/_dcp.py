@@ -16,9 +16,11 @@ by their rank).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, NamedTuple
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
@@ -129,3 +131,23 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         if piece is not None:
             return piece.tensor
         return super().lookup_tensor(index)
+
+
+# DCP warns on every single-process call that it is "assuming the intent": it is ours.
+_SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
+
+
+def save(state_dict: dict[str, Any], path: str, *, single_process: bool) -> None:
+    """``state_dict`` (``Piece``s and anything else) into checkpoint directory ``path``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+        writer = dcp.FileSystemWriter(path)
+        dcp.save(state_dict, storage_writer=writer, planner=PieceSavePlanner(), no_dist=single_process)
+
+
+def load(state_dict: dict[str, Any], path: str, *, single_process: bool) -> None:
+    """Fill ``state_dict``'s ``Piece``s, tensors and placeholders from checkpoint ``path``."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
+        reader = dcp.FileSystemReader(path)
+        dcp.load(state_dict, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=single_process)

@@ -24,7 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from flatshard import _checkpoint_state as cs
-from flatshard._dcp import PieceLoadPlanner, PieceSavePlanner
+from flatshard import _dcp
 from flatshard._world import World, resolve_world
 from flatshard.optimizer import DistributedOptimizer
 
@@ -118,9 +118,7 @@ def save_checkpoint(
     state.update(optimizer_entries)
     state[EXTRA] = _extra_to_save(extra)
     state[f"rng/{rank}"] = _rng_state()
-    dcp.save(
-        state, storage_writer=dcp.FileSystemWriter(partial), planner=PieceSavePlanner(), no_dist=size == 1
-    )
+    _dcp.save(state, partial, single_process=size == 1)
     if rank == 0:
         _write_manifest(partial, model, optimizer, size)
         _publish(partial, path)
@@ -135,6 +133,7 @@ def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int
         "stage": _stage(model),
         "optimizer": None if optimizer is None else type(optimizer).__name__,
         "params": cs.model_shapes(model),
+        "aliases": cs.model_aliases(model),
         "files": files,
     }
     with open(os.path.join(directory, MANIFEST), "w") as f:
@@ -238,8 +237,7 @@ def load_checkpoint(
     _check_model(manifest, model, path)
     world = _world()
     rank, size = world.rank, world.size
-    reader = dcp.FileSystemReader(path)
-    saved = reader.read_metadata().state_dict_metadata
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     state = cs.model_pieces(model, load=True)
     optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
     state.update(optimizer_entries)
@@ -247,7 +245,7 @@ def load_checkpoint(
     same_world = manifest["world_size"] == size
     if restore_rng and same_world:
         state[f"rng/{rank}"] = None
-    dcp.load(state, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=size == 1)
+    _dcp.load(state, path, single_process=size == 1)
     if finish is not None:
         finish(state)
     if restore_rng and same_world:

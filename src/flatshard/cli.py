@@ -87,7 +87,31 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     _add_plan(sub)
     _add_layout(sub)
+    _add_export(sub)
     return parser
+
+
+def _add_export(sub) -> None:
+    export = sub.add_parser(
+        "export",
+        help="a checkpoint as one plain state dict (.safetensors or .pt)",
+        description="Write the model of a flatshard checkpoint, saved at any world size and stage, "
+        "as one state dict file that the plain nn.Module loads with load_state_dict. Streams: "
+        "at most --chunk-mib of tensor data is read at a time.",
+    )
+    export.add_argument("checkpoint", help="checkpoint directory (as written by save_checkpoint)")
+    export.add_argument("out", help="file to write: its suffix, .safetensors or .pt, picks the format")
+    export.add_argument(
+        "--weights",
+        choices=["main", "model"],
+        default="main",
+        help="main: the fp32 main params where the checkpoint has them (default); model: the "
+        "params as the model held them",
+    )
+    export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast floating-point tensors")
+    export.add_argument(
+        "--chunk-mib", type=_positive_int, default=256, help="MiB of data read at a time (default 256)"
+    )
 
 
 def _add_layout(sub) -> None:
@@ -160,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         return _plan(args)
     if args.command == "layout":
         return _layout(args)
+    if args.command == "export":
+        return _export(args)
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands
 
 
@@ -262,6 +288,24 @@ def _layout(args: argparse.Namespace) -> int:
             print("flatshard layout: --out needs matplotlib (pip install 'flatshard[plot]')", file=sys.stderr)
             return 2
         print(f"wrote {args.out}")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from flatshard import plan
+    from flatshard.weights import export_checkpoint
+
+    dtype = None if args.dtype is None else plan.DTYPES[args.dtype]
+    try:
+        entries = export_checkpoint(
+            args.checkpoint, args.out, weights=args.weights, dtype=dtype, chunk_bytes=args.chunk_mib << 20
+        )
+    except (OSError, ValueError, KeyError) as e:
+        print(f"flatshard export: {e}", file=sys.stderr)
+        return 2
+    tensors = {e.source: e for e in entries}.values()  # a tied param once
+    values, mib = sum(e.numel for e in tensors), sum(e.nbytes for e in tensors) / 2**20
+    print(f"wrote {args.out}: {len(entries)} tensors, {values:,} values, {mib:.1f} MiB")
     return 0
 
 

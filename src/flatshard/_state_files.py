@@ -1,0 +1,276 @@
+"""Plain state-dict files, ``.safetensors`` and ``.pt``: written tensor by tensor, read range
+by range, so neither side ever holds more than a bounded part of the model.
+
+Writing. The caller lists ``Entry``s (name, shape, dtype, ``source``) and gives a ``read``
+function that yields each entry's data, in order, as 1-D chunks. Entries with the same
+``source`` are aliases (tied params): ``.pt`` stores their data once and torch.load ties
+them again; ``.safetensors`` cannot share data and stores it once per name.
+
+- ``.safetensors``: the header (names, dtypes, shapes, byte ranges) is known from the
+  entries alone, so the file is written front to back.
+- ``.pt``: torch's own writer lays out the zip archive first (``skip_data`` over fake
+  tensors: the pickle, and a hole per storage), then each chunk goes to its place with
+  ``pwrite`` and each storage's CRC-32 is patched into its zip headers.
+
+Reading (``open_source``): a path to either format, or an in-memory state dict, becomes a
+``Source`` with each tensor's shape and dtype and ``read(name, lo, hi)``, the flat elements
+``[lo, hi)`` of one tensor. A ``.safetensors`` read touches only those bytes of the file; a
+``.pt`` file is memory-mapped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+import zipfile
+import zlib
+from collections.abc import Callable, Iterator, Mapping
+from typing import NamedTuple
+
+import torch
+
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+_DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
+PT_SUFFIXES = (".pt", ".pth", ".bin")
+
+
+class Entry(NamedTuple):
+    """One tensor of a file to write: its data comes from ``source`` (entries that share a
+    source are the same tensor under several names)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    source: str
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+Reader = Callable[[list[Entry]], Iterator[tuple[Entry, torch.Tensor]]]
+
+
+def file_format(path: str) -> str:
+    if path.endswith(".safetensors"):
+        return "safetensors"
+    if path.endswith(PT_SUFFIXES):
+        return "pt"
+    raise ValueError(f"{path}: expected a .safetensors or .pt file (by its suffix)")
+
+
+def write_state_file(path: str, entries: list[Entry], read: Reader) -> None:
+    """Write ``entries`` to ``path`` (its suffix picks the format), through ``path.partial``
+    so that ``path`` appears only complete."""
+    fmt = file_format(path)
+    partial = path + ".partial"
+    try:
+        if fmt == "safetensors":
+            _write_safetensors(partial, entries, read)
+        else:
+            _write_pt(partial, entries, read)
+        os.replace(partial, path)
+    finally:
+        if os.path.exists(partial):
+            os.remove(partial)
+
+
+def _checked_chunks(entries: list[Entry], read: Reader) -> Iterator[tuple[Entry, memoryview]]:
+    """``read``'s chunks as bytes, checked to come in order (at least one per entry, empty for
+    an empty tensor) and to fill each entry exactly."""
+    index, left = -1, 0
+    for entry, chunk in read(entries):
+        if left == 0 and (index < 0 or entry is not entries[index]):
+            index += 1
+            left = entries[index].nbytes if index < len(entries) else 0
+        if index >= len(entries) or entry is not entries[index] or chunk.dtype != entry.dtype:
+            raise RuntimeError(f"internal: chunk of {entry.name!r} out of order")
+        data = chunk.contiguous().view(torch.uint8).numpy().data
+        left -= len(data)
+        if left < 0:
+            raise RuntimeError(f"internal: {entry.name!r} got more than its {entry.nbytes} bytes")
+        yield entry, data
+    if index != len(entries) - 1 or left:
+        raise RuntimeError("internal: the data ended before the last tensor")
+
+
+# -- .safetensors ---------------------------------------------------------------------------------
+def _safetensors_header(entries: list[Entry]) -> bytes:
+    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for entry in entries:
+        code = SAFETENSORS_DTYPES.get(entry.dtype)
+        if code is None:
+            raise ValueError(f"{entry.name!r}: .safetensors has no dtype {entry.dtype}")
+        header[entry.name] = {
+            "dtype": code,
+            "shape": list(entry.shape),
+            "data_offsets": [offset, offset + entry.nbytes],
+        }
+        offset += entry.nbytes
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
+
+
+def _write_safetensors(path: str, entries: list[Entry], read: Reader) -> None:
+    header = _safetensors_header(entries)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(header)))
+        f.write(header)
+        for _, data in _checked_chunks(entries, read):
+            f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+# -- .pt ------------------------------------------------------------------------------------------
+def _write_pt(path: str, entries: list[Entry], read: Reader) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    first = {}  # source -> its first entry: torch numbers storages in the order it meets them
+    for entry in entries:
+        first.setdefault(entry.source, entry)
+    distinct = list(first.values())
+    with FakeTensorMode():
+        fakes = {e.source: torch.empty(e.shape, dtype=e.dtype) for e in distinct}
+    with torch.serialization.skip_data(materialize_fake_tensors=True):
+        torch.save({e.name: fakes[e.source] for e in entries}, path)
+    records = _zip_storage_records(path)
+    if len(records) != len(distinct):
+        raise RuntimeError(f"internal: torch.save wrote {len(records)} storages for {len(distinct)} tensors")
+    fd = os.open(path, os.O_RDWR)
+    try:
+        where = {e.name: (records[str(i)], 0, 0) for i, e in enumerate(distinct)}
+        for entry, data in _checked_chunks(distinct, read):
+            record, written, crc = where[entry.name]
+            if record.size != entry.nbytes:
+                reserved = record.size
+                raise RuntimeError(
+                    f"internal: {entry.name!r}: {reserved} bytes reserved, {entry.nbytes} needed"
+                )
+            os.pwrite(fd, data, record.data_offset + written)
+            where[entry.name] = (record, written + len(data), zlib.crc32(data, crc))
+        for record, _, crc in where.values():
+            for offset in record.crc_offsets:
+                os.pwrite(fd, struct.pack("<I", crc), offset)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class _Record(NamedTuple):
+    size: int
+    data_offset: int
+    crc_offsets: tuple[int, ...]  # where the record's CRC-32 sits in its headers
+
+
+def _zip_storage_records(path: str) -> dict[str, _Record]:
+    """Storage key -> where its bytes and CRC fields are in the zip archive torch.save wrote.
+    The CRC-32 of a record is in its central directory entry and, in its local header, or in
+    the data descriptor after its data when flag bit 3 says so (torch's writer sets it)."""
+    out: dict[str, _Record] = {}
+    with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
+        central = archive.start_dir
+        for info in archive.infolist():
+            f.seek(central)
+            fixed = f.read(46)
+            if fixed[:4] != b"PK\x01\x02" or info.compress_type != zipfile.ZIP_STORED:
+                raise ValueError(f"{path}: unexpected zip layout at {info.filename!r}")
+            name_len, extra_len, comment_len = struct.unpack("<HHH", fixed[28:34])
+            central_crc, central = central + 16, central + 46 + name_len + extra_len + comment_len
+            _, _, rest = info.filename.partition("/")
+            if not rest.startswith("data/"):
+                continue
+            f.seek(info.header_offset)
+            local = f.read(30)
+            (flags,) = struct.unpack("<H", local[6:8])
+            name_len, extra_len = struct.unpack("<HH", local[26:30])
+            data_offset = info.header_offset + 30 + name_len + extra_len
+            local_crc = info.header_offset + 14
+            if flags & 0x08:
+                f.seek(data_offset + info.file_size)
+                local_crc = data_offset + info.file_size + (4 if f.read(4) == b"PK\x07\x08" else 0)
+            out[rest.removeprefix("data/")] = _Record(info.file_size, data_offset, (local_crc, central_crc))
+    return out
+
+
+# -- reading --------------------------------------------------------------------------------------
+class Source:
+    """Tensors by name, read by flat range: a ``.safetensors`` or ``.pt`` file or a state dict."""
+
+    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], read, description: str):
+        self.shapes = shapes
+        self._read = read
+        self.description = description
+
+    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
+        """Elements ``[lo, hi)`` of the flattened tensor ``name``."""
+        return self._read(name, lo, hi)
+
+
+def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Source:
+    if isinstance(source, Mapping):
+        return _tensor_source(source, "the state dict")
+    path = os.fspath(source)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no weights file at {path}")
+    if file_format(path) == "safetensors":
+        return _safetensors_source(path)
+    try:
+        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+        loaded = torch.load(path, map_location="cpu", weights_only=True)
+    if not isinstance(loaded, Mapping):
+        raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
+    return _tensor_source(loaded, path)
+
+
+def _tensor_source(tensors: Mapping[str, torch.Tensor], description: str) -> Source:
+    tensors = {k: v for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+    shapes = {k: (tuple(v.shape), v.dtype) for k, v in tensors.items()}
+    return Source(shapes, lambda name, lo, hi: tensors[name].detach().reshape(-1)[lo:hi], description)
+
+
+def _safetensors_source(path: str) -> Source:
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    start = 8 + length
+    shapes, spans = {}, {}
+    for name, info in header.items():
+        dtype = _DTYPE_OF.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"{path}: {name!r} has dtype {info['dtype']}, which flatshard cannot read")
+        shapes[name] = (tuple(info["shape"]), dtype)
+        spans[name] = info["data_offsets"][0]
+
+    def read(name: str, lo: int, hi: int) -> torch.Tensor:
+        dtype = shapes[name][1]
+        buf = bytearray((hi - lo) * dtype.itemsize)
+        with open(path, "rb") as f:
+            f.seek(start + spans[name] + lo * dtype.itemsize)
+            if f.readinto(buf) != len(buf):
+                raise ValueError(f"{path} is truncated: {name!r} is cut short")
+        return torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+
+    return Source(shapes, read, path)

@@ -1,0 +1,166 @@
+"""Plain weights in and out of flatshard: ``export_checkpoint`` turns a sharded checkpoint
+into one state dict file; ``load_weights`` seeds a sharded model from one.
+
+Both stream: an export reads the checkpoint a bounded number of bytes at a time (DCP reads
+exactly the requested ranges of the saved pieces) and writes each tensor as it arrives
+(``_state_files``); a load reads, on each rank, only the ranges of each tensor that the rank
+holds (its shards at stage 3, whole params below) and writes them in place, through the
+same ``Piece`` destinations as ``load_checkpoint``. No rank ever holds the whole model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Mapping
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from flatshard import _checkpoint_state as cs
+from flatshard import _dcp
+from flatshard._dcp import Piece
+from flatshard._state_files import Entry, Source, open_source, write_state_file
+from flatshard.checkpoint import read_manifest, resolve_checkpoint
+from flatshard.optimizer import DistributedOptimizer
+
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+WEIGHTS = ("main", "model")
+
+
+# -- export ---------------------------------------------------------------------------------------
+def export_checkpoint(
+    checkpoint: str | os.PathLike,
+    out: str | os.PathLike,
+    *,
+    weights: str = "main",
+    dtype: torch.dtype | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> list[Entry]:
+    """Write the model of ``checkpoint`` (saved at any world size and stage) as one plain
+    state dict, ``out`` ending in ``.safetensors`` or ``.pt``, that the unwrapped
+    ``nn.Module`` loads with ``load_state_dict`` (tied params appear under each name).
+
+    ``weights="main"`` takes each param's fp32 main param where the checkpoint has one (the
+    values the optimizer updates), ``"model"`` the params as the model held them.
+    ``dtype`` casts floating-point tensors. At most ``chunk_bytes`` (or one saved piece, if
+    larger) are read at a time. Runs on one process; returns what was written.
+    """
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights must be one of {WEIGHTS}, got {weights!r}")
+    if chunk_bytes < 1:
+        raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
+    path = resolve_checkpoint(checkpoint)
+    manifest = read_manifest(path)
+    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    entries: dict[str, Entry] = {}
+    for name, (shape, _) in manifest["params"].items():
+        key = cs.MAIN + name if weights == "main" and cs.MAIN + name in saved else cs.MODEL + name
+        if key not in saved:
+            raise ValueError(f"checkpoint {path} is corrupted: it has no data for {name!r}")
+        stored = saved[key].properties.dtype
+        cast = dtype if dtype is not None and stored.is_floating_point else stored
+        entries[name] = Entry(name, tuple(shape), cast, key)
+    for alias, name in manifest.get("aliases", {}).items():
+        entries[alias] = entries[name]._replace(name=alias)
+    listed = list(entries.values())
+    write_state_file(os.fspath(out), listed, partial(_read_checkpoint, path, saved, chunk_bytes))
+    return listed
+
+
+def _read_checkpoint(
+    path: str, saved: dict[str, Any], chunk_bytes: int, entries: list[Entry]
+) -> Iterator[tuple[Entry, torch.Tensor]]:
+    """Each entry's data in order, as 1-D chunks of at most ``chunk_bytes``, read from the
+    checkpoint a batch of chunks at a time."""
+    batch: dict[str, Piece] = {}
+    order: list[tuple[Entry, Piece]] = []
+    held = 0
+    for entry in entries:
+        stored = saved[entry.source].properties.dtype
+        step = max(1, chunk_bytes // stored.itemsize)
+        for lo in range(0, max(entry.numel, 1), step):
+            hi = min(entry.numel, lo + step)
+            if entry.source in batch or (order and held + (hi - lo) * stored.itemsize > chunk_bytes):
+                yield from _load_batch(path, batch, order)
+                held = 0
+            piece = Piece(entry.numel, lo, torch.empty(hi - lo, dtype=stored))
+            if hi > lo:
+                batch[entry.source] = piece
+            order.append((entry, piece))
+            held += (hi - lo) * stored.itemsize
+    yield from _load_batch(path, batch, order)
+
+
+def _load_batch(path: str, batch: dict[str, Piece], order: list) -> Iterator[tuple[Entry, torch.Tensor]]:
+    if batch:
+        _dcp.load(batch, path, single_process=True)
+    for entry, piece in order:
+        yield entry, piece.tensor.to(entry.dtype)
+    batch.clear()
+    order.clear()
+
+
+# -- import ---------------------------------------------------------------------------------------
+@torch.no_grad()
+def load_weights(
+    model: nn.Module,
+    source: str | os.PathLike | Mapping[str, torch.Tensor],
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    strict: bool = True,
+) -> tuple[list[str], list[str]]:
+    """Seed ``model`` (sharded at any stage, or plain) from a plain state dict: a
+    ``.safetensors`` or ``.pt`` file, or a dict of tensors. Every rank calls it and reads
+    only the parts of each tensor it holds.
+
+    The optimizer's fp32 main params (``optimizer``, else the model's
+    ``DistributedOptimizer``) take the source's values at the source's precision, not
+    rounded through 16-bit params. Returns ``(missing, unexpected)`` names; with
+    ``strict`` either is an error. Names of tied params may appear or not.
+    """
+    src = open_source(source)
+    missing, unexpected = _check_names(model, src, strict)
+    _copy(src, cs.model_pieces(model, load=True), cs.MODEL)
+    state = getattr(model, "flatshard_state", None)
+    optimizer = optimizer if optimizer is not None else getattr(state, "optimizer", None)
+    if isinstance(optimizer, DistributedOptimizer):
+        optimizer.reload_model_params()
+        _copy(src, {key: piece for key, piece, _ in cs.main_pieces(optimizer)}, cs.MAIN)
+        optimizer.main_params_changed()
+    elif optimizer is not None and hasattr(optimizer, "masters"):
+        optimizer.reload_model_params()
+        names = cs.param_names(model)
+        masters = optimizer.masters().items()
+        _copy(src, {cs.MAIN + names[id(p)]: Piece(p.numel(), 0, m.view(-1)) for p, m in masters}, cs.MAIN)
+    return missing, unexpected
+
+
+def _check_names(model: nn.Module, src: Source, strict: bool) -> tuple[list[str], list[str]]:
+    shapes = cs.model_shapes(model)
+    aliases = cs.model_aliases(model)
+    missing = [n for n in shapes if n not in src.shapes]
+    unexpected = [n for n in src.shapes if n not in shapes and n not in aliases]
+    if strict and missing:
+        count = len(missing)
+        raise KeyError(f"{src.description} has no {missing[0]!r} ({count} of the model's tensors missing)")
+    if strict and unexpected:
+        raise KeyError(
+            f"{src.description} has {unexpected[0]!r}, which the model does not ({len(unexpected)} such)"
+        )
+    for name, (shape, _) in shapes.items():
+        if name in src.shapes and tuple(src.shapes[name][0]) != tuple(shape):
+            was = tuple(src.shapes[name][0])
+            raise ValueError(f"{name!r} has shape {was} in {src.description}, {tuple(shape)} in the model")
+    return missing, unexpected
+
+
+def _copy(src: Source, pieces: Mapping[str, Any], prefix: str) -> None:
+    """Fill each piece (keyed ``prefix + name``) from the same range of the source's tensor."""
+    for key, piece in pieces.items():
+        name = key.removeprefix(prefix)
+        count = piece.tensor.numel()
+        if name in src.shapes and count:
+            piece.tensor.copy_(src.read(name, piece.offset, piece.offset + count))
