@@ -1,0 +1,122 @@
+"""A save killed at any moment (SIGKILL of every writing process) leaves a complete
+checkpoint: the previous one, or the new one if it was already in place. Each save in the
+loop below writes params that all equal its step, so a checkpoint that mixed two saves, or
+lost part of one, would show it."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import warnings
+
+import pytest
+import torch
+
+import flatshard
+
+_SAVER = textwrap.dedent(
+    """
+    import os, sys, torch, flatshard
+    from flatshard.testing import run_distributed
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from kill_model import build
+
+    def save_forever(path):
+        model, opt = build()
+        step = 0
+        while True:
+            step += 1
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(step)
+            flatshard.save_checkpoint(path, model, opt, extra={"step": step})
+            if step == 1 and torch.distributed.get_rank() == 0:
+                open(path + ".first", "w").close()
+
+    if __name__ == "__main__":
+        run_distributed(save_forever, 2, sys.argv[1], timeout=600)
+    """
+)
+
+_MODEL = textwrap.dedent(
+    """
+    import torch, flatshard
+    from torch import nn
+
+    def build():  # 8 x 4 MB of params, sharded at stage 2 with SGD + momentum state
+        torch.manual_seed(0)
+        model = flatshard.shard(nn.Sequential(*[nn.Linear(1000, 1000) for _ in range(8)]), stage=2)
+        opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+        model(torch.ones(2, 1000)).sum().backward()
+        opt.step()  # creates the momentum buffers
+        return model, opt
+    """
+)
+
+
+def _wait_for(condition, what: str, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout:.0f}s for {what}")
+        time.sleep(0.001)
+
+
+def _mid_write(path: str) -> bool:
+    """A later save is writing its data files."""
+    partial = path + ".partial"
+    try:
+        return any(
+            n.endswith(".distcp") and os.path.getsize(os.path.join(partial, n)) for n in os.listdir(partial)
+        )
+    except FileNotFoundError:
+        return False
+
+
+def _kill_a_save(tmp_path, *, mid_write: bool = False, delay: float = 0.0) -> tuple[int, list[str]]:
+    """Start two ranks saving in a loop; once the first save is complete, SIGKILL them all
+    when a later save is writing its data files (``mid_write``) or after ``delay`` seconds.
+    Returns the step the checkpoint then holds, and what was on disk."""
+    for name, text in (("saver.py", _SAVER), ("kill_model.py", _MODEL)):
+        (tmp_path / name).write_text(text)
+    path = str(tmp_path / "ckpt")
+    proc = subprocess.Popen([sys.executable, str(tmp_path / "saver.py"), path], start_new_session=True)
+    try:
+        _wait_for(lambda: os.path.exists(path + ".first") or proc.poll() is not None, "the first save")
+        assert proc.poll() is None, "the saving ranks died on their own"
+        if mid_write:
+            _wait_for(lambda: _mid_write(path), "a save writing its data")
+        time.sleep(delay)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    on_disk = sorted(os.listdir(tmp_path))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        from kill_model import build
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("kill_model", None)
+    model, opt = build()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*left complete by a save that was cut off")
+        step = flatshard.load_checkpoint(path, model, opt)["step"]
+    for name, p in model.named_parameters():
+        assert torch.all(p == step), f"{name} mixes saves: not all {step} ({on_disk})"
+    momentum = [s["momentum_buffer"] for s in opt.inner.state.values()]
+    assert momentum and all(torch.isfinite(m).all() for m in momentum)
+    flatshard.save_checkpoint(path, model, opt, extra={"step": step})  # the next save is not stuck
+    assert flatshard.load_checkpoint(path, model, opt)["step"] == step
+    return step, on_disk
+
+
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
+    step, on_disk = _kill_a_save(tmp_path, mid_write=True)
+    assert "ckpt.partial" in on_disk and step >= 1
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.17, 0.31])
+def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(tmp_path, delay):
+    _kill_a_save(tmp_path, delay=delay)
