@@ -3,7 +3,8 @@
 python benchmarks/step_time.py --world-size 2 --model small --out bench-results/step_time.json
 """
 
-from flatshard.bench import STAGE_PEERS, script_main
+from flatshard._peers import STAGE_PEERS
+from flatshard.bench import script_main
 
 if __name__ == "__main__":
     script_main(__doc__, STAGE_PEERS, "bench-results/step_time.json")

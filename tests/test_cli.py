@@ -65,6 +65,8 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
         (["export", "/nonexistent/ckpt", "out.pt"], "no checkpoint at /nonexistent/ckpt"),
         (["export", "ckpt"], "the following arguments are required: out"),
         (["export", "a", "b.pt", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
+        (["bench", "--peers", "megatron"], "argument --peers: invalid choice: 'megatron'"),
+        (["bench", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     ],
 )
 def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
@@ -121,3 +123,37 @@ def test_export_writes_a_state_dict_the_plain_model_loads(tmp_path):
     help_text = _flatshard("export", "--help", timeout=60).stdout
     for option in ("checkpoint", "out", "--weights", "--dtype", "--chunk-mib"):
         assert option in help_text
+
+
+def test_bench_compares_ddp_and_flatshard_and_counts_the_bytes_sent(tmp_path):
+    import json
+
+    out_json = tmp_path / "bench.json"
+    out = _flatshard(
+        "bench",
+        "-n",
+        "2",
+        "--model",
+        "tiny",
+        "--peers",
+        "ddp",
+        "flatshard-2",
+        "--steps",
+        "2",
+        "--rounds",
+        "2",
+        "--out",
+        str(out_json),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ddp" in out.stdout and "flatshard-2" in out.stdout and f"wrote {out_json}" in out.stdout
+    result = json.loads(out_json.read_text())
+    ddp, ours = result["peers"]["ddp"], result["peers"]["flatshard-2"]
+    assert ddp["ratio_to_ddp"] == 1.0 and ours["ratio_to_ddp"] > 0
+    assert abs(ours["final_loss"] - ddp["final_loss"]) < 1e-4  # the same training
+    assert ddp["final_losses_agree_across_rounds"] and ours["final_losses_agree_across_rounds"]
+    grad_bytes = 4 * result["params"]
+    # a ring all-reduce sends 2 (N-1)/N of the grads per rank: the tiny GPT's at N = 2
+    assert grad_bytes <= ddp["sent_bytes_per_step"] < 1.1 * grad_bytes
+    assert ours["model_state_bytes"] < ddp["model_state_bytes"]
+    assert ours["rss_bytes"] > ours["rss_growth_bytes"] > 0

@@ -1,187 +1,104 @@
-"""Side-by-side step-time benchmark of flatshard and its peers, in one run on the same ranks.
+"""``flatshard bench``: flatshard and its peers train the same model on the same data, on
+the same ranks, in one run.
 
-Every peer trains its own copy of the same model on the same data. Peers take turns in
-rounds (the order rotates every round) so that the machine's drift hits them all alike;
-the reported time is the median step over all rounds, and the ratio is to torch DDP's.
+Each peer trains in processes of its own (so that its resident memory is its own), and the
+peers take turns in rounds whose order rotates, so that the machine's drift hits them all
+alike. Per peer, on every rank:
+
+- step time: the median over all rounds of the step time of the slowest rank, and its ratio
+  to torch DDP's;
+- model-state bytes resident after warm-up (``memory_report``: params, grads, main params,
+  optimizer state) where they can be counted from outside, and the process RSS after
+  warm-up, which every peer gets measured the same way;
+- bytes sent per step: what the rank's process wrote to its sockets (Linux
+  ``/proc/self/io``), net of the timing barriers: on gloo that is every collective of every
+  peer, whatever its implementation, measured the same way;
+- the final loss (mean over ranks), which must agree between peers.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
 from datetime import date
 
 import torch
 import torch.distributed as dist
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.nn.parallel import DistributedDataParallel as DDP
 
-import flatshard
+from flatshard._peers import PEERS, Peer, default_peers, prepare
 from flatshard.data import SyntheticCorpus
-from flatshard.memory import memory_report, retain_freed_cpu_memory
+from flatshard.memory import retain_freed_cpu_memory
 from flatshard.models import GPT, PRESETS
 from flatshard.testing import run_distributed
 
-Peer = Callable[
-    [nn.Module, int | None], tuple[nn.Module, torch.optim.Optimizer, torch.optim.Optimizer | None]
-]
-"""(model, bucket size) -> (wrapped model, optimizer, optimizer whose state memory_report
-counts; None where model-state memory cannot be counted from outside)."""
-ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def _ddp(model: nn.Module, bucket_size: int | None):
-    model = DDP(model, gradient_as_bucket_view=True)
-    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    return model, optimizer, optimizer
+def _proc_counter(path: str, key: str) -> int | None:
+    """A counter from a /proc/self file ("VmRSS:  123 kB", "wchar: 456"), in bytes; None
+    off Linux."""
+    try:
+        with open(path) as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                if name == key:
+                    number, *unit = value.split()
+                    return int(number) * (1024 if unit == ["kB"] else 1)
+    except OSError:
+        return None
+    return None
 
 
-def _torch_zero1(model: nn.Module, bucket_size: int | None):
-    model = DDP(model, gradient_as_bucket_view=True)
-    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
-    return model, optimizer, optimizer.optim
+def _rss() -> int | None:
+    return _proc_counter("/proc/self/status", "VmRSS")
 
 
-def _fsdp2(reshard_after_forward: bool) -> Peer:
-    """FSDP2 (``fully_shard`` per block, then the root); ``reshard_after_forward=False`` keeps
-    params unsharded between forward and backward (ZeRO-2-like). Its resident state is
-    counted from the local shards of its DTensors."""
-
-    def wrap(model: nn.Module, bucket_size: int | None):
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-        return model, optimizer, optimizer
-
-    return wrap
+def _bytes_written() -> int | None:
+    return _proc_counter("/proc/self/io", "wchar")
 
 
-def _flatshard(stage: int) -> Peer:
-    def wrap(model: nn.Module, bucket_size: int | None):
-        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
-        model = flatshard.shard(model, stage=stage, **kwargs)
-        if stage == 0:
-            optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-        else:
-            optimizer = flatshard.DistributedOptimizer(
-                model, torch.optim.AdamW, skip_nonfinite=False, **ADAMW
-            )
-        return model, optimizer, optimizer
-
-    return wrap
-
-
-def _hybrid(fraction: float, overlap: bool) -> Peer:
-    """torch DDP + ``HybridDeviceOptimizer(AdamW)`` with ``fraction`` of the params on the host."""
-
-    def wrap(model: nn.Module, bucket_size: int | None):
-        model = DDP(model, gradient_as_bucket_view=True)
-        optimizer = flatshard.HybridDeviceOptimizer(
-            model.parameters(),
-            offload_fraction=fraction,
-            cpu_optimizer_class=torch.optim.AdamW,
-            overlap=overlap,
-            **ADAMW,
-        )
-        return model, optimizer, optimizer
-
-    return wrap
-
-
-def _owner(bucket_cap_bytes: int) -> Peer:
-    """torch DDP + ``OwnerShardedOptimizer(AdamW)``; ``bucket_cap_bytes=0``: one broadcast per param."""
-
-    def wrap(model: nn.Module, bucket_size: int | None):
-        model = DDP(model, gradient_as_bucket_view=True)
-        optimizer = flatshard.OwnerShardedOptimizer(
-            model.parameters(), torch.optim.AdamW, bucket_cap_bytes=bucket_cap_bytes, **ADAMW
-        )
-        return model, optimizer, optimizer
-
-    return wrap
-
-
-STAGE_PEERS: dict[str, Peer] = {
-    "ddp": _ddp,
-    "torch-zero1": _torch_zero1,
-    "fsdp2": _fsdp2(False),
-    "fsdp2-zero3": _fsdp2(True),
-    **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
-}
-OPTIMIZER_PEERS: dict[str, Peer] = {
-    "ddp": _ddp,
-    "torch-zero1": _torch_zero1,
-    "owner": _owner(25 * 2**20),
-    "owner-per-param": _owner(0),
-    "hybrid-0.5": _hybrid(0.5, overlap=True),
-    "hybrid-1.0": _hybrid(1.0, overlap=True),
-    "hybrid-1.0-sync": _hybrid(1.0, overlap=False),
-}
-PEERS: dict[str, Peer] = {**STAGE_PEERS, **OPTIMIZER_PEERS}
-
-
-def _rank_bench(preset: str, peers: list[str], steps: int, rounds: int, batch: int, bucket_size) -> dict:
+def _peer_session(
+    name: str, preset: str, steps: int, warmup: int, batch: int, bucket_size, dtype: str
+) -> dict:
+    """One peer on this rank: build, warm up, then ``steps`` timed steps."""
     retain_freed_cpu_memory()  # the same allocator settings for every peer
     rank = dist.get_rank()
     cfg = PRESETS[preset]
+    prepare(name)
+    rss_base = _rss()
     torch.manual_seed(0)
-    base = GPT(cfg)
+    trainer = PEERS[name](GPT(cfg).to(DTYPES[dtype]), bucket_size)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
-    runs = {}
-    for name in peers:
-        model, optimizer, counted = PEERS[name](copy.deepcopy(base), bucket_size)
-        runs[name] = {
-            "model": model,
-            "opt": optimizer,
-            "counted": counted,
-            "times": [],
-            "losses": [],
-            "step": 0,
-        }
-    data = [corpus.batch(i, rank, batch) for i in range(steps)]
-
-    def one_step(run: dict, measure: bool = False) -> None:
-        x, y = data[run["step"] % steps]
-        loss = run["model"](x, y)
-        loss.backward()
-        run["opt"].step()
-        if measure:  # before zero_grad, so grads held in buckets count for every peer
-            counted = run["counted"]
-            run["memory"] = None if counted is None else memory_report(run["model"], counted).total
-        run["opt"].zero_grad()
-        run["losses"].append(loss.item())
-        run["step"] += 1
-
-    for name in peers:  # warm-up: first-iteration allocations, DDP's bucket rebuild
-        for i in range(2):
-            one_step(runs[name], measure=i == 1)
-    for r in range(rounds):
-        order = peers[r % len(peers) :] + peers[: r % len(peers)]
-        for name in order:
-            run = runs[name]
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                one_step(run)
-                run["times"].append(time.perf_counter() - start)
+    data = [corpus.batch(i, rank, batch) for i in range(warmup + steps)]
+    for i in range(warmup):  # first-iteration allocations, DDP's bucket rebuild, ...
+        trainer.step(*data[i], measure=i == warmup - 1)
+    rss = _rss()
+    barriers = _bytes_written()
+    for _ in range(steps):
+        dist.barrier()
+    start_sent = _bytes_written()
+    times, loss = [], 0.0
+    for i in range(warmup, warmup + steps):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = trainer.step(*data[i])
+        times.append(time.perf_counter() - start)
+    sent = None
+    if start_sent is not None:
+        sent = (_bytes_written() - start_sent - (start_sent - barriers)) / steps
+    final = torch.tensor([loss], dtype=torch.float64)
+    dist.all_reduce(final)
     return {
-        name: {
-            "step_times": run["times"],
-            "final_loss": run["losses"][-1],
-            "model_state_bytes": run["memory"],
-            "threads": torch.get_num_threads(),
-        }
-        for name, run in runs.items()
+        "step_times": times,
+        "final_loss": final.item() / dist.get_world_size(),
+        "model_state_bytes": trainer.model_state_bytes,
+        "rss_bytes": rss,
+        "rss_base_bytes": rss_base,
+        "sent_bytes_per_step": sent,
+        "threads": torch.get_num_threads(),
     }
 
 
@@ -192,36 +109,47 @@ def run_bench(
     peers: list[str] | None = None,
     steps: int = 10,
     rounds: int = 6,
+    warmup: int = 2,
     batch: int = 16,
     bucket_size: int | None = None,
+    dtype: str = "fp32",
 ) -> dict:
-    """Run every peer (default: DDP, the torch peers and flatshard's stages) on
-    ``world_size`` local ranks; return a JSON-ready result."""
-    peers = peers or list(STAGE_PEERS)
+    """Run every peer (default: ``default_peers()``) on ``world_size`` local ranks, ``rounds``
+    times each; return a JSON-ready result."""
+    peers = peers or default_peers()
     unknown = [p for p in peers if p not in PEERS]
     if unknown:
         raise ValueError(f"unknown peer(s) {unknown}; known: {sorted(PEERS)}")
-    per_rank = run_distributed(
-        _rank_bench, world_size, preset, peers, steps, rounds, batch, bucket_size, timeout=1800
-    )
-    results = {}
-    for name in peers:
-        # a step is as slow as its slowest rank
-        times = [max(ts) for ts in zip(*(r[name]["step_times"] for r in per_rank), strict=True)]
-        results[name] = {
-            "median_step_s": statistics.median(times),
-            "final_loss": per_rank[0][name]["final_loss"],
-            "model_state_bytes": per_rank[0][name]["model_state_bytes"],
-        }
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    sessions: dict[str, list[list[dict]]] = {name: [] for name in peers}
+    for r in range(rounds):
+        for name in peers[r % len(peers) :] + peers[: r % len(peers)]:
+            per_rank = run_distributed(
+                _peer_session,
+                world_size,
+                name,
+                preset,
+                steps,
+                warmup,
+                batch,
+                bucket_size,
+                dtype,
+                timeout=1800,
+            )
+            sessions[name].append(per_rank)
+    results = {name: _summarize(runs) for name, runs in sessions.items()}
     ddp = results.get("ddp", {}).get("median_step_s")
     for r in results.values():
         r["ratio_to_ddp"] = r["median_step_s"] / ddp if ddp else None
+    threads = sessions[peers[0]][0][0]["threads"]
     return {
         "date": date.today().isoformat(),
-        "machine": f"{platform.machine()}, {per_rank[0][peers[0]]['threads']} torch thread(s)/rank, "
-        f"{os.cpu_count()} CPUs, torch {torch.__version__}",
+        "machine": f"{platform.machine()}, {threads} torch thread(s)/rank, {os.cpu_count()} CPUs, "
+        f"torch {torch.__version__}",
         "world_size": world_size,
         "model": preset,
+        "dtype": dtype,
         "params": sum(p.numel() for p in GPT(PRESETS[preset]).parameters()),
         "steps_per_round": steps,
         "rounds": rounds,
@@ -230,26 +158,111 @@ def run_bench(
     }
 
 
+def _summarize(runs: list[list[dict]]) -> dict:
+    """One peer's rounds (each a list of per-rank results) in one line of the table."""
+    times = [max(ts) for per_rank in runs for ts in zip(*(r["step_times"] for r in per_rank), strict=True)]
+
+    def worst(key: str) -> int | None:  # the rank with the most, median over rounds
+        values = [max(r[key] for r in per_rank) for per_rank in runs if per_rank[0][key] is not None]
+        return int(statistics.median(values)) if values else None
+
+    return {
+        "median_step_s": statistics.median(times),
+        "final_loss": runs[-1][0]["final_loss"],
+        "final_losses_agree_across_rounds": len({per_rank[0]["final_loss"] for per_rank in runs}) == 1,
+        "model_state_bytes": worst("model_state_bytes"),
+        "rss_bytes": worst("rss_bytes"),
+        "rss_growth_bytes": _median_growth(runs),
+        "sent_bytes_per_step": worst("sent_bytes_per_step"),
+    }
+
+
+def _median_growth(runs: list[list[dict]]) -> int | None:
+    growth = [
+        max(r["rss_bytes"] - r["rss_base_bytes"] for r in per_rank)
+        for per_rank in runs
+        if per_rank[0]["rss_bytes"] is not None
+    ]
+    return int(statistics.median(growth)) if growth else None
+
+
+def _mib(n: int | None) -> str:
+    return "-" if n is None else f"{n / 2**20:.2f} MiB"
+
+
 def format_table(result: dict) -> str:
     lines = [
-        f"{result['model']} GPT ({result['params']:,} params), {result['world_size']} ranks, "
-        f"{result['rounds']} rounds x {result['steps_per_round']} steps, {result['date']},",
+        f"{result['model']} GPT ({result['params']:,} params, {result.get('dtype', 'fp32')}), "
+        f"{result['world_size']} ranks, {result['rounds']} rounds x {result['steps_per_round']} steps, "
+        f"{result['date']},",
         f"  {result['machine']}",
-        f"{'peer':<16} {'median step':>12} {'vs DDP':>8} {'model state/rank':>18} {'final loss':>11}",
+        f"{'peer':<16} {'median step':>12} {'vs DDP':>7} {'model state':>13} {'RSS (growth)':>22} "
+        f"{'sent/step':>13} {'final loss':>11}",
     ]
     for name, r in result["peers"].items():
         ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
-        state = r["model_state_bytes"]
-        state = "-" if state is None else f"{state / 2**20:.2f} MiB"
+        rss = "-" if r["rss_bytes"] is None else f"{_mib(r['rss_bytes'])} ({_mib(r['rss_growth_bytes'])})"
         lines.append(
-            f"{name:<16} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>8} {state:>18} {r['final_loss']:>11.4f}"
+            f"{name:<16} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} {_mib(r['model_state_bytes']):>13} "
+            f"{rss:>22} {_mib(r['sent_bytes_per_step']):>13} {r['final_loss']:>11.4f}"
         )
+    lines.append(
+        "model state: params, grads, main params and optimizer state resident per rank (- where it "
+        "cannot be counted from outside); RSS after warm-up (growth from before the model was built); "
+        "sent: bytes the rank wrote to its sockets per step"
+    )
     return "\n".join(lines)
 
 
 def write_json(result: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path, "w") as f:
         json.dump(result, f, indent=2)
+
+
+def add_arguments(parser, *, default_out: str, peers: list[str] | None = None) -> None:
+    """The options of ``flatshard bench`` and of the scripts in ``benchmarks/``."""
+    parser.add_argument("--world-size", "-n", type=int, default=2, help="ranks (default 2)")
+    parser.add_argument(
+        "--model", default="small", choices=sorted(PRESETS), help="GPT preset (default small)"
+    )
+    parser.add_argument(
+        "--peers",
+        nargs="+",
+        default=peers,
+        choices=list(PEERS),
+        metavar="PEER",
+        help=f"systems to compare (default: {' '.join(peers or default_peers())}); known: {' '.join(PEERS)}",
+    )
+    parser.add_argument("--steps", type=int, default=10, help="timed steps per peer per round (default 10)")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds, each peer once per round (default 6)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps before each timing (default 2)")
+    parser.add_argument("--batch", type=int, default=16, help="sequences per rank per step (default 16)")
+    parser.add_argument(
+        "--bucket-size", type=int, default=None, help="elements per bucket (default: each's own)"
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="fp32", help="the model's dtype (default fp32)"
+    )
+    parser.add_argument("--out", default=default_out, help=f"JSON file to write (default {default_out})")
+
+
+def bench_main(args) -> None:
+    """Run what ``add_arguments`` parsed: print the table, write the JSON."""
+    result = run_bench(
+        world_size=args.world_size,
+        preset=args.model,
+        peers=args.peers,
+        steps=args.steps,
+        rounds=args.rounds,
+        warmup=args.warmup,
+        batch=args.batch,
+        bucket_size=args.bucket_size,
+        dtype=args.dtype,
+    )
+    print(format_table(result))
+    write_json(result, args.out)
+    print(f"wrote {args.out}")
 
 
 def script_main(doc: str, peers: dict[str, Peer], default_out: str, argv: list[str] | None = None) -> None:
@@ -257,25 +270,5 @@ def script_main(doc: str, peers: dict[str, Peer], default_out: str, argv: list[s
     import argparse
 
     parser = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--model", default="small")
-    parser.add_argument("--peers", nargs="+", default=list(peers), choices=list(PEERS))
-    parser.add_argument("--steps", type=int, default=10, help="steps per peer per round")
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--bucket-size", type=int, default=None)
-    parser.add_argument("--out", default=default_out)
-    args = parser.parse_args(argv)
-    result = run_bench(
-        world_size=args.world_size,
-        preset=args.model,
-        peers=args.peers,
-        steps=args.steps,
-        rounds=args.rounds,
-        batch=args.batch,
-        bucket_size=args.bucket_size,
-    )
-    print(format_table(result))
-    os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-    write_json(result, args.out)
-    print(f"wrote {args.out}")
+    add_arguments(parser, default_out=default_out, peers=list(peers))
+    bench_main(parser.parse_args(argv))

@@ -88,7 +88,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_layout(sub)
     _add_export(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub) -> None:
+    from flatshard import bench
+
+    parser = sub.add_parser(
+        "bench",
+        help="flatshard against torch DDP, FSDP2, ZeRO-1 and DeepSpeed: time, memory, bytes sent",
+        description=bench.__doc__.split("\n\n", 1)[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_arguments(parser, default_out="bench-results/bench.json")
 
 
 def _add_export(sub) -> None:
@@ -186,6 +199,11 @@ def main(argv: list[str] | None = None) -> int:
         return _layout(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "bench":
+        from flatshard.bench import bench_main
+
+        bench_main(args)
+        return 0
     raise AssertionError(args.command)  # pragma: no cover - argparse rejects unknown commands
 
 

@@ -1,0 +1,200 @@
+"""The systems ``flatshard bench`` compares, each wired the way its users wire it.
+
+A peer turns a fresh copy of the model into a ``Trainer``: one training step on a batch,
+and, where it can be counted from outside, the model-state bytes the rank holds. Every peer
+uses AdamW with the same hyperparameters; torch's own peers and DeepSpeed's use their
+documented entry points (``DDP``, ``fully_shard`` per block then the root,
+``ZeroRedundancyOptimizer``, ``deepspeed.initialize`` with ZeRO stage 1-3).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatshard
+from flatshard.memory import memory_report
+
+ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+
+
+@dataclass
+class Trainer:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    counted: torch.optim.Optimizer | None  # whose state memory_report counts (None: not countable)
+    engine: object | None = None  # a DeepSpeed engine, which runs backward and step itself
+    model_state_bytes: int | None = None  # measured at the last step with measure=True
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, *, measure: bool = False) -> float:
+        if self.engine is not None:
+            loss = self.engine(x, y)
+            self.engine.backward(loss)
+            self.engine.step()
+            return loss.item()
+        loss = self.model(x, y)
+        loss.backward()
+        self.optimizer.step()
+        if measure and self.counted is not None:  # before zero_grad: grads in buckets count
+            self.model_state_bytes = memory_report(self.model, self.counted).total
+        self.optimizer.zero_grad()
+        return loss.item()
+
+
+Peer = Callable[[nn.Module, int | None], Trainer]
+"""(a fresh copy of the model, bucket size in elements or None) -> its trainer."""
+
+
+def _ddp(model: nn.Module, bucket_size: int | None) -> Trainer:
+    model = DDP(model, gradient_as_bucket_view=True)
+    optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+    return Trainer(model, optimizer, optimizer)
+
+
+def _torch_zero1(model: nn.Module, bucket_size: int | None) -> Trainer:
+    model = DDP(model, gradient_as_bucket_view=True)
+    optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
+    return Trainer(model, optimizer, optimizer.optim)
+
+
+def _fsdp2(reshard_after_forward: bool) -> Peer:
+    """``fully_shard`` per block, then the root; ``reshard_after_forward=False`` keeps params
+    unsharded between forward and backward (ZeRO-2-like). Its resident state is counted from
+    the local shards of its DTensors."""
+
+    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        for block in model.blocks:
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        return Trainer(model, optimizer, optimizer)
+
+    return wrap
+
+
+def _deepspeed(stage: int) -> Peer:
+    """DeepSpeed ZeRO ``stage`` with torch's AdamW as the client optimizer (on CPU with
+    ``DS_ACCELERATOR=cpu``); its model state is not countable from outside: see RSS."""
+
+    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+        deepspeed = prepare("deepspeed-1")
+        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        zero: dict = {"stage": stage}
+        if bucket_size is not None:
+            zero.update(reduce_bucket_size=bucket_size, allgather_bucket_size=bucket_size)
+        config = {
+            "train_micro_batch_size_per_gpu": 1,  # the batch is given; this only satisfies the config
+            "gradient_accumulation_steps": 1,
+            "zero_optimization": zero,
+            "zero_allow_untested_optimizer": True,
+            "steps_per_print": 2**31 - 1,
+        }
+        if next(model.parameters()).dtype == torch.bfloat16:
+            config["bf16"] = {"enabled": True}
+        engine, ds_optimizer, _, _ = deepspeed.initialize(
+            model=model, optimizer=optimizer, config=config, dist_init_required=False
+        )
+        return Trainer(engine.module, ds_optimizer, None, engine=engine)
+
+    return wrap
+
+
+def _flatshard(stage: int) -> Peer:
+    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
+        model = flatshard.shard(model, stage=stage, **kwargs)
+        if stage == 0:
+            optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        else:
+            optimizer = flatshard.DistributedOptimizer(
+                model, torch.optim.AdamW, skip_nonfinite=False, **ADAMW
+            )
+        return Trainer(model, optimizer, optimizer)
+
+    return wrap
+
+
+def _hybrid(fraction: float, overlap: bool) -> Peer:
+    """torch DDP + ``HybridDeviceOptimizer(AdamW)`` with ``fraction`` of the params on the host."""
+
+    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+        model = DDP(model, gradient_as_bucket_view=True)
+        optimizer = flatshard.HybridDeviceOptimizer(
+            model.parameters(),
+            offload_fraction=fraction,
+            cpu_optimizer_class=torch.optim.AdamW,
+            overlap=overlap,
+            **ADAMW,
+        )
+        return Trainer(model, optimizer, optimizer)
+
+    return wrap
+
+
+def _owner(bucket_cap_bytes: int) -> Peer:
+    """torch DDP + ``OwnerShardedOptimizer(AdamW)``; ``bucket_cap_bytes=0``: one broadcast per param."""
+
+    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+        model = DDP(model, gradient_as_bucket_view=True)
+        optimizer = flatshard.OwnerShardedOptimizer(
+            model.parameters(), torch.optim.AdamW, bucket_cap_bytes=bucket_cap_bytes, **ADAMW
+        )
+        return Trainer(model, optimizer, optimizer)
+
+    return wrap
+
+
+def prepare(name: str):
+    """Import what peer ``name`` needs beyond torch (before memory is measured, so that no
+    peer's RSS counts its imports); the DeepSpeed module for DeepSpeed's peers."""
+    if name in DEEPSPEED_PEERS:
+        if not torch.cuda.is_available():
+            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed
+
+        deepspeed.utils.logger.setLevel(logging.WARNING)
+        return deepspeed
+    return None
+
+
+def deepspeed_installed() -> bool:
+    return importlib.util.find_spec("deepspeed") is not None
+
+
+DEEPSPEED_PEERS: dict[str, Peer] = {f"deepspeed-{s}": _deepspeed(s) for s in (1, 2, 3)}
+STAGE_PEERS: dict[str, Peer] = {
+    "ddp": _ddp,
+    "torch-zero1": _torch_zero1,
+    "fsdp2": _fsdp2(False),
+    "fsdp2-zero3": _fsdp2(True),
+    **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
+}
+OPTIMIZER_PEERS: dict[str, Peer] = {
+    "ddp": _ddp,
+    "torch-zero1": _torch_zero1,
+    "owner": _owner(25 * 2**20),
+    "owner-per-param": _owner(0),
+    "hybrid-0.5": _hybrid(0.5, overlap=True),
+    "hybrid-1.0": _hybrid(1.0, overlap=True),
+    "hybrid-1.0-sync": _hybrid(1.0, overlap=False),
+}
+PEERS: dict[str, Peer] = {**STAGE_PEERS, **DEEPSPEED_PEERS, **OPTIMIZER_PEERS}
+
+
+def default_peers() -> list[str]:
+    """DDP, the torch peers, DeepSpeed ZeRO-1/2/3 when installed, flatshard's stages."""
+    ds = list(DEEPSPEED_PEERS) if deepspeed_installed() else []
+    return [*STAGE_PEERS][:4] + ds + [*STAGE_PEERS][4:]
