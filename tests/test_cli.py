@@ -47,7 +47,12 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
     [
         (["train", "--stage", "7"], "argument --stage: invalid choice: 7"),
         (["train", "--steps", "0"], "argument --steps: expected a positive integer, got '0'"),
-        (["train", "--model", "huge"], "argument --model: invalid choice: 'huge'"),
+        (["train", "--model", "huge"], "--model 'huge' is neither a GPT preset"),
+        (["train", "--model", "nosuchmodule:build"], "cannot import 'nosuchmodule'"),
+        (["train", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
+        (["train", "--resume"], "--resume needs --checkpoint-dir"),
+        (["train", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
+        (["train", "--micro-batches", "0"], "argument --micro-batches: expected a positive integer, got '0'"),
         (["train", "--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
         (
             ["train", "--offload-fraction", "2"],
@@ -87,6 +92,16 @@ def test_help_lists_every_train_option():
         "--lr",
         "--bucket-size",
         "--offload-fraction",
+        "--micro-batches",
+        "--dtype",
+        "--data",
+        "--seq-len",
+        "--checkpoint-dir",
+        "--checkpoint-every",
+        "--resume",
+        "--init-from",
+        "--metrics",
+        "--plot",
     ):
         assert option in out.stdout
 
@@ -157,3 +172,86 @@ def test_bench_compares_ddp_and_flatshard_and_counts_the_bytes_sent(tmp_path):
     assert grad_bytes <= ddp["sent_bytes_per_step"] < 1.1 * grad_bytes
     assert ours["model_state_bytes"] < ddp["model_state_bytes"]
     assert ours["rss_bytes"] > ours["rss_growth_bytes"] > 0
+
+
+def _text_file(tmp_path):
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    return text
+
+
+def test_train_on_a_text_file_with_metrics_plot_checkpoints_and_exact_resume(tmp_path):
+    """Byte-level text, two micro-batches, bf16, stage 2 at 2 ranks: a run of 12 steps
+    writes its metrics, plot and checkpoints; resumed from its step-8 checkpoint, the
+    run's last 4 steps are the same as the uninterrupted run's, bit for bit."""
+    import json
+
+    text, ckpt = _text_file(tmp_path), tmp_path / "ckpt"
+    common = ["train", "-n", "2", "--model", "small", "--stage", "2", "--steps", "12", "--data", str(text)]
+    common += ["--seq-len", "32", "--batch-size", "4", "--micro-batches", "2", "--dtype", "bf16"]
+    out = _flatshard(
+        *common,
+        "--checkpoint-dir",
+        str(ckpt),
+        "--checkpoint-every",
+        "4",
+        "--metrics",
+        str(tmp_path / "a.jsonl"),
+        "--plot",
+        str(tmp_path / "loss.png"),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "small GPT" in out.stdout and "bf16" in out.stdout and "uniform guess 5.545" in out.stdout
+    records = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == list(range(1, 13))
+    for key in ("loss", "lr", "grad_norm", "tokens_per_s", "model_state_bytes", "comm_wire_bytes"):
+        assert all(r[key] > 0 for r in records), key
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(ckpt)) == ["step-0000008", "step-0000012"]  # the newest two
+    import shutil
+
+    shutil.rmtree(ckpt / "step-0000012")  # as if the run had stopped after step 8's save
+    out = _flatshard(
+        *common, "--checkpoint-dir", str(ckpt), "--resume", "--metrics", str(tmp_path / "b.jsonl")
+    )
+    assert out.returncode == 0, out.stderr
+    assert "steps            8 -> 12" in out.stdout
+    resumed = [json.loads(line) for line in (tmp_path / "b.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in resumed] == [9, 10, 11, 12]
+    assert [(r["loss"], r["grad_norm"]) for r in resumed] == [
+        (r["loss"], r["grad_norm"]) for r in records[8:]
+    ]
+
+
+def test_train_starts_from_plain_weights(tmp_path):
+    """--init-from: the exported weights of one run start the next (its first loss is the
+    trained model's, far below an untrained one's)."""
+    import json
+
+    ckpt = tmp_path / "ckpt"
+    base = ["train", "-n", "2", "--model", "tiny", "--lr", "1e-2", "--checkpoint-dir", str(ckpt)]
+    out = _flatshard(*base, "--steps", "60", "--stage", "3", "--metrics", str(tmp_path / "a.jsonl"))
+    assert out.returncode == 0, out.stderr
+    weights = tmp_path / "w.safetensors"
+    out = _flatshard("export", str(ckpt / "step-0000060"), str(weights), timeout=120)
+    assert out.returncode == 0, out.stderr
+    out = _flatshard(
+        "train",
+        "-n",
+        "2",
+        "--model",
+        "tiny",
+        "--steps",
+        "1",
+        "--stage",
+        "1",
+        "--init-from",
+        str(weights),
+        "--metrics",
+        str(tmp_path / "b.jsonl"),
+    )
+    assert out.returncode == 0, out.stderr
+    trained = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    started = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])["loss"]
+    assert started < trained[0] - 0.5 and abs(started - trained[-1]) < 0.3

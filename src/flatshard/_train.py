@@ -1,10 +1,12 @@
-"""The ``flatshard train`` job: a built-in GPT on the built-in corpus, on every rank."""
+"""The ``flatshard train`` job: a GPT preset or the user's model, on the built-in corpus or a
+text file, on every rank; checkpoints with resume, per-step metrics, a loss curve."""
 
 from __future__ import annotations
 
 import math
 import os
-import sys
+import re
+import shutil
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -13,17 +15,23 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard.data import SyntheticCorpus
+from flatshard._train_report import Metrics, Progress, format_summary, plot_losses
+from flatshard.checkpoint import MANIFEST
+from flatshard.data import ByteCorpus, SyntheticCorpus
 from flatshard.memory import memory_report, retain_freed_cpu_memory
-from flatshard.models import GPT, PRESETS
+from flatshard.models import model_factory
+
+DTYPES = {"fp32": None, "bf16": torch.bfloat16}
+KEEP_CHECKPOINTS = 2  # the newest complete checkpoints kept under --checkpoint-dir
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    model: str = "small"
+    model: str = "small"  # a GPT preset or module:factory
     stage: int = 0
     steps: int = 300
-    batch_size: int = 16
+    batch_size: int = 16  # sequences per rank per micro-batch
+    micro_batches: int = 1  # gradient accumulation steps per optimizer step
     lr: float = 3e-3
     warmup: int = 20
     clip: float = 1.0
@@ -31,6 +39,15 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     offload_fraction: float = 0.0  # share of this rank's optimizer updates run on the host
+    dtype: str = "fp32"  # bf16: bf16 params and compute, fp32 main params
+    data: str | None = None  # a text file (byte-level tokens); None: the synthetic corpus
+    seq_len: int | None = None  # default: the model's cfg.seq_len
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only at the end
+    resume: bool = False  # continue from checkpoint_dir/latest when it exists
+    init_from: str | None = None  # plain weights (.safetensors / .pt) to start from
+    metrics: str | None = None  # JSONL file, one record per step
+    plot: str | None = None  # loss-curve PNG
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -61,12 +78,33 @@ def _device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dict:
-    model_cfg = PRESETS[cfg.model]
-    if device.type == "cpu":
-        retain_freed_cpu_memory()
+def build(cfg: TrainConfig, device: torch.device):
+    """The sharded model, its data and the sequence length; errors name the bad option."""
     torch.manual_seed(cfg.seed)  # same init on every rank
-    model = flatshard.shard(GPT(model_cfg).to(device), stage=cfg.stage, bucket_size=cfg.bucket_size)
+    module = model_factory(cfg.model)().to(device)
+    model_cfg = getattr(module, "cfg", None)
+    seq_len = cfg.seq_len or getattr(model_cfg, "seq_len", None)
+    if seq_len is None:
+        raise ValueError(f"--model {cfg.model} has no cfg.seq_len: pass --seq-len")
+    vocab = getattr(model_cfg, "vocab_size", None)
+    if cfg.data is not None:
+        corpus = ByteCorpus(cfg.data, seq_len, seed=1234)
+        if vocab is not None and vocab < ByteCorpus.vocab_size:
+            raise ValueError(
+                f"--data needs a model with vocab_size >= 256 (byte tokens); {cfg.model} has {vocab}"
+            )
+    elif vocab is None:
+        raise ValueError(f"--model {cfg.model} has no cfg.vocab_size for the built-in corpus: pass --data")
+    else:
+        corpus = SyntheticCorpus(vocab, seq_len, seed=1234)
+    kwargs = {}
+    if DTYPES[cfg.dtype] is not None:
+        kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=DTYPES[cfg.dtype])
+    model = flatshard.shard(module, stage=cfg.stage, bucket_size=cfg.bucket_size, **kwargs)
+    return model, corpus
+
+
+def _optimizer(cfg: TrainConfig, model):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     inner: dict = {"optimizer_class": torch.optim.AdamW}
@@ -85,41 +123,131 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         **inner,
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(cfg.warmup, cfg.steps))
-    corpus = SyntheticCorpus(model_cfg.vocab_size, model_cfg.seq_len, seed=1234)
-    progress = _Progress(cfg.steps, enabled=rank == 0)
-    losses = []
+    return optimizer, schedule
+
+
+def checkpoints(directory: str) -> list[tuple[int, str]]:
+    """The complete checkpoints ``step-N`` in ``directory``, oldest first."""
+    if not os.path.isdir(directory):
+        return []
+    found = []
+    for name in os.listdir(directory):
+        match = re.fullmatch(r"step-(\d+)", name)
+        path = os.path.join(directory, name)
+        if match and os.path.isfile(os.path.join(path, MANIFEST)):
+            found.append((int(match.group(1)), path))
+    return sorted(found)
+
+
+def _start(cfg: TrainConfig, model, optimizer, schedule) -> int:
+    """The step to start from: the newest checkpoint's with --resume, else 0 (from
+    --init-from weights when given)."""
+    found = checkpoints(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else []
+    if found:
+        path = found[-1][1]
+        return int(flatshard.load_checkpoint(path, model, optimizer, extra={"schedule": schedule})["step"])
+    if cfg.init_from is not None:
+        flatshard.load_weights(model, cfg.init_from, optimizer)
+    return 0
+
+
+def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dict:
+    if device.type == "cpu":
+        retain_freed_cpu_memory()
+    model, corpus = build(cfg, device)
+    optimizer, schedule = _optimizer(cfg, model)
+    first_step = _start(cfg, model, optimizer, schedule)
+    metrics = Metrics(cfg.metrics if rank == 0 else None, resume=first_step > 0)
+    progress = Progress(cfg.steps, enabled=rank == 0)
+    tokens = cfg.micro_batches * cfg.batch_size * corpus.seq_len * world
     start = time.perf_counter()
-    for step in range(cfg.steps):
-        x, y = (t.to(device) for t in corpus.batch(step, rank, cfg.batch_size))
-        loss = model(x, y)
-        loss.backward()
-        optimizer.clip_grad_norm_(cfg.clip)
+    for step in range(first_step, cfg.steps):
+        began, sent = time.perf_counter(), model.comm_stats.total_wire_bytes
+        loss = _accumulate(cfg, model, corpus, step, rank, device)
+        norm = optimizer.clip_grad_norm_(cfg.clip)
         optimizer.step()
+        lr = optimizer.param_groups[0]["lr"]
         schedule.step()
         optimizer.zero_grad()
-        losses.append(loss.item())
-        progress.update(step + 1, losses[-1])
+        if world > 1:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        took = time.perf_counter() - began
+        record = {
+            "step": step + 1,
+            "loss": loss.item(),
+            "lr": lr,
+            "grad_norm": float(norm),
+            "tokens_per_s": tokens / took,
+            "step_time_s": took,
+            "model_state_bytes": memory_report(model, optimizer).total,
+            "comm_wire_bytes": model.comm_stats.total_wire_bytes - sent,
+        }
+        metrics.add(record)
+        progress.update(step + 1, record["loss"])
+        if _checkpoint_due(cfg, step + 1):
+            _save(cfg.checkpoint_dir, step + 1, model, optimizer, schedule, rank)
     elapsed = time.perf_counter() - start
     progress.close()
-    final = torch.tensor([sum(losses[-10:]) / len(losses[-10:])], device=device)
-    if world > 1:
-        dist.all_reduce(final)
+    metrics.close()
+    return _finish(cfg, model, optimizer, corpus, metrics.records, first_step, elapsed, rank, world)
+
+
+def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
+    if cfg.checkpoint_dir is None:
+        return False
+    return done == cfg.steps or (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0)
+
+
+def _save(directory: str, done: int, model, optimizer, schedule, rank: int) -> None:
+    """Save ``directory/step-N``; then drop all but the newest ``KEEP_CHECKPOINTS``."""
+    path = os.path.join(directory, f"step-{done:07d}")
+    flatshard.save_checkpoint(path, model, optimizer, extra={"step": done, "schedule": schedule})
+    if rank == 0:
+        for _, old in checkpoints(directory)[:-KEEP_CHECKPOINTS]:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _accumulate(cfg: TrainConfig, model, corpus, step: int, rank: int, device) -> torch.Tensor:
+    """Forward and backward over the step's micro-batches (grads synced on the last only);
+    the mean loss."""
+    total = torch.zeros((), device=device)
+    for micro in range(cfg.micro_batches):
+        x, y = (t.to(device) for t in corpus.batch(step * cfg.micro_batches + micro, rank, cfg.batch_size))
+        last = micro == cfg.micro_batches - 1
+        model.set_requires_gradient_sync(last)
+        loss = model(x, y) / cfg.micro_batches
+        loss.backward()
+        total += loss.detach().float()
+    return total
+
+
+def _finish(cfg, model, optimizer, corpus, records, first_step, elapsed, rank, world) -> dict:
+    steps_run = cfg.steps - first_step
+    losses = [r["loss"] for r in records]
+    tokens = cfg.micro_batches * cfg.batch_size * corpus.seq_len * world
     summary = {
-        "model": cfg.model,
+        "model": cfg.model if ":" in cfg.model else f"{cfg.model} GPT",
         "params": sum(p.numel() for p in model.parameters()),
         "stage": cfg.stage,
+        "dtype": cfg.dtype,
         "offload_fraction": cfg.offload_fraction,
         "world_size": world,
+        "first_step": first_step,
         "steps": cfg.steps,
-        "tokens_per_s": cfg.steps * cfg.batch_size * model_cfg.seq_len * world / elapsed,
-        "first_loss": losses[0],
-        "final_loss": float(final) / world,
+        "tokens_per_s": steps_run * tokens / elapsed if steps_run else 0.0,
+        "first_loss": losses[0] if losses else float("nan"),
+        "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else float("nan"),
         "uniform_loss": corpus.uniform_loss,
         "entropy_floor": corpus.entropy_rate,
         "memory": memory_report(model, optimizer).as_dict(),
     }
     if rank == 0:
         print(format_summary(summary), flush=True)
+        if cfg.plot and records:
+            title = f"{summary['model']}, stage {cfg.stage}, {world} rank(s), {cfg.dtype}"
+            reference = {"uniform guess": corpus.uniform_loss, "entropy floor": corpus.entropy_rate}
+            plot_losses(cfg.plot, records, title, reference)
+            print(f"wrote {cfg.plot}", flush=True)
     return summary
 
 
@@ -131,82 +259,3 @@ def _warmup_cosine(warmup: int, steps: int):
         return 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress)))
 
     return factor
-
-
-def format_summary(s: dict) -> str:
-    mem = s["memory"]
-    offload = s.get("offload_fraction", 0.0)
-    offload = f", {offload:.0%} of the optimizer on the host" if offload else ""
-    return "\n".join(
-        [
-            f"flatshard train: {s['model']} GPT ({s['params']:,} params), stage {s['stage']}, "
-            f"{s['world_size']} rank(s)"
-            + (
-                f", {s['offload_fraction']:.0%} of the optimizer on the host" if s["offload_fraction"] else ""
-            ),
-            f"  steps            {s['steps']}",
-            f"  tokens/s         {s['tokens_per_s']:,.0f}",
-            f"  loss             {s['first_loss']:.3f} -> {s['final_loss']:.3f}  "
-            f"(uniform guess {s['uniform_loss']:.3f}, corpus entropy floor {s['entropy_floor']:.3f})",
-            f"  model state/rank {_mib(mem['total'])}  (params {_mib(mem['params'])}, grads "
-            f"{_mib(mem['grads'])}, main params {_mib(mem['main_params'])}, optimizer "
-            f"{_mib(mem['optimizer_state'])})",
-        ]
-    )
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
-
-
-class _Progress:
-    """A progress bar on rank 0: rich when installed, a plain line otherwise."""
-
-    def __init__(self, total: int, *, enabled: bool) -> None:
-        self.total = total
-        self.enabled = enabled
-        self._rich = None
-        self._last = 0.0
-        if not enabled:
-            return
-        try:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeRemainingColumn,
-            )
-        except ImportError:
-            return
-        self._rich = Progress(
-            TextColumn("train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("loss {task.fields[loss]}"),
-            TimeRemainingColumn(),
-            transient=False,
-        )
-        self._task = self._rich.add_task("train", total=total, loss="-")
-        self._rich.start()
-
-    def update(self, step: int, loss: float) -> None:
-        if not self.enabled:
-            return
-        if self._rich is not None:
-            self._rich.update(self._task, completed=step, loss=f"{loss:.3f}")
-            return
-        now = time.monotonic()
-        if now - self._last > 0.5 or step == self.total:
-            self._last = now
-            filled = int(30 * step / self.total)
-            sys.stderr.write(
-                f"\rtrain [{'#' * filled}{'.' * (30 - filled)}] {step}/{self.total} loss {loss:.3f}"
-            )
-            sys.stderr.flush()
-
-    def close(self) -> None:
-        if self._rich is not None:
-            self._rich.stop()
-        elif self.enabled:
-            sys.stderr.write("\n")

@@ -66,9 +66,33 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="ZeRO stage (implemented: %(choices)s)",
     )
-    train.add_argument("--model", choices=sorted(PRESETS), default="small", help="GPT preset (default small)")
+    train.add_argument(
+        "--model",
+        default="small",
+        help=f"a GPT preset ({', '.join(PRESETS)}; default small) or module:factory, a function "
+        "returning an nn.Module whose forward(tokens, targets) returns the loss",
+    )
     train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
-    train.add_argument("--batch-size", type=_positive_int, default=16, help="sequences per rank per step")
+    train.add_argument(
+        "--batch-size", type=_positive_int, default=16, help="sequences per rank per micro-batch (default 16)"
+    )
+    train.add_argument(
+        "--micro-batches",
+        type=_positive_int,
+        default=1,
+        help="micro-batches per step, grads accumulated (default 1)",
+    )
+    train.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: bf16 params and compute, fp32 main params",
+    )
+    train.add_argument(
+        "--data",
+        help="a text file to train on, as byte-level tokens (default: the built-in synthetic corpus)",
+    )
+    train.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: the model's)")
     train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
     train.add_argument(
         "--bucket-size",
@@ -84,6 +108,26 @@ def build_parser() -> argparse.ArgumentParser:
         "(HybridDeviceOptimizer; default 0)",
     )
     train.add_argument("--seed", type=int, default=0, help="model init seed")
+    train.add_argument(
+        "--checkpoint-dir",
+        help="save checkpoints DIR/step-N (the newest 2 kept) at the end and every --checkpoint-every steps",
+    )
+    train.add_argument(
+        "--checkpoint-every",
+        type=_positive_int,
+        default=0,
+        help="steps between checkpoints (default: at the end only)",
+    )
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in --checkpoint-dir, if there is one",
+    )
+    train.add_argument("--init-from", help="start from plain weights (.safetensors or .pt state dict)")
+    train.add_argument(
+        "--metrics", help="write per-step loss, lr, grad norm, tokens/s, memory, comm bytes (JSONL)"
+    )
+    train.add_argument("--plot", help="draw the loss curve to this PNG at the end (needs matplotlib)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     _add_plan(sub)
     _add_layout(sub)
@@ -221,6 +265,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             return 2
     elif args.world_size > 1:
         return _launch.launch_local(argv, args.world_size)
+    reason = _check_train_args(args)
+    if reason is not None:
+        print(f"flatshard train: {reason}", file=sys.stderr)
+        return 2
     if args.device == "cuda":
         import torch
 
@@ -237,9 +285,42 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         seed=args.seed,
         device=args.device,
         offload_fraction=args.offload_fraction,
+        micro_batches=args.micro_batches,
+        dtype=args.dtype,
+        data=args.data,
+        seq_len=args.seq_len,
+        checkpoint_dir=args.checkpoint_dir,
+        checkpoint_every=args.checkpoint_every,
+        resume=args.resume,
+        init_from=args.init_from,
+        metrics=args.metrics,
+        plot=args.plot,
     )
     run(cfg)
     return 0
+
+
+def _check_train_args(args: argparse.Namespace) -> str | None:
+    """Why the options cannot work (before any rank starts), or None."""
+    from flatshard.models import model_factory
+
+    try:
+        model_factory(args.model)
+    except ValueError as e:
+        return str(e)
+    for option, path in (("--data", args.data), ("--init-from", args.init_from)):
+        if path is not None and not os.path.isfile(path):
+            return f"{option} {path}: no such file"
+    if args.resume and args.checkpoint_dir is None:
+        return "--resume needs --checkpoint-dir"
+    if args.checkpoint_every and args.checkpoint_dir is None:
+        return "--checkpoint-every needs --checkpoint-dir"
+    if args.plot is not None:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            return "--plot needs matplotlib (pip install 'flatshard[plot]')"
+    return None
 
 
 def _plan(args: argparse.Namespace) -> int:
@@ -330,23 +411,12 @@ def _export(args: argparse.Namespace) -> int:
 def _model_specs(model: str, dtype):
     """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
     its specs as stages 0-2 and stage 3 lay them out."""
-    import importlib
-
     import torch
 
     from flatshard.api import model_specs
-    from flatshard.models import GPT, PRESETS
+    from flatshard.models import model_factory
 
-    if ":" in model:
-        module_name, factory = model.split(":", 1)
-        build = getattr(importlib.import_module(module_name), factory)
-    elif model in PRESETS:
-        build = lambda: GPT(PRESETS[model])  # noqa: E731
-    else:
-        raise ValueError(f"--model {model!r} is neither a GPT preset {sorted(PRESETS)} nor module:factory")
+    build = model_factory(model)
     with torch.device("meta"):
-        module = build()
-    if not isinstance(module, torch.nn.Module):
-        raise ValueError(f"{model} returned {type(module).__name__}, not an nn.Module")
-    module = module.to(dtype)
+        module = build().to(dtype)
     return model_specs(module), model_specs(module, stage=3)

@@ -50,3 +50,32 @@ class SyntheticCorpus:
         for t in range(self.seq_len):
             tokens[:, t + 1] = self.successors[tokens[:, t], choice[:, t]]
         return tokens[:, :-1], tokens[:, 1:]
+
+
+class ByteCorpus:
+    """A text file as byte-level tokens (vocabulary 256): each sequence is a window of the
+    file at a place drawn from (seed, step, rank), so the data position of a run is its step."""
+
+    vocab_size = 256
+
+    def __init__(self, path: str, seq_len: int, *, seed: int = 1234) -> None:
+        with open(path, "rb") as f:
+            raw = f.read()
+        if len(raw) < seq_len + 2:
+            raise ValueError(f"{path} has {len(raw)} bytes: too short for sequences of {seq_len} tokens")
+        self.tokens = torch.frombuffer(bytearray(raw), dtype=torch.uint8).long()
+        self.seq_len = seq_len
+        self.seed = seed
+
+    @property
+    def uniform_loss(self) -> float:
+        return math.log(self.vocab_size)
+
+    entropy_rate = None  # unknown for real text
+
+    def batch(self, step: int, rank: int, batch_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(hash((self.seed, step, rank)) & (2**62 - 1))
+        starts = torch.randint(len(self.tokens) - self.seq_len - 1, (batch_size,), generator=gen)
+        window = torch.arange(self.seq_len + 1)
+        tokens = self.tokens[starts[:, None] + window]
+        return tokens[:, :-1], tokens[:, 1:]

@@ -1,5 +1,35 @@
-"""Built-in models for the demo, tests and benchmarks."""
+"""Built-in models for the demo, tests and benchmarks, and the loader of users' models."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+from torch import nn
 
 from flatshard.models.gpt import GPT, PRESETS, GPTConfig
 
-__all__ = ["GPT", "PRESETS", "GPTConfig"]
+__all__ = ["GPT", "PRESETS", "GPTConfig", "model_factory"]
+
+
+def model_factory(spec: str) -> Callable[[], nn.Module]:
+    """What builds the model named ``spec``: a GPT preset, or ``module:factory`` (a function
+    of no arguments returning an ``nn.Module``, imported from ``module``)."""
+    if ":" in spec:
+        module_name, name = spec.split(":", 1)
+        try:
+            factory = getattr(importlib.import_module(module_name), name)
+        except ImportError as e:
+            raise ValueError(f"--model {spec}: cannot import {module_name!r} ({e})") from None
+        except AttributeError:
+            raise ValueError(f"--model {spec}: module {module_name!r} has no {name!r}") from None
+        return lambda: _checked(factory(), spec)
+    if spec in PRESETS:
+        return lambda: GPT(PRESETS[spec])
+    raise ValueError(f"--model {spec!r} is neither a GPT preset {sorted(PRESETS)} nor module:factory")
+
+
+def _checked(module: object, spec: str) -> nn.Module:
+    if not isinstance(module, nn.Module):
+        raise ValueError(f"{spec} returned {type(module).__name__}, not an nn.Module")
+    return module
