@@ -38,6 +38,28 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
     return {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors}
 
 
+def check_shapes(
+    model: nn.Module, shapes: dict[str, Any], where: str, *, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """Compare the model's params and persistent buffers with ``shapes`` (name -> shape) of
+    ``where`` (a checkpoint, a weights file): a shape that differs is an error, and with
+    ``strict`` so is a missing or an unexpected name (further names of tied params are
+    neither). Returns ``(missing, unexpected)``."""
+    mine, aliases = model_shapes(model), model_aliases(model)
+    missing = [n for n in mine if n not in shapes]
+    unexpected = [n for n in shapes if n not in mine and n not in aliases]
+    if strict and missing:
+        raise KeyError(f"{where} has no {missing[0]!r} ({len(missing)} of the model's tensors missing)")
+    if strict and unexpected:
+        raise KeyError(f"{where} has {unexpected[0]!r}, which the model does not ({len(unexpected)} such)")
+    for name, (shape, _) in mine.items():
+        if name in shapes and tuple(shapes[name]) != tuple(shape):
+            raise ValueError(
+                f"{name!r} has shape {tuple(shapes[name])} in {where}, {tuple(shape)} in the model"
+            )
+    return missing, unexpected
+
+
 def model_aliases(model: nn.Module) -> dict[str, str]:
     """Every further name of a tied param -> its first name (the one the checkpoint keys)."""
     first: dict[int, str] = {}

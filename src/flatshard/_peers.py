@@ -196,5 +196,6 @@ PEERS: dict[str, Peer] = {**STAGE_PEERS, **DEEPSPEED_PEERS, **OPTIMIZER_PEERS}
 
 def default_peers() -> list[str]:
     """DDP, the torch peers, DeepSpeed ZeRO-1/2/3 when installed, flatshard's stages."""
-    ds = list(DEEPSPEED_PEERS) if deepspeed_installed() else []
-    return [*STAGE_PEERS][:4] + ds + [*STAGE_PEERS][4:]
+    torch_peers = [name for name in STAGE_PEERS if not name.startswith("flatshard")]
+    ours = [name for name in STAGE_PEERS if name.startswith("flatshard")]
+    return torch_peers + (list(DEEPSPEED_PEERS) if deepspeed_installed() else []) + ours

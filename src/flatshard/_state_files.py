@@ -214,17 +214,12 @@ def _zip_storage_records(path: str) -> dict[str, _Record]:
 
 
 # -- reading --------------------------------------------------------------------------------------
-class Source:
+class Source(NamedTuple):
     """Tensors by name, read by flat range: a ``.safetensors`` or ``.pt`` file or a state dict."""
 
-    def __init__(self, shapes: dict[str, tuple[tuple[int, ...], torch.dtype]], read, description: str):
-        self.shapes = shapes
-        self._read = read
-        self.description = description
-
-    def read(self, name: str, lo: int, hi: int) -> torch.Tensor:
-        """Elements ``[lo, hi)`` of the flattened tensor ``name``."""
-        return self._read(name, lo, hi)
+    shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
+    read: Callable[[str, int, int], torch.Tensor]  # (name, lo, hi) -> elements [lo, hi), flat
+    description: str
 
 
 def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Source:

@@ -15,13 +15,13 @@ import torch
 import torch.distributed as dist
 
 import flatshard
+from flatshard import plan
 from flatshard._train_report import Metrics, Progress, format_summary, plot_losses
 from flatshard.checkpoint import MANIFEST
 from flatshard.data import ByteCorpus, SyntheticCorpus
 from flatshard.memory import memory_report, retain_freed_cpu_memory
 from flatshard.models import model_factory
 
-DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints kept under --checkpoint-dir
 
 
@@ -98,8 +98,8 @@ def build(cfg: TrainConfig, device: torch.device):
     else:
         corpus = SyntheticCorpus(vocab, seq_len, seed=1234)
     kwargs = {}
-    if DTYPES[cfg.dtype] is not None:
-        kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=DTYPES[cfg.dtype])
+    if cfg.dtype != "fp32":
+        kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
     model = flatshard.shard(module, stage=cfg.stage, bucket_size=cfg.bucket_size, **kwargs)
     return model, corpus
 
@@ -159,7 +159,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     first_step = _start(cfg, model, optimizer, schedule)
     metrics = Metrics(cfg.metrics if rank == 0 else None, resume=first_step > 0)
     progress = Progress(cfg.steps, enabled=rank == 0)
-    tokens = cfg.micro_batches * cfg.batch_size * corpus.seq_len * world
+    tokens = cfg.micro_batches * cfg.batch_size * corpus.seq_len * world  # per step
+    state_bytes = None  # fixed once the first step has created the optimizer state
     start = time.perf_counter()
     for step in range(first_step, cfg.steps):
         began, sent = time.perf_counter(), model.comm_stats.total_wire_bytes
@@ -172,6 +173,8 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if world > 1:
             dist.all_reduce(loss, op=dist.ReduceOp.AVG)
         took = time.perf_counter() - began
+        if state_bytes is None:
+            state_bytes = memory_report(model, optimizer).total
         record = {
             "step": step + 1,
             "loss": loss.item(),
@@ -179,17 +182,17 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
             "grad_norm": float(norm),
             "tokens_per_s": tokens / took,
             "step_time_s": took,
-            "model_state_bytes": memory_report(model, optimizer).total,
+            "model_state_bytes": state_bytes,
             "comm_wire_bytes": model.comm_stats.total_wire_bytes - sent,
         }
         metrics.add(record)
         progress.update(step + 1, record["loss"])
         if _checkpoint_due(cfg, step + 1):
             _save(cfg.checkpoint_dir, step + 1, model, optimizer, schedule, rank)
-    elapsed = time.perf_counter() - start
+    tokens_per_s = (cfg.steps - first_step) * tokens / (time.perf_counter() - start)
     progress.close()
     metrics.close()
-    return _finish(cfg, model, optimizer, corpus, metrics.records, first_step, elapsed, rank, world)
+    return _finish(cfg, model, optimizer, corpus, metrics.records, first_step, tokens_per_s, rank, world)
 
 
 def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
@@ -221,10 +224,8 @@ def _accumulate(cfg: TrainConfig, model, corpus, step: int, rank: int, device) -
     return total
 
 
-def _finish(cfg, model, optimizer, corpus, records, first_step, elapsed, rank, world) -> dict:
-    steps_run = cfg.steps - first_step
+def _finish(cfg, model, optimizer, corpus, records, first_step, tokens_per_s, rank, world) -> dict:
     losses = [r["loss"] for r in records]
-    tokens = cfg.micro_batches * cfg.batch_size * corpus.seq_len * world
     summary = {
         "model": cfg.model if ":" in cfg.model else f"{cfg.model} GPT",
         "params": sum(p.numel() for p in model.parameters()),
@@ -234,7 +235,7 @@ def _finish(cfg, model, optimizer, corpus, records, first_step, elapsed, rank, w
         "world_size": world,
         "first_step": first_step,
         "steps": cfg.steps,
-        "tokens_per_s": steps_run * tokens / elapsed if steps_run else 0.0,
+        "tokens_per_s": tokens_per_s,
         "first_loss": losses[0] if losses else float("nan"),
         "final_loss": sum(losses[-10:]) / len(losses[-10:]) if losses else float("nan"),
         "uniform_loss": corpus.uniform_loss,

@@ -8,6 +8,8 @@ import sys
 import time
 from typing import IO
 
+from flatshard.memory import mib
+
 
 def format_summary(s: dict) -> str:
     mem = s["memory"]
@@ -23,15 +25,11 @@ def format_summary(s: dict) -> str:
             f"  tokens/s         {s['tokens_per_s']:,.0f}",
             f"  loss             {s['first_loss']:.3f} -> {s['final_loss']:.3f}  "
             f"(uniform guess {s['uniform_loss']:.3f}{floor})",
-            f"  model state/rank {_mib(mem['total'])}  (params {_mib(mem['params'])}, grads "
-            f"{_mib(mem['grads'])}, main params {_mib(mem['main_params'])}, optimizer "
-            f"{_mib(mem['optimizer_state'])})",
+            f"  model state/rank {mib(mem['total'])}  (params {mib(mem['params'])}, grads "
+            f"{mib(mem['grads'])}, main params {mib(mem['main_params'])}, optimizer "
+            f"{mib(mem['optimizer_state'])})",
         ]
     )
-
-
-def _mib(n: int) -> str:
-    return f"{n / 2**20:.2f} MiB"
 
 
 class Metrics:

@@ -28,13 +28,14 @@ from datetime import date
 import torch
 import torch.distributed as dist
 
+from flatshard import plan
 from flatshard._peers import PEERS, Peer, default_peers, prepare
 from flatshard.data import SyntheticCorpus
-from flatshard.memory import retain_freed_cpu_memory
+from flatshard.memory import mib, retain_freed_cpu_memory
 from flatshard.models import GPT, PRESETS
 from flatshard.testing import run_distributed
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = ("fp32", "bf16")  # names in flatshard.plan.DTYPES
 
 
 def _proc_counter(path: str, key: str) -> int | None:
@@ -70,7 +71,7 @@ def _peer_session(
     prepare(name)
     rss_base = _rss()
     torch.manual_seed(0)
-    trainer = PEERS[name](GPT(cfg).to(DTYPES[dtype]), bucket_size)
+    trainer = PEERS[name](GPT(cfg).to(plan.DTYPES[dtype]), bucket_size)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     data = [corpus.batch(i, rank, batch) for i in range(warmup + steps)]
     for i in range(warmup):  # first-iteration allocations, DDP's bucket rebuild, ...
@@ -162,32 +163,26 @@ def _summarize(runs: list[list[dict]]) -> dict:
     """One peer's rounds (each a list of per-rank results) in one line of the table."""
     times = [max(ts) for per_rank in runs for ts in zip(*(r["step_times"] for r in per_rank), strict=True)]
 
-    def worst(key: str) -> int | None:  # the rank with the most, median over rounds
-        values = [max(r[key] for r in per_rank) for per_rank in runs if per_rank[0][key] is not None]
-        return int(statistics.median(values)) if values else None
-
     return {
         "median_step_s": statistics.median(times),
         "final_loss": runs[-1][0]["final_loss"],
         "final_losses_agree_across_rounds": len({per_rank[0]["final_loss"] for per_rank in runs}) == 1,
-        "model_state_bytes": worst("model_state_bytes"),
-        "rss_bytes": worst("rss_bytes"),
-        "rss_growth_bytes": _median_growth(runs),
-        "sent_bytes_per_step": worst("sent_bytes_per_step"),
+        "model_state_bytes": _worst(runs, lambda r: r["model_state_bytes"]),
+        "rss_bytes": _worst(runs, lambda r: r["rss_bytes"]),
+        "rss_growth_bytes": _worst(runs, _rss_growth),
+        "sent_bytes_per_step": _worst(runs, lambda r: r["sent_bytes_per_step"]),
     }
 
 
-def _median_growth(runs: list[list[dict]]) -> int | None:
-    growth = [
-        max(r["rss_bytes"] - r["rss_base_bytes"] for r in per_rank)
-        for per_rank in runs
-        if per_rank[0]["rss_bytes"] is not None
-    ]
-    return int(statistics.median(growth)) if growth else None
+def _rss_growth(rank_result: dict) -> int | None:
+    rss = rank_result["rss_bytes"]
+    return None if rss is None else rss - rank_result["rss_base_bytes"]
 
 
-def _mib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**20:.2f} MiB"
+def _worst(runs: list[list[dict]], value) -> int | None:
+    """The median over rounds of the largest ``value`` of any rank (None where not counted)."""
+    values = [max(value(r) for r in per_rank) for per_rank in runs if value(per_rank[0]) is not None]
+    return int(statistics.median(values)) if values else None
 
 
 def format_table(result: dict) -> str:
@@ -201,10 +196,10 @@ def format_table(result: dict) -> str:
     ]
     for name, r in result["peers"].items():
         ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
-        rss = "-" if r["rss_bytes"] is None else f"{_mib(r['rss_bytes'])} ({_mib(r['rss_growth_bytes'])})"
+        rss = "-" if r["rss_bytes"] is None else f"{mib(r['rss_bytes'])} ({mib(r['rss_growth_bytes'])})"
         lines.append(
-            f"{name:<16} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} {_mib(r['model_state_bytes']):>13} "
-            f"{rss:>22} {_mib(r['sent_bytes_per_step']):>13} {r['final_loss']:>11.4f}"
+            f"{name:<16} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} {mib(r['model_state_bytes']):>13} "
+            f"{rss:>22} {mib(r['sent_bytes_per_step']):>13} {r['final_loss']:>11.4f}"
         )
     lines.append(
         "model state: params, grads, main params and optimizer state resident per rank (- where it "

@@ -199,24 +199,6 @@ def read_manifest(path: str) -> dict[str, Any]:
     return manifest
 
 
-def _check_model(manifest: dict[str, Any], model: nn.Module, path: str) -> None:
-    saved, mine = manifest["params"], cs.model_shapes(model)
-    missing = [n for n in mine if n not in saved]
-    if missing:
-        raise KeyError(
-            f"checkpoint {path} has no {missing[0]!r} ({len(missing)} of the model's tensors missing)"
-        )
-    unexpected = [n for n in saved if n not in mine]
-    if unexpected:
-        raise KeyError(
-            f"checkpoint {path} has {unexpected[0]!r}, which the model does not ({len(unexpected)} such)"
-        )
-    for name, (shape, _) in mine.items():
-        if list(saved[name][0]) != shape:
-            was, now = tuple(saved[name][0]), tuple(shape)
-            raise ValueError(f"{name!r} has shape {was} in checkpoint {path}, {now} in the model")
-
-
 def load_checkpoint(
     path: str | os.PathLike,
     model: nn.Module,
@@ -234,7 +216,7 @@ def load_checkpoint(
     """
     path = resolve_checkpoint(path)
     manifest = read_manifest(path)
-    _check_model(manifest, model, path)
+    cs.check_shapes(model, {n: shape for n, (shape, _) in manifest["params"].items()}, f"checkpoint {path}")
     world = _world()
     rank, size = world.rank, world.size
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -79,6 +79,11 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
+def mib(nbytes: int | None) -> str:
+    """``nbytes`` as MiB for tables ("-" for a count that could not be taken)."""
+    return "-" if nbytes is None else f"{nbytes / 2**20:.2f} MiB"
+
+
 def retain_freed_cpu_memory(threshold: int = 2**28) -> bool:
     """Ask glibc's malloc to keep freed blocks of up to ``threshold`` bytes for reuse instead
     of handing them back to the OS (and serve them from its heap, not fresh mmaps).

@@ -122,7 +122,8 @@ def load_weights(
     ``strict`` either is an error. Names of tied params may appear or not.
     """
     src = open_source(source)
-    missing, unexpected = _check_names(model, src, strict)
+    shapes = {name: shape for name, (shape, _) in src.shapes.items()}
+    missing, unexpected = cs.check_shapes(model, shapes, src.description, strict=strict)
     _copy(src, cs.model_pieces(model, load=True), cs.MODEL)
     state = getattr(model, "flatshard_state", None)
     optimizer = optimizer if optimizer is not None else getattr(state, "optimizer", None)
@@ -135,25 +136,6 @@ def load_weights(
         names = cs.param_names(model)
         masters = optimizer.masters().items()
         _copy(src, {cs.MAIN + names[id(p)]: Piece(p.numel(), 0, m.view(-1)) for p, m in masters}, cs.MAIN)
-    return missing, unexpected
-
-
-def _check_names(model: nn.Module, src: Source, strict: bool) -> tuple[list[str], list[str]]:
-    shapes = cs.model_shapes(model)
-    aliases = cs.model_aliases(model)
-    missing = [n for n in shapes if n not in src.shapes]
-    unexpected = [n for n in src.shapes if n not in shapes and n not in aliases]
-    if strict and missing:
-        count = len(missing)
-        raise KeyError(f"{src.description} has no {missing[0]!r} ({count} of the model's tensors missing)")
-    if strict and unexpected:
-        raise KeyError(
-            f"{src.description} has {unexpected[0]!r}, which the model does not ({len(unexpected)} such)"
-        )
-    for name, (shape, _) in shapes.items():
-        if name in src.shapes and tuple(src.shapes[name][0]) != tuple(shape):
-            was = tuple(src.shapes[name][0])
-            raise ValueError(f"{name!r} has shape {was} in {src.description}, {tuple(shape)} in the model")
     return missing, unexpected
 
 
