@@ -167,15 +167,16 @@ def _memory_case(stage: int) -> dict:
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_memory_report_matches_the_design_formula(stage, world_size):
     """bf16 params, fp32 grads, AdamW: 2Ψ + 4Ψ + 12Ψ (stage 0), 2Ψ + 4Ψ + 12Ψ/N (1),
-    2Ψ + 16Ψ/N (2), 18Ψ/N (3), with Ψ the padded layout size; AdamW's state is 8 bytes per
-    element of the runs plus a 4-byte step count per run."""
+    2Ψ + 16Ψ/N (2), 16Ψ/N (3: the fp32 main params hold the param shard), with Ψ the padded
+    layout size; AdamW's state is 8 bytes per element of the runs plus a 4-byte step count
+    per run."""
     for r in run_distributed(_memory_case, world_size, stage):
         psi, shard, report = r["psi"], r["shard"], r["report"]
         if stage == 0:
             assert shard == psi
         else:
             assert shard * r["world"] == psi
-        assert report["params"] == 2 * (shard if stage == 3 else psi)
+        assert report["params"] == (0 if stage == 3 else 2 * psi)
         assert r["pooled"] == 0, "stage-2 scratch is not held between backwards"
         assert report["grads"] == 4 * (shard if stage >= 2 else psi)
         assert report["main_params"] == 4 * shard

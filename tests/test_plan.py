@@ -21,10 +21,11 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, ti
 
 def test_reproduces_the_zero_paper_table():
     """ZeRO (Rajbhandari et al. 2020), Table 1: 7.5B params, 64 ranks, fp16 params and grads,
-    Adam with 12 bytes of state per param: 120, 31.4, 16.6 and 1.88 GB per rank."""
+    Adam with 12 bytes of state per param: 120, 31.4, 16.6 and 1.88 GB per rank. At stage 3
+    flatshard keeps no fp16 shard next to the fp32 main params (as FSDP2): 2Ψ/N less."""
     plans = plan_from_count(7.5e9, world_size=64, param_dtype="fp16", grad_dtype="fp16", optimizer="adam")
     got = [round(plans[s].bytes_per_rank / 1e9, 3) for s in range(4)]
-    assert got == [120.0, 31.406, 16.641, 1.875]
+    assert got == [120.0, 31.406, 16.641, round(1.875 - 2 * 7.5 / 64, 3)]
 
 
 @pytest.mark.parametrize("world", [1, 3, 64])
@@ -36,7 +37,7 @@ def test_count_plan_is_the_design_formula(world):
         0: (2 * psi + 4 * psi + 12 * psi, 2 * ring * 4 * psi),
         1: (2 * psi + 4 * psi + 12 * psi / world, ring * 6 * psi),
         2: (2 * psi + 16 * psi / world, ring * 6 * psi),
-        3: (18 * psi / world, ring * 8 * psi),
+        3: (16 * psi / world, ring * 8 * psi),
     }
     for stage, (memory, comm) in expected.items():
         assert plans[stage].bytes_per_rank == pytest.approx(memory, abs=2)

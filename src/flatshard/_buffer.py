@@ -19,6 +19,24 @@ tensor whose storage is allocated only while its unit is gathered ([Note: unshar
 ``_unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
 sharded, a *placeholder*: a NaN that is expanded to the param's shape (one element of
 memory, the right shape for ``named_parameters()``, NaN if read, an error if written).
+
+[Note: main-backed shards]
+At stage 3 a 16-bit buffer whose module has a ``DistributedOptimizer`` keeps no 16-bit
+shard: the optimizer's fp32 main params (the same frame) are the only copy of this rank's
+params, so the params cost 4 bytes per element of the shard instead of 2 + 4 (16Ψ/N in
+all with AdamW, as FSDP2 keeps). Invariants:
+
+* ``main_frame`` holds the values; the 16-bit params are ``main_frame.to(dtype)``, rounded
+  straight into this rank's part of a full bucket when it is gathered
+  (``gather_source``). That is the value a 16-bit shard refreshed after every step would
+  hold, so trajectories are unchanged.
+* A step writes ``main_frame`` and copies nothing.
+* Code that reads or writes the 16-bit shard (checkpoints, ``summon_full_params``, seeding
+  from weights) runs inside ``ShardState.param_dtype_shards()``: ``param_shard_data`` is
+  then ``main_frame.to(dtype)``, and on exit every element where it differs from
+  ``main_frame.to(dtype)`` (i.e. that was written) sets ``main_frame`` to its value; the
+  others keep their fp32 precision. Outside that block ``param_shard`` raises.
+* ``load_param`` writes the main params directly, at the precision it is given.
 """
 
 from __future__ import annotations
@@ -58,6 +76,7 @@ class FlatBuffer:
         self.frame_numel = offset
         self._full: list[torch.Tensor] = []  # stage 3: one full tensor per bucket
         self._views: dict[int, torch.Tensor] = {}  # stage 3: slot index -> view into _full
+        self.main_frame: torch.Tensor | None = None  # stage 3, 16-bit: fp32 main params hold the shard
         if sharded_params:
             self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
             self._full = [torch.empty(b.numel, dtype=layout.dtype, device=device) for b in layout.buckets]
@@ -113,14 +132,59 @@ class FlatBuffer:
             param.data = self.placeholder.expand(param.shape)
 
     def load_param(self, slot, values: torch.Tensor) -> None:
-        """Copy this rank's pieces of a full param's ``values`` into the shard frame."""
+        """Copy this rank's pieces of a full param's ``values`` into the shard frame (into
+        the main params, at the precision of ``values``, when they hold the shard)."""
         bucket = self.layout.buckets[slot.bucket]
         frame = self.frame_range(bucket)
         flat = values.detach().reshape(-1)
+        target = self.main_frame if self.shard_dropped else self.param_shard_data
         for piece in bucket.local_ranges(self.rank):
             if piece.name == slot.name:
                 lo, hi = piece.in_shard
-                self.param_shard_data[frame.start + lo : frame.start + hi].copy_(flat[slice(*piece.in_param)])
+                target[frame.start + lo : frame.start + hi].copy_(flat[slice(*piece.in_param)])
+
+    # -- stage 3: main-backed shards ([Note: main-backed shards]) -------------------------------
+    def adopt_main(self, main: torch.Tensor) -> None:
+        """Let ``main`` (fp32, the shard frame, seeded from the shard) hold this rank's params
+        from now on, and drop the 16-bit shard."""
+        if self.param_shard_data is None or main.shape != self.param_shard_data.shape:
+            raise RuntimeError("adopt_main: only a stage-3 buffer's shard frame can be held by main params")
+        self.main_frame = main
+        self.param_shard_data = None
+
+    @property
+    def shard_dropped(self) -> bool:
+        """Whether the main params hold the shard and no 16-bit copy exists now."""
+        return self.main_frame is not None and self.param_shard_data is None
+
+    def gather_source(self, bucket: BucketLayout) -> torch.Tensor:
+        """What this rank's part of ``bucket`` is gathered from (copied into the full bucket,
+        rounded to the param dtype)."""
+        if self.main_frame is not None:
+            frame = self.frame_range(bucket)
+            return self.main_frame[frame.start : frame.end]
+        return self.param_shard(bucket)
+
+    def materialize_shard(self) -> None:
+        """Give the buffer a 16-bit shard again: the main params rounded."""
+        if self.shard_dropped:
+            self.param_shard_data = self.main_frame.to(self.layout.dtype)
+
+    def release_shard(self) -> bool:
+        """Drop the 16-bit shard, first setting the main params wherever it was written
+        (differs from the main params rounded); returns whether any element was."""
+        if self.main_frame is None or self.param_shard_data is None:
+            return False
+        shard, self.param_shard_data = self.param_shard_data, None
+        written = False
+        for bucket in self.layout.buckets:
+            frame = self.frame_range(bucket)
+            mine, main = shard[frame.start : frame.end], self.main_frame[frame.start : frame.end]
+            changed = mine != main.to(mine.dtype)
+            if bool(changed.any()):
+                main.copy_(torch.where(changed, mine.to(main.dtype), main))
+                written = True
+        return written
 
     # -- stage 3: full buckets ---------------------------------------------------------------
     def full_bucket(self, bucket: BucketLayout) -> torch.Tensor:
@@ -144,8 +208,9 @@ class FlatBuffer:
             param = params[slot.index]
             param.data = self._views[slot.index] if full else self.placeholder.expand(param.shape)
 
-    def param_storage(self) -> torch.Tensor:
-        """The tensor that holds this buffer's params between uses."""
+    def param_storage(self) -> torch.Tensor | None:
+        """The tensor that holds this buffer's params between uses (None when the main
+        params hold them, [Note: main-backed shards])."""
         return self.param_data if self.param_data is not None else self.param_shard_data
 
     @property
@@ -182,6 +247,11 @@ class FlatBuffer:
         """This rank's shard of ``bucket``'s params (a view of ``param_data``, or at stage 3
         of ``param_shard_data``)."""
         if self.param_data is None:
+            if self.shard_dropped:
+                raise RuntimeError(
+                    "the main params hold this stage-3 shard: read or write it inside "
+                    "ShardState.param_dtype_shards() ([Note: main-backed shards])"
+                )
             frame = self.frame_range(bucket)
             return self.param_shard_data[frame.start : frame.end]
         shard = self.shard_range(bucket)

@@ -9,6 +9,7 @@ the optimizer once DCP has filled the destinations.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -100,10 +101,17 @@ def _sharded_sets(model: nn.Module):
     return state
 
 
+def param_dtype_shards(model: nn.Module) -> AbstractContextManager:
+    """A block in which a stage-3 model's 16-bit shards exist ([Note: main-backed shards]):
+    ``model_pieces`` reads and writes them."""
+    return model.flatshard_state.param_dtype_shards() if isinstance(model, ShardedModule) else nullcontext()
+
+
 def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:
     """``model/<name>`` for every param and persistent buffer this rank holds: the pieces
     of its shards (stages 1-3), whole params where it holds them whole (to save: the same
-    pieces on every rank are written once; to load at stages 0-2: the whole param)."""
+    pieces on every rank are written once; to load at stages 0-2: the whole param). Call
+    it inside ``param_dtype_shards(model)``."""
     out: dict[str, Any] = {}
     state = _sharded_sets(model)
     covered: set[int] = set()

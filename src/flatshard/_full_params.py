@@ -4,10 +4,11 @@
 
 * ``summon_full_params(writeback, rank0_only, with_grads)`` gathers every unit and yields
   with each param a view of its full bucket. On exit, with ``writeback``, each rank copies
-  its own shard of every bucket back (what a user changed in the params is kept; elements a
-  step's fp32 main params hold are refreshed only where the 16-bit value changed, so
-  unchanged ones keep their full precision). ``with_grads`` gathers the reduced grad shards
-  into ``param.grad`` for the block. ``rank0_only`` frees the units again on every other rank.
+  its own shard of every bucket back (what a user changed in the params is kept; fp32
+  main params take a value only where the 16-bit value changed, so unchanged ones keep
+  their full precision: [Note: main-backed shards] in ``_buffer.py``). ``with_grads``
+  gathers the reduced grad shards into ``param.grad`` for the block. ``rank0_only`` frees
+  the units again on every other rank.
 * ``full_state_dict()`` gathers one unit at a time and gives rank 0 a plain CPU state dict
   (other ranks an empty dict): never more than one unit in full.
 * ``load_full_state_dict`` copies each rank's pieces of every param out of a full state
@@ -27,6 +28,15 @@ from flatshard._unshard import Part, Unsharder
 
 @contextmanager
 def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
+    with (  # writeback writes the 16-bit shards
+        state.param_dtype_shards(),
+        _summon(state, writeback=writeback, rank0_only=rank0_only, with_grads=with_grads),
+    ):
+        yield
+
+
+@contextmanager
+def _summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
     unsharder: Unsharder = state.unsharder
     if writeback and rank0_only:
         raise ValueError(
@@ -40,7 +50,6 @@ def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Ite
         unsharder.unshard(u)
     for u in range(len(unsharder.units)):
         unsharder.wait(u)
-    before = [part.buffer.param_shard(part.bucket).clone() for part in parts] if writeback else []
     if with_grads:
         _gather_grads(parts)
     if rank0_only and _rank(parts) != 0:
@@ -54,7 +63,7 @@ def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Ite
             for slot in part.bucket.params:
                 part.params[slot.index].grad = None
         if writeback:
-            _write_back(state, parts, before)
+            _write_back(parts)
         unsharder.settle()
 
 
@@ -62,19 +71,13 @@ def _rank(parts: list[Part]) -> int:
     return parts[0].world.rank if parts else 0
 
 
-def _write_back(state, parts: list[Part], before: list[torch.Tensor]) -> None:
-    changes = []
+def _write_back(parts: list[Part]) -> None:
+    """Each rank's own part of every full bucket back into its shard; leaving
+    ``param_dtype_shards`` then sets the main params where the value changed."""
     with torch.no_grad():
-        for part, old in zip(parts, before, strict=True):
+        for part in parts:
             buffer, bucket = part.buffer, part.bucket
-            new = buffer.own_part(buffer.full_bucket(bucket), bucket)
-            changed = new != old
-            if not bool(changed.any()):
-                continue
-            buffer.param_shard(bucket).copy_(new)
-            changes.append((buffer, bucket, changed))
-    if state.optimizer is not None:
-        state.optimizer.refresh_main_params(changes)
+            buffer.param_shard(bucket).copy_(buffer.own_part(buffer.full_bucket(bucket), bucket))
 
 
 def _gather_grads(parts: list[Part]) -> None:
@@ -154,7 +157,7 @@ def load_full_state_dict(state, state_dict, strict: bool, plain_state_dict, plai
                     f"load_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict, "
                     f"{tuple(param.shape)} in the model"
                 )
-            buffer.load_param(slot, value.to(buffer.device, buffer.layout.dtype))
+            buffer.load_param(slot, value)  # (main params, if they hold the shard, at full precision)
     result = plain_load(rest, strict=False)
     missing += [k for k in result.missing_keys if k not in by_key]
     if strict and (missing or result.unexpected_keys):

@@ -32,11 +32,31 @@ class ShardState:
     optimizer: object | None = None  # the DistributedOptimizer built over this module
     originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
     unsharder: Unsharder | None = None  # stage 3
+    _materialized: int = 0  # depth of param_dtype_shards() blocks
 
     def take_originals(self) -> dict[str, torch.Tensor]:
         """The pre-cast fp32 values (once: they are dropped after)."""
         originals, self.originals = self.originals or {}, None
         return originals
+
+    @contextmanager
+    def param_dtype_shards(self) -> Iterator[None]:
+        """Stage-3 16-bit shards that exist inside the block, for code that reads or writes
+        them; what was written reaches the main params on exit ([Note: main-backed shards]
+        in ``_buffer.py``). Blocks nest; elsewhere a no-op."""
+        buffers = [b for bset in self.sets.values() for b in bset.buffers if b.main_frame is not None]
+        if self._materialized == 0:
+            for buffer in buffers:
+                buffer.materialize_shard()
+        self._materialized += 1
+        try:
+            yield
+        finally:
+            self._materialized -= 1
+            if self._materialized == 0:
+                written = [buffer.release_shard() for buffer in buffers]
+                if any(written) and self.optimizer is not None:
+                    self.optimizer.main_params_changed()
 
     def wait_for_params(self) -> None:
         """Wait for every param all-gather still in flight after a step; at stage 3, free

@@ -2,7 +2,8 @@
 
 [Note: unsharding]
 
-Between uses a rank holds only its shard of every bucket (``FlatBuffer.param_shard_data``);
+Between uses a rank holds only its shard of every bucket (``FlatBuffer.param_shard_data``,
+or the optimizer's fp32 main params, [Note: main-backed shards] in ``_buffer.py``);
 each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *gathering*
 (its buckets' all-gathers are in flight) or *full* (its params are views into full buckets):
 
@@ -136,7 +137,7 @@ class Unsharder:
             for part in self.parts[u]:
                 full = self.allocate(part)
                 mine = part.buffer.own_part(full, part.bucket)
-                mine.copy_(part.buffer.param_shard(part.bucket))
+                mine.copy_(part.buffer.gather_source(part.bucket))
                 if part.world.size > 1:
                     handles.append(all_gather(full, mine, part.world, stats=self.stats))
         self._handles[u] = handles

@@ -113,12 +113,13 @@ def save_checkpoint(
     if rank == 0 and os.path.exists(partial):
         shutil.rmtree(partial)
     _barrier()
-    state = cs.model_pieces(model, load=False)
-    optimizer_entries, _ = _optimizer_entries(model, optimizer, load=False)
-    state.update(optimizer_entries)
-    state[EXTRA] = _extra_to_save(extra)
-    state[f"rng/{rank}"] = _rng_state()
-    _dcp.save(state, partial, single_process=size == 1)
+    with cs.param_dtype_shards(model):
+        state = cs.model_pieces(model, load=False)
+        optimizer_entries, _ = _optimizer_entries(model, optimizer, load=False)
+        state.update(optimizer_entries)
+        state[EXTRA] = _extra_to_save(extra)
+        state[f"rng/{rank}"] = _rng_state()
+        _dcp.save(state, partial, single_process=size == 1)
     if rank == 0:
         _write_manifest(partial, model, optimizer, size)
         _publish(partial, path)
@@ -220,16 +221,17 @@ def load_checkpoint(
     world = _world()
     rank, size = world.rank, world.size
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = cs.model_pieces(model, load=True)
-    optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
-    state.update(optimizer_entries)
-    state[EXTRA] = None
     same_world = manifest["world_size"] == size
-    if restore_rng and same_world:
-        state[f"rng/{rank}"] = None
-    _dcp.load(state, path, single_process=size == 1)
-    if finish is not None:
-        finish(state)
+    with cs.param_dtype_shards(model):
+        state = cs.model_pieces(model, load=True)
+        optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
+        state.update(optimizer_entries)
+        state[EXTRA] = None
+        if restore_rng and same_world:
+            state[f"rng/{rank}"] = None
+        _dcp.load(state, path, single_process=size == 1)
+        if finish is not None:
+            finish(state)
     if restore_rng and same_world:
         _set_rng_state(state[f"rng/{rank}"])
     values = state[EXTRA]

@@ -14,7 +14,8 @@ small collective) per bucket shard, never a loop over params:
    Unscaling by the loss scale and clipping are one multiply.
 2. **update**: the inner optimizer steps the runs. For fp32 params the runs *are* views of
    the param buffer's shard; for 16-bit params they are views of an fp32 *main param*
-   frame, copied back into the param shard after the step.
+   frame, copied back into the param shard after the step (at stage 3 there is no 16-bit
+   shard: the main params are gathered, [Note: main-backed shards] in ``_buffer.py``).
 3. **gather**: each bucket's params are all-gathered from the shards ([Note: param
    gather]), overlapped with the next forward unless ``overlap_param_gather=False``.
 
@@ -72,7 +73,7 @@ class _BufferShards:
         return [self.buffer.grad_shard(b) for b in self.buckets]
 
     def load_main_from_params(self) -> None:
-        if self.main_data is not None:
+        if self.main_data is not None and not self.buffer.shard_dropped:
             for bucket in self.buckets:
                 frame = self.buffer.frame_range(bucket)
                 self.main_data[frame.start : frame.end].copy_(self.buffer.param_shard(bucket))
@@ -96,7 +97,7 @@ class _BufferShards:
                 main.copy_(original.reshape(-1)[slice(*piece.in_param)])
 
     def store_main_to_params(self) -> None:
-        if self.main_data is not None:
+        if self.main_data is not None and not self.buffer.shard_dropped:
             for bucket in self.buckets:
                 frame = self.buffer.frame_range(bucket)
                 self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
@@ -171,6 +172,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         originals = state.take_originals()
         for shards in self._shards:
             shards.load_main_from_originals(originals)
+            if shards.main_data is not None and shards.buffer.param_shard_data is not None:
+                shards.buffer.adopt_main(shards.main_data)  # stage 3: [Note: main-backed shards]
         inner_groups = [{**hyper, "params": []} for hyper in groups]
         for shards in self._shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
@@ -347,20 +350,6 @@ class DistributedOptimizer(torch.optim.Optimizer):
         reload = getattr(self.inner, "reload_model_params", None)
         if reload is not None:
             reload()
-
-    @torch.no_grad()
-    def refresh_main_params(self, changes: list[tuple[FlatBuffer, Any, torch.Tensor]]) -> None:
-        """For each ``(buffer, bucket, changed)``, copy the elements of the bucket's param
-        shard marked in ``changed`` (a bool mask over the shard) into the main params (after
-        params were written by hand)."""
-        for buffer, bucket, changed in changes:
-            for shards in self._shards:
-                if shards.buffer is buffer and shards.main_data is not None:
-                    frame = buffer.frame_range(bucket)
-                    main = shards.main_data[frame.start : frame.end]
-                    main.copy_(torch.where(changed, buffer.param_shard(bucket).float(), main))
-        if changes:
-            self.main_params_changed()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         raise NotImplementedError(

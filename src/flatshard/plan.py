@@ -97,8 +97,9 @@ def plan_from_count(
     plans = {}
     for stage in STAGES:
         full_or_shard = [params if stage < k else shard for k in (3, 2, 1)]  # params, grads, state
+        held = 0 if stage == 3 and mb else pb  # stage 3, 16-bit: the main params hold the shard
         plans[stage] = StagePlan(
-            params=round(pb * full_or_shard[0]),
+            params=round(held * full_or_shard[0]),
             grads=round(gb * full_or_shard[1]),
             main_params=round(mb * full_or_shard[2]),
             optimizer_state=round(state_bytes * full_or_shard[2]),
@@ -135,9 +136,10 @@ def plan_from_specs(
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
             full, shard = buffer.numel, buffer.shard_numel(rank)
             runs = plan_runs(buffer, rank, group_of)
-            totals["params"] += pb * (full if stage < 3 else shard)
+            half = buffer.dtype in (torch.float16, torch.bfloat16)
+            totals["params"] += pb * full if stage < 3 else (0 if half else pb * shard)  # (main-backed)
             totals["grads"] += gb * (full if stage < 2 else shard)
-            totals["main_params"] += 4 * shard if buffer.dtype in (torch.float16, torch.bfloat16) else 0
+            totals["main_params"] += 4 * shard if half else 0
             totals["optimizer_state"] += sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
             totals["comm_bytes_per_step"] += sum(
                 _comm(stage, b.numel, world_size, pb, gb, gathers(b)) for b in buffer.buckets

@@ -124,18 +124,19 @@ def load_weights(
     src = open_source(source)
     shapes = {name: shape for name, (shape, _) in src.shapes.items()}
     missing, unexpected = cs.check_shapes(model, shapes, src.description, strict=strict)
-    _copy(src, cs.model_pieces(model, load=True), cs.MODEL)
     state = getattr(model, "flatshard_state", None)
     optimizer = optimizer if optimizer is not None else getattr(state, "optimizer", None)
-    if isinstance(optimizer, DistributedOptimizer):
-        optimizer.reload_model_params()
-        _copy(src, {key: piece for key, piece, _ in cs.main_pieces(optimizer)}, cs.MAIN)
-        optimizer.main_params_changed()
-    elif optimizer is not None and hasattr(optimizer, "masters"):
-        optimizer.reload_model_params()
-        names = cs.param_names(model)
-        masters = optimizer.masters().items()
-        _copy(src, {cs.MAIN + names[id(p)]: Piece(p.numel(), 0, m.view(-1)) for p, m in masters}, cs.MAIN)
+    with cs.param_dtype_shards(model):
+        _copy(src, cs.model_pieces(model, load=True), cs.MODEL)
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.reload_model_params()
+            _copy(src, {key: piece for key, piece, _ in cs.main_pieces(optimizer)}, cs.MAIN)
+            optimizer.main_params_changed()
+        elif optimizer is not None and hasattr(optimizer, "masters"):
+            optimizer.reload_model_params()
+            names = cs.param_names(model)
+            masters = optimizer.masters().items()
+            _copy(src, {cs.MAIN + names[id(p)]: Piece(p.numel(), 0, m.view(-1)) for p, m in masters}, cs.MAIN)
     return missing, unexpected
 
 
