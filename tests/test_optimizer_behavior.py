@@ -152,7 +152,18 @@ def _memory_case(stage: int) -> dict:
         for s in [k.shard_range(rank)]
     ]
     sync = ours.flatshard_state.grad_sync
-    return {
+    out = {"grads_in_next_forward": None, "summoned_grads_zero": None}
+    opt.zero_grad()  # frees the grad shards (stages 2-3), as FSDP2 drops its sharded grads
+    loss = ours(x, y)
+    out["grads_in_next_forward"] = memory_report(ours, opt).grads
+    if stage == 3:
+        with ours.summon_full_params(writeback=False, with_grads=True):
+            out["summoned_grads_zero"] = all(not p.grad.any() for p in ours.parameters())
+    loss.backward()
+    out["grads_after_backward"] = memory_report(ours, opt).grads
+    opt.zero_grad(set_to_none=False)
+    out["grads_kept"] = memory_report(ours, opt).grads
+    return out | {
         "pooled": sum(t.numel() * t.element_size() for t in sync.pooled_scratch()),
         "report": report.as_dict(),
         "psi": psi,
@@ -169,7 +180,8 @@ def test_memory_report_matches_the_design_formula(stage, world_size):
     """bf16 params, fp32 grads, AdamW: 2Ψ + 4Ψ + 12Ψ (stage 0), 2Ψ + 4Ψ + 12Ψ/N (1),
     2Ψ + 16Ψ/N (2), 16Ψ/N (3: the fp32 main params hold the param shard), with Ψ the padded
     layout size; AdamW's state is 8 bytes per element of the runs plus a 4-byte step count
-    per run."""
+    per run. From zero_grad() until the next backward's reductions stages 2-3 hold no
+    grads (4Ψ/N less while the forward runs); zero_grad(set_to_none=False) keeps them."""
     for r in run_distributed(_memory_case, world_size, stage):
         psi, shard, report = r["psi"], r["shard"], r["report"]
         if stage == 0:
@@ -179,6 +191,9 @@ def test_memory_report_matches_the_design_formula(stage, world_size):
         assert report["params"] == (0 if stage == 3 else 2 * psi)
         assert r["pooled"] == 0, "stage-2 scratch is not held between backwards"
         assert report["grads"] == 4 * (shard if stage >= 2 else psi)
+        assert r["grads_in_next_forward"] == (0 if stage >= 2 else report["grads"])
+        assert r["grads_after_backward"] == r["grads_kept"] == report["grads"]
+        assert r["summoned_grads_zero"] is (True if stage == 3 else None)
         assert report["main_params"] == 4 * shard
         assert report["optimizer_state"] == 8 * r["run_elements"] + 4 * r["runs"]
         assert r["run_elements"] <= shard

@@ -51,10 +51,10 @@ def _measured(stage: int) -> dict:
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     x, y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, rank, 4)
     for _ in range(2):  # the second step is a steady one (stage 3 prefetches across steps)
+        opt.zero_grad()  # (first: the step's grads are counted, as the plan counts them)
         model.comm_stats.reset()
         model(x, y).backward()
         opt.step()
-        opt.zero_grad()
     stats = model.comm_stats.as_dict()
     model.wait_for_params()
     with torch.device("meta"):

@@ -12,8 +12,9 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
   accumulates into it, so a second synced backward adds only new grads to the shard.
 * **scratch** (stage 2): there is no grad buffer. ``begin`` takes the group's range as
   scratch from a small ``ScratchPool`` and points each param's ``main_grad`` into it; after
-  the reduction the shard is added into the buffer's ``grad_shard_data`` (copied, for the
-  first backward after ``zero_grad``) and the scratch goes back to the pool (``main_grad``
+  the reduction the shard is added into the bucket's grad shard (copied, into storage
+  allocated then, for the first backward after ``zero_grad``, which frees it) and the
+  scratch goes back to the pool (``main_grad``
   becomes None), where a later group of the same backward may reuse it; the pool is
   emptied when the backward ends. So between backwards grads exist only as shards. Reused
   scratch is not cleared: a param's first
@@ -260,8 +261,8 @@ class BucketGroup:
         for bucket in self.buckets:
             shard = self.buffer.shard_range(bucket)
             reduced = self.grad[shard.start - self.start : shard.end - self.start]
-            if self._shard_fresh:
-                self.buffer.grad_shard(bucket).copy_(reduced)
+            if self._shard_fresh:  # (its storage may have been freed by zero_grad)
+                self.buffer.allocate_grad_shard(bucket).copy_(reduced)
             else:
                 self.buffer.grad_shard(bucket).add_(reduced)
         self._shard_fresh = False

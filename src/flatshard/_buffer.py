@@ -7,11 +7,16 @@ After ``FlatBuffer.bind``, each param's ``.data`` is a view into ``param_data`` 
 and optimizer updates work on bucket-sized slices of these two tensors. Alignment gaps and
 end padding are zero at construction and nothing writes them as data.
 
-With ``full_grads=False`` (stage 2) there is no ``grad_data``: grads live in per-bucket-group
-scratch while a backward runs (see [Note: sharded grads]) and, between backwards, only as
-this rank's shards, concatenated bucket after bucket in ``grad_shard_data``. That
-concatenation is the buffer's *shard frame*: ``frame_range(bucket)`` is where a bucket's
-shard sits in it, and the optimizer's fp32 main params use the same frame.
+With ``full_grads=False`` (stages 2 and 3) there is no ``grad_data``: grads live in
+per-bucket-group scratch while a backward runs (see [Note: sharded grads]) and, between
+backwards, only as this rank's shard of each bucket, one tensor per bucket
+(``grad_shard(bucket)``). Their storage exists from the reduction that first writes them
+in a backward until ``zero_grad(set_to_none=True)`` frees it (resized to zero, so views of
+them, such as the optimizer's ``.grad``, stay valid), as FSDP2 drops its sharded grads: a
+forward after ``zero_grad`` runs without them. The concatenation of this rank's shards,
+bucket after bucket, is the buffer's *shard frame*: ``frame_range(bucket)`` is where a
+bucket's shard sits in it; the optimizer's fp32 main params (and, at stage 3, the param
+shards) use that frame.
 
 With ``sharded_params=True`` (stage 3) params are kept as shards too: ``param_shard_data``
 holds this rank's shard of every bucket in the same frame, and each bucket has a full-size
@@ -67,7 +72,7 @@ class FlatBuffer:
         self.param_data: torch.Tensor | None = None  # 1D, whole buffer (stages 0-2)
         self.param_shard_data: torch.Tensor | None = None  # 1D, shard frame (stage 3)
         self.grad_data: torch.Tensor | None = None  # 1D, whole buffer (stages 0 and 1)
-        self.grad_shard_data: torch.Tensor | None = None  # 1D, shard frame (stage 2)
+        self.grad_shards: list[torch.Tensor] = []  # stages 2-3: one per bucket (storage freed by zero_grad)
         starts, offset = [], 0
         for bucket in layout.buckets:
             starts.append(offset)
@@ -86,7 +91,10 @@ class FlatBuffer:
         if full_grads:
             self.grad_data = torch.zeros(layout.numel, dtype=layout.grad_dtype, device=device)
         else:
-            self.grad_shard_data = torch.zeros(offset, dtype=layout.grad_dtype, device=device)
+            self.grad_shards = [
+                torch.zeros(b.shard_range(rank).size, dtype=layout.grad_dtype, device=device)
+                for b in layout.buckets
+            ]
 
     def bind(self, params: Sequence[nn.Parameter]) -> None:
         """Move each param's values into the buffer and rebind it as a view.
@@ -262,9 +270,22 @@ class FlatBuffer:
         if self.grad_data is not None:
             shard = self.shard_range(bucket)
             return self.grad_data[shard.start : shard.end]
-        frame = self.frame_range(bucket)
-        return self.grad_shard_data[frame.start : frame.end]
+        return self.grad_shards[bucket.index]
 
-    def grad_storage(self) -> torch.Tensor:
-        """The tensor that holds this buffer's grads between backwards."""
-        return self.grad_data if self.grad_data is not None else self.grad_shard_data
+    def grad_storage(self) -> list[torch.Tensor]:
+        """The tensors that hold this buffer's grads between backwards."""
+        return [self.grad_data] if self.grad_data is not None else list(self.grad_shards)
+
+    def allocate_grad_shard(self, bucket: BucketLayout) -> torch.Tensor:
+        """``bucket``'s grad shard with its storage allocated (values undefined if it was
+        freed: the caller overwrites them)."""
+        shard = self.grad_shards[bucket.index]
+        nbytes = shard.numel() * shard.element_size()
+        if shard.untyped_storage().nbytes() != nbytes:
+            shard.untyped_storage().resize_(nbytes)
+        return shard
+
+    def free_grad_shards(self) -> None:
+        """Release every grad shard's storage (``zero_grad(set_to_none=True)``)."""
+        for shard in self.grad_shards:
+            shard.untyped_storage().resize_(0)

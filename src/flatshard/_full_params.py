@@ -81,14 +81,16 @@ def _write_back(parts: list[Part]) -> None:
 
 
 def _gather_grads(parts: list[Part]) -> None:
-    """Full grads of every bucket from the reduced grad shards; ``param.grad`` views them
-    (a copy in the param's dtype when the grads are kept in fp32)."""
+    """Full grads of every bucket from the reduced grad shards (zeros after ``zero_grad``);
+    ``param.grad`` views them (a copy in the param's dtype when the grads are kept in fp32)."""
     out, handles = [], []
     for part in parts:
         buffer, bucket = part.buffer, part.bucket
         full = torch.zeros(bucket.numel, dtype=buffer.layout.grad_dtype, device=buffer.device)
         mine = buffer.own_part(full, bucket)
-        mine.copy_(buffer.grad_shard(bucket))
+        shard = buffer.grad_shard(bucket)
+        if shard.untyped_storage().nbytes():
+            mine.copy_(shard)  # (freed by zero_grad: zeros, gathered all the same, so ranks agree)
         if part.world.size > 1:
             handles.append(all_gather(full, mine, part.world))
         out.append(full)

@@ -324,7 +324,11 @@ class GradSync:
         self.generation += 1
         for group in self.groups:
             group.zero_grad()
-        if not set_to_none:
+        if set_to_none:  # stages 2-3: no grad shards until the next backward's reductions
+            for bset in self.sets:
+                for buffer in bset.buffers:
+                    buffer.free_grad_shards()
+        else:
             for bset in self.sets:
                 for buffer in bset.buffers:
                     if buffer.full_grads:

@@ -1,10 +1,15 @@
 """The systems ``flatshard bench`` compares, each wired the way its users wire it.
 
-A peer turns a fresh copy of the model into a ``Trainer``: one training step on a batch,
-and, where it can be counted from outside, the model-state bytes the rank holds. Every peer
-uses AdamW with the same hyperparameters; torch's own peers and DeepSpeed's use their
-documented entry points (``DDP``, ``fully_shard`` per block then the root,
+A peer turns a fresh fp32 copy of the model into a ``Trainer``: one training step on a
+batch, and, where it can be counted from outside, the model-state bytes the rank holds.
+Every peer uses AdamW with the same hyperparameters; torch's own peers and DeepSpeed's use
+their documented entry points (``DDP``, ``fully_shard`` per block then the root,
 ``ZeroRedundancyOptimizer``, ``deepspeed.initialize`` with ZeRO stage 1-3).
+
+With a compute dtype (bf16), each peer runs mixed precision the way its users do: fp32
+params (or fp32 master params) and bf16 compute. DDP and the optimizer peers use
+``torch.autocast``; FSDP2 ``MixedPrecisionPolicy(param_dtype, reduce_dtype=float32)`` (as
+torchtitan); DeepSpeed its ``bf16`` mode; flatshard ``MixedPrecision(param_dtype)``.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -36,6 +41,7 @@ class Trainer:
     counted: torch.optim.Optimizer | None  # whose state memory_report counts (None: not countable)
     engine: object | None = None  # a DeepSpeed engine, which runs backward and step itself
     model_state_bytes: int | None = None  # measured at the last step with measure=True
+    autocast: torch.dtype | None = None  # forward under torch.autocast to this dtype
 
     def step(self, x: torch.Tensor, y: torch.Tensor, *, measure: bool = False) -> float:
         if self.engine is not None:
@@ -43,7 +49,11 @@ class Trainer:
             self.engine.backward(loss)
             self.engine.step()
             return loss.item()
-        loss = self.model(x, y)
+        if self.autocast is None:
+            loss = self.model(x, y)
+        else:
+            with torch.autocast(x.device.type, dtype=self.autocast):
+                loss = self.model(x, y)
         loss.backward()
         self.optimizer.step()
         if measure and self.counted is not None:  # before zero_grad: grads in buckets count
@@ -52,20 +62,21 @@ class Trainer:
         return loss.item()
 
 
-Peer = Callable[[nn.Module, int | None], Trainer]
-"""(a fresh copy of the model, bucket size in elements or None) -> its trainer."""
+Peer = Callable[[nn.Module, int | None, torch.dtype | None], Trainer]
+"""(a fresh fp32 copy of the model, bucket size in elements or None, the compute dtype of
+mixed precision or None) -> its trainer."""
 
 
-def _ddp(model: nn.Module, bucket_size: int | None) -> Trainer:
+def _ddp(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
     model = DDP(model, gradient_as_bucket_view=True)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
-    return Trainer(model, optimizer, optimizer)
+    return Trainer(model, optimizer, optimizer, autocast=compute)
 
 
-def _torch_zero1(model: nn.Module, bucket_size: int | None) -> Trainer:
+def _torch_zero1(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
     model = DDP(model, gradient_as_bucket_view=True)
     optimizer = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **ADAMW)
-    return Trainer(model, optimizer, optimizer.optim)
+    return Trainer(model, optimizer, optimizer.optim, autocast=compute)
 
 
 def _fsdp2(reshard_after_forward: bool) -> Peer:
@@ -73,12 +84,13 @@ def _fsdp2(reshard_after_forward: bool) -> Peer:
     unsharded between forward and backward (ZeRO-2-like). Its resident state is counted from
     the local shards of its DTensors."""
 
-    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+    def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
         device = "cuda" if torch.cuda.is_available() else "cpu"
         mesh = init_device_mesh(device, (dist.get_world_size(),))
+        policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
         for block in model.blocks:
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         return Trainer(model, optimizer, optimizer)
 
@@ -89,7 +101,7 @@ def _deepspeed(stage: int) -> Peer:
     """DeepSpeed ZeRO ``stage`` with torch's AdamW as the client optimizer (on CPU with
     ``DS_ACCELERATOR=cpu``); its model state is not countable from outside: see RSS."""
 
-    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+    def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
         deepspeed = prepare("deepspeed-1")
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         zero: dict = {"stage": stage}
@@ -102,7 +114,9 @@ def _deepspeed(stage: int) -> Peer:
             "zero_allow_untested_optimizer": True,
             "steps_per_print": 2**31 - 1,
         }
-        if next(model.parameters()).dtype == torch.bfloat16:
+        if compute is not None:
+            if compute != torch.bfloat16:
+                raise ValueError(f"the DeepSpeed peers run fp32 or bf16, not {compute}")
             config["bf16"] = {"enabled": True}
         engine, ds_optimizer, _, _ = deepspeed.initialize(
             model=model, optimizer=optimizer, config=config, dist_init_required=False
@@ -113,10 +127,12 @@ def _deepspeed(stage: int) -> Peer:
 
 
 def _flatshard(stage: int) -> Peer:
-    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+    def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
         kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
+        if compute is not None:
+            kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, **kwargs)
-        if stage == 0:
+        if stage == 0 and compute is None:
             optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         else:
             optimizer = flatshard.DistributedOptimizer(
@@ -130,7 +146,7 @@ def _flatshard(stage: int) -> Peer:
 def _hybrid(fraction: float, overlap: bool) -> Peer:
     """torch DDP + ``HybridDeviceOptimizer(AdamW)`` with ``fraction`` of the params on the host."""
 
-    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+    def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
         model = DDP(model, gradient_as_bucket_view=True)
         optimizer = flatshard.HybridDeviceOptimizer(
             model.parameters(),
@@ -139,7 +155,7 @@ def _hybrid(fraction: float, overlap: bool) -> Peer:
             overlap=overlap,
             **ADAMW,
         )
-        return Trainer(model, optimizer, optimizer)
+        return Trainer(model, optimizer, optimizer, autocast=compute)
 
     return wrap
 
@@ -147,12 +163,12 @@ def _hybrid(fraction: float, overlap: bool) -> Peer:
 def _owner(bucket_cap_bytes: int) -> Peer:
     """torch DDP + ``OwnerShardedOptimizer(AdamW)``; ``bucket_cap_bytes=0``: one broadcast per param."""
 
-    def wrap(model: nn.Module, bucket_size: int | None) -> Trainer:
+    def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
         model = DDP(model, gradient_as_bucket_view=True)
         optimizer = flatshard.OwnerShardedOptimizer(
             model.parameters(), torch.optim.AdamW, bucket_cap_bytes=bucket_cap_bytes, **ADAMW
         )
-        return Trainer(model, optimizer, optimizer)
+        return Trainer(model, optimizer, optimizer, autocast=compute)
 
     return wrap
 

@@ -71,7 +71,8 @@ def _peer_session(
     prepare(name)
     rss_base = _rss()
     torch.manual_seed(0)
-    trainer = PEERS[name](GPT(cfg).to(plan.DTYPES[dtype]), bucket_size)
+    compute = None if dtype == "fp32" else plan.DTYPES[dtype]  # mixed precision: fp32 params, compute in it
+    trainer = PEERS[name](GPT(cfg), bucket_size, compute)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     data = [corpus.batch(i, rank, batch) for i in range(warmup + steps)]
     for i in range(warmup):  # first-iteration allocations, DDP's bucket rebuild, ...
@@ -237,7 +238,12 @@ def add_arguments(parser, *, default_out: str, peers: list[str] | None = None) -
         "--bucket-size", type=int, default=None, help="elements per bucket (default: each's own)"
     )
     parser.add_argument(
-        "--dtype", choices=sorted(DTYPES), default="fp32", help="the model's dtype (default fp32)"
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="fp32",
+        help="compute dtype (default fp32); bf16 runs every peer in mixed precision as its users "
+        "do: fp32 (main) params, bf16 compute (DDP: autocast, FSDP2: MixedPrecisionPolicy, "
+        "DeepSpeed: bf16, flatshard: MixedPrecision)",
     )
     parser.add_argument("--out", default=default_out, help=f"JSON file to write (default {default_out})")
 

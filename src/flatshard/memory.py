@@ -62,7 +62,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     param_bytes = _storage_bytes(held, seen)
     grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
     if state is not None:  # grads that no param views between backwards (stage-2/3 shards)
-        grads += [b.grad_storage() for bset in state.sets.values() for b in bset.buffers]
+        grads += [g for bset in state.sets.values() for b in bset.buffers for g in b.grad_storage()]
         grads += state.grad_sync.pooled_scratch()
     grad_bytes = _storage_bytes(grads, seen)
     main_bytes = 0

@@ -117,7 +117,8 @@ def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) ->
         else:
             frame = buffer.frame_range(bucket)
             tensor = main_data[frame.start + lo : frame.start + hi]
-        tensor.grad = buffer.grad_shard(bucket)[lo:hi]
+        grads = buffer.grad_shard(bucket) if buffer.full_grads else buffer.allocate_grad_shard(bucket)
+        tensor.grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
         tensors.append(tensor)
     shards = _BufferShards(buffer, world, main_data, runs, tensors)
     shards.load_main_from_params()
