@@ -2,7 +2,8 @@
 
 ``plan_from_count`` evaluates the DESIGN.md formulas for Ψ params (the ZeRO paper's
 accounting: with fp16 params and grads and Adam, 7.5B params on 64 ranks need 120, 31.4,
-16.6 and 1.88 GB per rank at stages 0-3). ``plan_from_specs`` evaluates them on the real
+16.6 and 1.88 GB per rank at stages 0-3; flatshard's stage 3 needs 1.64, keeping no 16-bit
+param shard next to the fp32 main params). ``plan_from_specs`` evaluates them on the real
 layout flatshard would build (alignment and padding included), for one rank, counting what
 ``memory_report`` counts: fp32 main params only for 16-bit params, and the inner optimizer's
 per-tensor scalars (one per run, [Note: optimizer runs]). Communication is the wire bytes
