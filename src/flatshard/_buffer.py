@@ -200,15 +200,10 @@ class FlatBuffer:
         return self._full[bucket.index]
 
     def allocate_full(self, bucket: BucketLayout) -> torch.Tensor:
-        full = self._full[bucket.index]
-        storage = full.untyped_storage()
-        nbytes = full.numel() * full.element_size()
-        if storage.nbytes() != nbytes:
-            storage.resize_(nbytes)
-        return full
+        return _refill(self._full[bucket.index])
 
     def free_full(self, bucket: BucketLayout) -> None:
-        self._full[bucket.index].untyped_storage().resize_(0)
+        _release(self._full[bucket.index])
 
     def point_params(self, bucket: BucketLayout, params: Sequence[nn.Parameter], *, full: bool) -> None:
         """Point the bucket's params at their views of the full bucket, or at the placeholder."""
@@ -279,13 +274,30 @@ class FlatBuffer:
     def allocate_grad_shard(self, bucket: BucketLayout) -> torch.Tensor:
         """``bucket``'s grad shard with its storage allocated (values undefined if it was
         freed: the caller overwrites them)."""
-        shard = self.grad_shards[bucket.index]
-        nbytes = shard.numel() * shard.element_size()
-        if shard.untyped_storage().nbytes() != nbytes:
-            shard.untyped_storage().resize_(nbytes)
-        return shard
+        return _refill(self.grad_shards[bucket.index])
+
+    def has_grad_shard(self, bucket: BucketLayout) -> bool:
+        """Whether ``bucket``'s grads exist (not freed by ``zero_grad`` since)."""
+        return self.grad_data is not None or _allocated(self.grad_shards[bucket.index])
 
     def free_grad_shards(self) -> None:
         """Release every grad shard's storage (``zero_grad(set_to_none=True)``)."""
         for shard in self.grad_shards:
-            shard.untyped_storage().resize_(0)
+            _release(shard)
+
+
+def _allocated(tensor: torch.Tensor) -> bool:
+    return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+
+
+def _refill(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with storage for its elements again (same storage object, so views of it
+    stay valid; values undefined after ``_release``)."""
+    if not _allocated(tensor):
+        tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+    return tensor
+
+
+def _release(tensor: torch.Tensor) -> None:
+    """Free ``tensor``'s memory, keeping its storage object (and every view's) alive."""
+    tensor.untyped_storage().resize_(0)

@@ -88,9 +88,8 @@ def _gather_grads(parts: list[Part]) -> None:
         buffer, bucket = part.buffer, part.bucket
         full = torch.zeros(bucket.numel, dtype=buffer.layout.grad_dtype, device=buffer.device)
         mine = buffer.own_part(full, bucket)
-        shard = buffer.grad_shard(bucket)
-        if shard.untyped_storage().nbytes():
-            mine.copy_(shard)  # (freed by zero_grad: zeros, gathered all the same, so ranks agree)
+        if buffer.has_grad_shard(bucket):  # (freed by zero_grad: zeros, gathered all the same)
+            mine.copy_(buffer.grad_shard(bucket))
         if part.world.size > 1:
             handles.append(all_gather(full, mine, part.world))
         out.append(full)

@@ -33,7 +33,7 @@ from flatshard._stage3 import (
 from flatshard._units import UnitSpec, assign_params, find_units
 from flatshard._world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
 from flatshard.layout import ParamSpec, plan_layout
-from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
+from flatshard.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params, input_cast_hook
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per bucket by default (16 MiB of fp32 grads)."""
@@ -312,9 +312,6 @@ def _default_device() -> torch.device:
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def grad_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -16,8 +16,7 @@ from typing import Any
 import torch
 
 from flatshard._composite import CompositeOptimizer, SubOptimizer, run_closure
-
-_HALF = (torch.float16, torch.bfloat16)
+from flatshard.mixed_precision import HALF_DTYPES
 
 
 @dataclass
@@ -104,7 +103,7 @@ class HybridDeviceOptimizer(CompositeOptimizer):
                 host_pairs.append((g, param, copy.master, copy))
             else:
                 stand_in = param
-                if param.dtype in _HALF:
+                if param.dtype in HALF_DTYPES:
                     stand_in = param.detach().float()
                     self._device_masters.append((param, stand_in))
                 device_pairs.append((g, param, stand_in))
@@ -241,7 +240,7 @@ def _host_copy(param: torch.Tensor, pin_memory: bool) -> _HostCopy:
     def empty(dtype: torch.dtype) -> torch.Tensor:
         return torch.empty(param.shape, dtype=dtype, device=host, pin_memory=pin)
 
-    half = param.dtype in _HALF
+    half = param.dtype in HALF_DTYPES
     master = empty(torch.float32 if half else param.dtype)
     master.copy_(param.detach())
     grad = empty(param.dtype)

@@ -24,6 +24,9 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+"""16-bit float dtypes: params of these get fp32 grads and fp32 main params."""
+
 
 @dataclass(frozen=True)
 class MixedPrecision:
@@ -44,7 +47,7 @@ class MixedPrecision:
 def split_scale(scale: float, reduce_dtype: torch.dtype | None) -> float:
     """``post``: the factor by which a 16-bit reduction's sum is divided after the collective
     (grads already carry ``scale``; they are multiplied by ``post`` before it)."""
-    if reduce_dtype not in (torch.float16, torch.bfloat16) or scale >= 1.0:
+    if reduce_dtype not in HALF_DTYPES or scale >= 1.0:
         return 1.0
     return float(2 ** math.floor(math.log2(math.sqrt(1.0 / scale))))
 

@@ -44,9 +44,9 @@ from flatshard._composite import run_closure
 from flatshard._shard_map import Run, plan_runs
 from flatshard._sharded_module import ShardedModule, ShardState
 from flatshard._world import World
-from flatshard.api import HALF_DTYPES
 from flatshard.layout import ShardRanges
 from flatshard.loss_scale import StaticLossScaler, make_loss_scaler
+from flatshard.mixed_precision import HALF_DTYPES
 
 _NOT_ELEMENTWISE = tuple(
     cls

@@ -23,6 +23,7 @@ import torch
 
 from flatshard._shard_map import plan_runs
 from flatshard.layout import ParamSpec, plan_layout
+from flatshard.mixed_precision import HALF_DTYPES
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -137,8 +138,8 @@ def plan_from_specs(
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
             full, shard = buffer.numel, buffer.shard_numel(rank)
             runs = plan_runs(buffer, rank, group_of)
-            half = buffer.dtype in (torch.float16, torch.bfloat16)
-            totals["params"] += pb * full if stage < 3 else (0 if half else pb * shard)  # (main-backed)
+            half = buffer.dtype in HALF_DTYPES  # (at stage 3 the main params hold a 16-bit shard)
+            totals["params"] += (pb * full) if stage < 3 else (0 if half else pb * shard)
             totals["grads"] += gb * (full if stage < 2 else shard)
             totals["main_params"] += 4 * shard if half else 0
             totals["optimizer_state"] += sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
