@@ -57,3 +57,33 @@ def _bad_shard_case() -> str:
 
 def test_a_shard_that_is_not_this_ranks_part_is_refused():
     assert all("is not its own part of the bucket" in m for m in run_distributed(_bad_shard_case, 2))
+
+
+def _control_device_case() -> dict:
+    """Groups that take host tensors, and one that takes only device tensors as NCCL does
+    (gloo registered for the cuda device type alone: a host tensor is refused the same way)."""
+    rank, size = dist.get_rank(), dist.get_world_size()
+    device_only = dist.new_group(backend="cuda:gloo")
+    both = dist.new_group(backend="cpu:gloo,cuda:gloo")
+    try:
+        dist.all_reduce(torch.zeros(1), group=device_only)
+        refused = ""
+    except RuntimeError as e:
+        refused = str(e)
+    return {
+        "world": World(dist.group.WORLD, rank, size).control_device,
+        "device_only": World(device_only, rank, size).control_device,
+        "both": World(both, rank, size).control_device,
+        "refused": refused,
+    }
+
+
+def test_control_tensors_live_where_the_backend_takes_them():
+    """Digests and flags go on the host for gloo and on the device for a device-only
+    backend (NCCL), whose collectives refuse host tensors."""
+    for result in run_distributed(_control_device_case, 2):
+        assert result["world"] == torch.device("cpu")
+        assert result["both"] == torch.device("cpu")
+        assert result["device_only"] == torch.device("cuda")
+        assert "device type cpu" in result["refused"]
+    assert World(None, 0, 1).control_device == torch.device("cpu")

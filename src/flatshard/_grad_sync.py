@@ -299,7 +299,9 @@ class GradSync:
             params = [p for p in bset.params if id(p) in self._exposed]
             if not params:
                 continue
-            flags = torch.tensor([p.grad is not None for p in params], dtype=torch.int32)
+            flags = torch.tensor(
+                [p.grad is not None for p in params], dtype=torch.int32, device=bset.world.control_device
+            )
             all_reduce(flags, bset.world, stats=self.stats, op="max").wait()
             out.append((params, flags))
         return out

@@ -85,8 +85,7 @@ def _fsdp2(reshard_after_forward: bool) -> Peer:
     the local shards of its DTensors."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-        mesh = init_device_mesh(device, (dist.get_world_size(),))
+        mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
         for block in model.blocks:
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)

@@ -260,7 +260,7 @@ class Unsharder:
         for world in {id(p.world): p.world for ps in self.parts for p in ps}.values():
             if world.size == 1:
                 continue
-            both = torch.tensor([digest, -digest])
+            both = torch.tensor([digest, -digest], device=world.control_device)
             all_reduce(both, world, op="max").wait()  # the largest and (minus) the smallest
             if int(both[0]) != -int(both[1]):
                 return list(self._fwd.units)

@@ -22,6 +22,19 @@ class World:
     def backend(self) -> str:
         return "none" if self.group is None else str(dist.get_backend(self.group))
 
+    @property
+    def control_device(self) -> torch.device:
+        """Where the small tensors of this world's control collectives (digests, flags) live:
+        the host when the group's backend takes host tensors (gloo, mpi, or a
+        ``"cpu:gloo,cuda:nccl"`` pair), else the backend's device type, which a tensor
+        resolves to the current device (NCCL: the one ``torch.cuda.set_device`` chose)."""
+        if self.group is None:
+            return torch.device("cpu")
+        types = [d.type for d in getattr(self.group, "_device_types", ())]
+        if not types or "cpu" in types:
+            return torch.device("cpu")
+        return torch.device(types[0])
+
     def __str__(self) -> str:
         return f"world(rank {self.rank} of {self.size}, {self.backend})"
 
@@ -100,7 +113,9 @@ def check_ranks_agree(world: World, description: list[str], what: str) -> None:
     if world.group is None:
         return
     digest = hashlib.sha256("\n".join(description).encode()).digest()[:8]
-    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64)
+    mine = torch.tensor(
+        [int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=world.control_device
+    )
     everyone = [torch.empty_like(mine) for _ in range(world.size)]
     dist.all_gather(everyone, mine, group=world.group)
     if all(int(t) == int(mine) for t in everyone):
@@ -120,12 +135,14 @@ def check_ranks_agree(world: World, description: list[str], what: str) -> None:
 
 def all_gather_bytes(data: bytes, world: World) -> list[bytes]:
     """Every rank's ``data``, in rank order (``all_gather_object`` without its numpy need)."""
-    size = torch.tensor([len(data)], dtype=torch.int64)
+    device = world.control_device
+    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world.size)]
     dist.all_gather(sizes, size, group=world.group)
     longest = max(int(s) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8)
-    mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else mine[:0]
+    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
+    if data:
+        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
     everyone = [torch.empty_like(mine) for _ in range(world.size)]
     dist.all_gather(everyone, mine, group=world.group)
     return [bytes(t[: int(n)].tolist()) for t, n in zip(everyone, sizes, strict=True)]
