@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 from contextlib import nullcontext
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -153,6 +154,29 @@ class RankSkippingGPT(SkippingGPT):
             x = block(x)
         logits = self.lm_head(self.ln_f(x))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+class RankUnusedGPT(TiedGPT):
+    """Every rank runs every block, but on every second forward rank r's block r skips its
+    MLP: params of a unit that ran get no grad on one rank (as experts a rank's tokens do
+    not reach), which stage 3 handles with ``find_unused_parameters=True``."""
+
+    def __init__(self) -> None:
+        super().__init__(GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2))
+        self.calls = 0
+        for i, block in enumerate(self.blocks):
+            block.forward = partial(_block_maybe_without_mlp, block, self, i)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        self.calls += 1
+        return super().forward(idx, targets)
+
+
+def _block_maybe_without_mlp(block: nn.Module, model: RankUnusedGPT, i: int, x: torch.Tensor) -> torch.Tensor:
+    x = x + block.attn(block.ln1(x))
+    if model.calls % 2 == 0 and i == dist.get_rank():
+        return x
+    return x + block.out(torch.nn.functional.gelu(block.fc(block.ln2(x))))
 
 
 class CheckpointedGPT(TiedGPT):

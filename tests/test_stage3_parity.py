@@ -11,6 +11,7 @@ from _parity import (
     SGD,
     CheckpointedGPT,
     RankSkippingGPT,
+    RankUnusedGPT,
     SharedBlockGPT,
     SkippingGPT,
     check_parity,
@@ -118,11 +119,14 @@ def test_shared_blocks_and_activation_checkpointing(model_cls, reshard_after_for
 
 @pytest.mark.parametrize("model_cls", [SkippingGPT, RankSkippingGPT])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward):
-    """A block is skipped on every second micro-batch, by every rank (SkippingGPT) or by
-    rank r for block r (RankSkippingGPT: ranks take different control flow; every rank still
-    issues the same gathers, [Note: unsharding]). Its grads are zero there, and plain SGD
-    (where a zero grad changes nothing, as a missing one in torch) follows DDP."""
+@pytest.mark.parametrize("accum", [1, 2])
+def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward, accum):
+    """A block is skipped on every second forward, by every rank (SkippingGPT) or by rank r
+    for block r (RankSkippingGPT: ranks take different control flow; every rank still issues
+    the same gathers, [Note: unsharding], and waits for a reduction only where that cannot
+    deadlock, [Note: two process groups]). With ``accum=1`` every such forward's backward
+    reduces grads. The skipped grads are zero there, and plain SGD (where a zero grad
+    changes nothing, as a missing one in torch) follows DDP."""
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
@@ -132,7 +136,28 @@ def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward):
         clip=0.5,
         model_cls=model_cls,
         reference_kwargs={"find_unused_parameters": True},
-        steps=3,
+        steps=4 if accum == 1 else 3,
+        accum=accum,
+        timeout=60,
+    )
+    check_parity(result, params=1e-5)
+
+
+def test_params_of_a_unit_that_ran_without_grads_on_some_ranks():
+    """Rank r's block r skips its MLP on every second forward (every backward reduces):
+    with ``find_unused_parameters=True`` no rank waits for a reduction while it still has
+    gathers to issue ([Note: two process groups]), and SGD follows DDP."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        3,
+        {"stage": 3, "bucket_size": 3000, "find_unused_parameters": True},
+        optimizer_class=torch.optim.SGD,
+        opt_kwargs={"lr": 0.1},
+        clip=0.5,
+        model_cls=RankUnusedGPT,
+        reference_kwargs={"find_unused_parameters": True},
+        steps=4,
+        accum=1,
         timeout=60,
     )
     check_parity(result, params=1e-5)

@@ -243,6 +243,14 @@ class BucketGroup:
         ]
         self._replicated = True
 
+    def reduced(self) -> bool:
+        """Whether ``finish_sync`` would return without waiting for another rank."""
+        if self._handles is None:
+            return True
+        if self.replicate.size > 1 and not self._replicated:
+            return False  # the cross-replica reduction is still to be launched and waited for
+        return all(h.is_completed() for h in self._handles)
+
     def finish_sync(self) -> None:
         """Wait for the reduction; fold stage-2 shards into the grad shards."""
         if self._handles is None:

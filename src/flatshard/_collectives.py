@@ -27,11 +27,16 @@ from flatshard._world import World
 class Handle(Protocol):
     def wait(self) -> object: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class _Done:
     """The handle of a collective that needed no communication."""
 
     def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
         return True
 
 
@@ -114,6 +119,9 @@ class _Group:
     def __init__(self, handles: list[Handle], after=None) -> None:
         self.handles = handles
         self.after = after
+
+    def is_completed(self) -> bool:
+        return all(h.is_completed() for h in self.handles)
 
     def wait(self) -> bool:
         for h in self.handles:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -50,6 +51,16 @@ MAX_SCRATCH_IN_FLIGHT = 2
 STAGE3_SCRATCH_IN_FLIGHT = 1
 """The same at stage 3 (as FSDP, one reduce-scatter in flight while the next unit's grads
 accumulate)."""
+
+
+class BackwardGathers(Protocol):
+    """What grad sync needs of stage 3's ``Unsharder`` ([Note: two process groups])."""
+
+    def backward_issued(self) -> bool: ...
+
+    def ranks_ran_the_same_units(self) -> bool: ...
+
+    def issue_backward(self) -> None: ...
 
 
 @dataclass
@@ -115,6 +126,7 @@ class GradSync:
         self.unsynced = False  # grads were accumulated under no_sync since the last reduction
         self.generation = 0  # counts backwards that changed grads
         self.on_synced = None  # called after each synced backward (the optimizer's check)
+        self.gathers: BackwardGathers | None = None  # stage 3: the param gathers of backward
         self._group_of: dict[int, BucketGroup] = {}
         self._exposed: set[int] = set()
         self._name: dict[int, str] = {}
@@ -216,10 +228,26 @@ class GradSync:
         param.grad = None
 
     def _bound_scratch(self) -> None:
-        """Wait for the oldest launched groups until few enough hold scratch (stage 2)."""
+        """Wait for the oldest launched groups until few enough hold scratch; at stage 3 only
+        where that cannot deadlock, else finish only those already reduced."""
         while self._next - self._done >= self.scratch_in_flight:
-            self._finish_group(self.groups[self._done])
+            oldest = self.groups[self._done]
+            if not (self._may_block() or oldest.reduced()):
+                return
+            self._finish_group(oldest)
             self._done += 1
+
+    def _may_block(self) -> bool:
+        """Whether waiting for a reduction now cannot deadlock with stage 3's param gathers
+        ([Note: two process groups]): no gathers in backward, or all of this backward's
+        issued, or every rank ran the same units and gives every param of them a grad (the
+        promise that ``find_unused_parameters=False`` makes, as in DDP)."""
+        gathers = self.gathers
+        return (
+            gathers is None
+            or gathers.backward_issued()
+            or (not self.find_unused_parameters and gathers.ranks_ran_the_same_units())
+        )
 
     def _finish_group(self, group: BucketGroup) -> None:
         group.finish_sync()
@@ -252,6 +280,8 @@ class GradSync:
             self.on_synced()
 
     def _finish_sync(self) -> None:
+        if self.gathers is not None:
+            self.gathers.issue_backward()  # before waiting on any reduction
         locally_unused: list[nn.Parameter] = []
         for group in self.groups[self._next :]:
             group.begin()

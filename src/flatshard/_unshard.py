@@ -36,6 +36,37 @@ for units that did not run since the last backward. So a rank that skips a block
 early issues exactly the gathers the others do, and the result equals DDP's (tested with
 ranks skipping different blocks). A unit that runs a second time after it was freed is
 gathered again outside the schedule: ranks must agree on such repeats.
+
+[Note: two process groups]
+
+A stage-3 backward issues collectives on two groups, each in an order every rank shares:
+gathers in the backward schedule, grad reductions in bucket-group order, each launched once
+its grads are complete. Their interleaving is the same on every rank only when the ranks'
+backwards are alike. A rank whose unit (or one param of it) got no grad completes that
+bucket group only at the end of its backward, after issuing every gather; a rank that
+blocked on that reduction before issuing its own remaining gathers would wait forever, and
+so would the first rank, on those gathers. So grad sync blocks on a reduction during a
+backward (to bound grad scratch, ``_grad_sync``) only where no cycle can form:
+
+* this rank has issued every gather of its backward schedule: a rank blocked on a gather
+  then waits for ranks that are not blocked on a reduction, so the gathers all land;
+* or every rank's forwards since the last backward ran the same units (compared by an
+  all-reduce of a digest, issued at the end of each forward on the gather group, at the
+  same place in its order on every rank, so waiting for it is safe) and
+  ``find_unused_parameters`` is False, which as in DDP promises that every param of a unit
+  that ran gets a grad on every rank. Then every rank's backward issues the same
+  collectives in the same order, and each waits only for what the others issue before.
+
+Elsewhere a reduction that has completed is finished, and one that has not is left until
+the end of the backward, whose callback issues the remaining gathers before it waits: the
+scratch bound is given up for that backward. Tested with ranks skipping different blocks
+and, with ``find_unused_parameters=True``, different params of one block. On CUDA both
+groups' collectives run on their process groups' own NCCL streams, ordered against the
+compute stream by events (at issue and at ``wait()``); since torch 2.8 ProcessGroupNCCL
+keeps an async collective's tensors alive until ``wait()`` instead of recording streams,
+and a full bucket or grad scratch is freed or reused only after that wait (tested on gloo:
+``tests/test_collective_lifetimes.py``), so the caching allocator reuses the memory in
+stream order and does not grow. None of this is verified on a GPU.
 """
 
 from __future__ import annotations
@@ -109,6 +140,8 @@ class Unsharder:
         self._recording: list[int] | None = []  # units in the order the first forward runs them
         self._ran: set[int] = set()  # units whose forward ran since the last backward
         self._ran_now: set[int] = set()  # units whose forward ran in the current forward
+        self._same_units: list[tuple[torch.Tensor, Handle]] = []  # the last forward's check of _ran
+        self._ranks_agree: bool | None = None  # their outcome, once waited for in this backward
         self._fwd = self._bwd = _Schedule([])
         self._set_schedule([unit.index for unit, ps in zip(units, parts, strict=True) if ps])
         self._params = [{id(p.params[s.index]) for p in ps for s in p.bucket.params} for ps in parts]
@@ -243,6 +276,9 @@ class Unsharder:
         if self._recording is not None:
             recorded, self._recording = self._recording, None
             self._set_schedule(self._agreed(recorded))
+        if torch.is_grad_enabled():  # (a backward may follow)
+            _all_equal(self._same_units)  # the previous forward's, which this one's covers
+            self._same_units = self._compare_across_ranks(sorted(self._ran))
 
     def _set_schedule(self, order: list[int]) -> None:
         """Forward gathers follow ``order``; backward ones its reverse, without the root and
@@ -256,15 +292,37 @@ class Unsharder:
 
     def _agreed(self, recorded: list[int]) -> list[int]:
         """``recorded`` if every rank recorded the same order, else the registration order."""
-        digest = int.from_bytes(hashlib.sha256(repr(recorded).encode()).digest()[:7], "little")
+        return recorded if _all_equal(self._compare_across_ranks(recorded)) else list(self._fwd.units)
+
+    def _compare_across_ranks(self, value: list[int]) -> list[tuple[torch.Tensor, Handle]]:
+        """Start comparing ``value`` across the ranks of every gather world: an all-reduce
+        (max) of its digest and minus its digest, on the gather group, so it takes the same
+        place in its order on every rank."""
+        digest = int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")
+        checks = []
         for world in {id(p.world): p.world for ps in self.parts for p in ps}.values():
-            if world.size == 1:
-                continue
-            both = torch.tensor([digest, -digest], device=world.control_device)
-            all_reduce(both, world, op="max").wait()  # the largest and (minus) the smallest
-            if int(both[0]) != -int(both[1]):
-                return list(self._fwd.units)
-        return recorded
+            if world.size > 1:
+                both = torch.tensor([digest, -digest], device=world.control_device)
+                checks.append((both, all_reduce(both, world, op="max")))
+        return checks
+
+    # -- waiting across the two process groups ([Note: two process groups]) -------------------
+    def backward_issued(self) -> bool:
+        """Whether this backward has issued every gather of its schedule."""
+        return self._bwd.pos >= len(self._bwd.units)
+
+    def ranks_ran_the_same_units(self) -> bool:
+        """Whether every rank's forwards since the last backward ran the same units (waits for
+        the comparison each forward started; every rank started it before its backward)."""
+        if self._ranks_agree is None:
+            checks, self._same_units = self._same_units, []
+            self._ranks_agree = _all_equal(checks)
+        return self._ranks_agree
+
+    def issue_backward(self) -> None:
+        """Issue what is left of this backward's gathers (before waiting on reductions)."""
+        if self._in_backward:
+            self._advance(self._bwd, len(self._bwd.units))
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre_forward_hook(self, u: int):
@@ -319,11 +377,13 @@ class Unsharder:
         return hook
 
     def _end_backward(self) -> None:
+        self.issue_backward()
         self._in_backward = False
         self._waiting = [set(s) for s in self._params]
-        self._advance(self._bwd, len(self._bwd.units))
         self._bwd.restart()
         self._ran = set()
+        self.ranks_ran_the_same_units()  # (waits for the check if nobody has)
+        self._ranks_agree = None
         if not self.summoned:
             self.settle()
 
@@ -341,6 +401,15 @@ class _Schedule:
 
     def restart(self) -> None:
         self.pos, self.needed = 0, -1
+
+
+def _all_equal(checks: list[tuple[torch.Tensor, Handle]]) -> bool:
+    """Wait for digest comparisons; True if every rank had the same value in each."""
+    agree = True
+    for both, handle in checks:
+        handle.wait()
+        agree = agree and int(both[0]) == -int(both[1])  # the largest and (minus) the smallest
+    return agree
 
 
 def _in_backward() -> bool:

@@ -243,6 +243,7 @@ def _assemble(
     if stage == 3:
         unit_list, unit_of, options = stage3
         unsharder = build_unsharder(unit_list, unit_of, list(sets.values()), stats, **options)
+        sync.gathers = unsharder
     state = ShardState(stage, sets, sync, stats, gather, unsharder=unsharder)
     if stage > 0:
         sync.on_synced = partial(_require_optimizer, state)
