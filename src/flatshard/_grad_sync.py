@@ -28,7 +28,8 @@ Two kinds of buffers:
 At stages 1-3 grads are scaled as they arrive and kept as shards between backwards
 ([Note: sharded grads] in ``_bucket_group.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
 launched groups hold scratch (at stage 3, where a unit's full params are alive too, one):
-a group that needs scratch first waits for the oldest.
+a group that needs scratch first waits for the oldest (at stage 3 only where that cannot
+deadlock with the param gathers, [Note: two process groups] in ``_unshard.py``).
 """
 
 from __future__ import annotations
