@@ -4,6 +4,8 @@ Same harness as the stage 0-2 parity tests (tolerances: [Parity tolerances] in
 docs/design.md); the units are the transformer blocks and the root.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -161,3 +163,39 @@ def test_params_of_a_unit_that_ran_without_grads_on_some_ranks():
         timeout=60,
     )
     check_parity(result, params=1e-5)
+
+
+def _train_with_a_short_block_timeout(*args, **kwargs):
+    """``train_optimizer_side_by_side`` with grad sync giving up a blocked wait after 0.3 s;
+    also returns the warnings raised."""
+    import flatshard._grad_sync
+
+    flatshard._grad_sync.BLOCK_TIMEOUT_S = 0.3
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = train_optimizer_side_by_side(*args, **kwargs)
+    return result, [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+
+
+def test_params_without_grads_on_some_ranks_and_find_unused_parameters_off():
+    """The same divergence with ``find_unused_parameters=False`` (a broken promise): a rank
+    that waits for the reduction of those params gives the wait up after
+    ``BLOCK_TIMEOUT_S`` and warns instead of hanging, and the grads are still DDP's (the
+    unused params contribute zeros)."""
+    results = run_distributed(
+        _train_with_a_short_block_timeout,
+        3,
+        {"stage": 3, "bucket_size": 3000},
+        optimizer_class=torch.optim.SGD,
+        opt_kwargs={"lr": 0.1},
+        clip=0.5,
+        model_cls=RankUnusedGPT,
+        reference_kwargs={"find_unused_parameters": True},
+        steps=4,
+        accum=1,
+        timeout=90,
+    )
+    check_parity(results[0][0], params=1e-5)
+    warned = [m for _, messages in results for m in messages]
+    assert warned, "no rank gave up waiting: the test no longer reaches the case it guards"
+    assert all("find_unused_parameters=True" in m for m in warned), warned

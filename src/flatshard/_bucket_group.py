@@ -35,6 +35,7 @@ into the next reduction as it is, whatever the scale.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 
 import torch
@@ -45,6 +46,11 @@ from flatshard._collectives import CommStats, Handle, all_reduce, reduce_scatter
 from flatshard._world import ONE, World
 from flatshard.layout import BucketLayout
 from flatshard.mixed_precision import split_scale
+
+FIRST_PAUSE = 2e-5
+LONGEST_PAUSE = 2.5e-4
+"""Seconds between polls of a reduction in ``wait_reduced``, doubling from the first (short:
+the wait usually ends within a few milliseconds, and a longer pause would add to it)."""
 
 
 class ScratchPool:
@@ -244,12 +250,28 @@ class BucketGroup:
         self._replicated = True
 
     def reduced(self) -> bool:
-        """Whether ``finish_sync`` would return without waiting for another rank."""
+        """Whether ``finish_sync`` would return without waiting for another rank (with a
+        replicate world, launches the cross-replica reduction once the shards are reduced)."""
         if self._handles is None:
             return True
+        if not all(h.is_completed() for h in self._handles):
+            return False
         if self.replicate.size > 1 and not self._replicated:
-            return False  # the cross-replica reduction is still to be launched and waited for
-        return all(h.is_completed() for h in self._handles)
+            self.replicate_shards()
+            return all(h.is_completed() for h in self._handles)
+        return True
+
+    def wait_reduced(self, timeout: float) -> bool:
+        """Poll ``reduced`` on the host for at most ``timeout`` seconds; whether it came true
+        (a wait that can give up, where another rank might never launch its part)."""
+        deadline = time.monotonic() + timeout
+        pause = FIRST_PAUSE
+        while not self.reduced():
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(pause)
+            pause = min(2 * pause, LONGEST_PAUSE)
+        return True
 
     def finish_sync(self) -> None:
         """Wait for the reduction; fold stage-2 shards into the grad shards."""

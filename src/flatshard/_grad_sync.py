@@ -34,6 +34,7 @@ deadlock with the param gathers, [Note: two process groups] in ``_unshard.py``).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -52,6 +53,9 @@ MAX_SCRATCH_IN_FLIGHT = 2
 STAGE3_SCRATCH_IN_FLIGHT = 1
 """The same at stage 3 (as FSDP, one reduce-scatter in flight while the next unit's grads
 accumulate)."""
+BLOCK_TIMEOUT_S = 10.0
+"""Stage 3: the longest a backward waits for a reduction before giving up the scratch bound
+for the rest of that backward ([Note: two process groups])."""
 
 
 class BackwardGathers(Protocol):
@@ -145,6 +149,7 @@ class GradSync:
         self._next = 0  # first group not yet launched in this backward
         self._done = 0  # groups before this one have finished their reduction
         self._in_backward = False
+        self._unbounded = False  # this backward gave up waiting for a reduction
         for bset in sets:
             for p in bset.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
@@ -229,26 +234,41 @@ class GradSync:
         param.grad = None
 
     def _bound_scratch(self) -> None:
-        """Wait for the oldest launched groups until few enough hold scratch; at stage 3 only
-        where that cannot deadlock, else finish only those already reduced."""
+        """Finish the oldest launched groups until few enough hold scratch: waiting for them
+        where that cannot deadlock with stage 3's param gathers, else only those reduced."""
         while self._next - self._done >= self.scratch_in_flight:
             oldest = self.groups[self._done]
-            if not (self._may_block() or oldest.reduced()):
+            if not self._reduction_done(oldest):
                 return
             self._finish_group(oldest)
             self._done += 1
 
-    def _may_block(self) -> bool:
-        """Whether waiting for a reduction now cannot deadlock with stage 3's param gathers
-        ([Note: two process groups]): no gathers in backward, or all of this backward's
-        issued, or every rank ran the same units and gives every param of them a grad (the
-        promise that ``find_unused_parameters=False`` makes, as in DDP)."""
+    def _reduction_done(self, group: BucketGroup) -> bool:
+        """Whether ``finish_sync`` may wait for ``group`` now ([Note: two process groups]):
+        yes with no gathers in backward or all of this backward's issued; if every rank ran
+        the same units and gives every param of them a grad (the promise that
+        ``find_unused_parameters=False`` makes, as in DDP), once it is reduced, waiting at
+        most ``BLOCK_TIMEOUT_S`` (a broken promise would otherwise hang); else only if it is
+        reduced already."""
         gathers = self.gathers
-        return (
-            gathers is None
-            or gathers.backward_issued()
-            or (not self.find_unused_parameters and gathers.ranks_ran_the_same_units())
+        if gathers is None or gathers.backward_issued():
+            return True
+        if self._unbounded or self.find_unused_parameters or not gathers.ranks_ran_the_same_units():
+            return group.reduced()
+        if group.wait_reduced(BLOCK_TIMEOUT_S):
+            return True
+        self._unbounded = True  # for the rest of this backward
+        warnings.warn(
+            f"rank {group.world.rank}: waited {BLOCK_TIMEOUT_S:g} s during backward for the "
+            f"reduction of the grads of {', '.join(map(repr, group.names[:3]))}"
+            f"{', ...' if len(group.names) > 3 else ''}; going on without the grad-scratch "
+            "bound in this backward. If params of a module that ran can get no grad on some "
+            "ranks, pass find_unused_parameters=True (as in DDP); else some rank is that far "
+            "behind.",
+            RuntimeWarning,
+            stacklevel=2,
         )
+        return False
 
     def _finish_group(self, group: BucketGroup) -> None:
         group.finish_sync()
@@ -274,7 +294,7 @@ class GradSync:
                 group.reset()
             self._fired.clear()
             self._next = self._done = 0
-            self._in_backward = False
+            self._in_backward = self._unbounded = False
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
         if self.sync_enabled and self.on_synced is not None:

@@ -56,12 +56,15 @@ backward (to bound grad scratch, ``_grad_sync``) only where no cycle can form:
   ``find_unused_parameters`` is False, which as in DDP promises that every param of a unit
   that ran gets a grad on every rank. Then every rank's backward issues the same
   collectives in the same order, and each waits only for what the others issue before.
+  A user can break that promise, so this wait polls on the host (on CUDA too, where a
+  stream wait alone would only move the cycle into the streams) and gives up after
+  ``BLOCK_TIMEOUT_S`` with a warning (the grads stay right, as below).
 
 Elsewhere a reduction that has completed is finished, and one that has not is left until
 the end of the backward, whose callback issues the remaining gathers before it waits: the
 scratch bound is given up for that backward. Tested with ranks skipping different blocks
-and, with ``find_unused_parameters=True``, different params of one block. On CUDA both
-groups' collectives run on their process groups' own NCCL streams, ordered against the
+and different params of one block (with ``find_unused_parameters`` True and False). On
+CUDA both groups' collectives run on their process groups' own NCCL streams, ordered against the
 compute stream by events (at issue and at ``wait()``); since torch 2.8 ProcessGroupNCCL
 keeps an async collective's tensors alive until ``wait()`` instead of recording streams,
 and a full bucket or grad scratch is freed or reused only after that wait (tested on gloo:
