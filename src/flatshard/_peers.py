@@ -125,9 +125,12 @@ def _deepspeed(stage: int) -> Peer:
     return wrap
 
 
-def _flatshard(stage: int) -> Peer:
+def _flatshard(stage: int, **options) -> Peer:
+    """``flatshard.shard(model, stage=stage, **options)`` with ``DistributedOptimizer(AdamW)``
+    (torch's AdamW itself at stage 0 in fp32)."""
+
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
+        kwargs = dict(options) if bucket_size is None else {**options, "bucket_size": bucket_size}
         if compute is not None:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, **kwargs)
@@ -196,6 +199,7 @@ STAGE_PEERS: dict[str, Peer] = {
     "fsdp2": _fsdp2(False),
     "fsdp2-zero3": _fsdp2(True),
     **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
+    "flatshard-3-no-reshard": _flatshard(3, reshard_after_forward=False),  # as the "fsdp2" peer
 }
 OPTIMIZER_PEERS: dict[str, Peer] = {
     "ddp": _ddp,

@@ -187,20 +187,22 @@ def _worst(runs: list[list[dict]], value) -> int | None:
 
 
 def format_table(result: dict) -> str:
+    width = max(16, *(len(name) for name in result["peers"]))
     lines = [
         f"{result['model']} GPT ({result['params']:,} params, {result.get('dtype', 'fp32')}), "
         f"{result['world_size']} ranks, {result['rounds']} rounds x {result['steps_per_round']} steps, "
         f"{result['date']},",
         f"  {result['machine']}",
-        f"{'peer':<16} {'median step':>12} {'vs DDP':>7} {'model state':>13} {'RSS (growth)':>22} "
+        f"{'peer':<{width}} {'median step':>12} {'vs DDP':>7} {'model state':>13} {'RSS (growth)':>22} "
         f"{'sent/step':>13} {'final loss':>11}",
     ]
     for name, r in result["peers"].items():
         ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
         rss = "-" if r["rss_bytes"] is None else f"{mib(r['rss_bytes'])} ({mib(r['rss_growth_bytes'])})"
         lines.append(
-            f"{name:<16} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} {mib(r['model_state_bytes']):>13} "
-            f"{rss:>22} {mib(r['sent_bytes_per_step']):>13} {r['final_loss']:>11.4f}"
+            f"{name:<{width}} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} "
+            f"{mib(r['model_state_bytes']):>13} {rss:>22} {mib(r['sent_bytes_per_step']):>13} "
+            f"{r['final_loss']:>11.4f}"
         )
     lines.append(
         "model state: params, grads, main params and optimizer state resident per rank (- where it "
