@@ -244,12 +244,15 @@ class GradSync:
             self._done += 1
 
     def _reduction_done(self, group: BucketGroup) -> bool:
-        """Whether ``finish_sync`` may wait for ``group`` now ([Note: two process groups]):
-        yes with no gathers in backward or all of this backward's issued; if every rank ran
-        the same units and gives every param of them a grad (the promise that
-        ``find_unused_parameters=False`` makes, as in DDP), once it is reduced, waiting at
-        most ``BLOCK_TIMEOUT_S`` (a broken promise would otherwise hang); else only if it is
-        reduced already."""
+        """Whether ``group``'s reduction may be finished now ([Note: two process groups]).
+
+        * No gathers in backward, or all of this backward's issued: yes (``finish_sync`` waits).
+        * Every rank ran the same units and ``find_unused_parameters`` is False (as in DDP, a
+          promise that every param of them gets a grad): once it is reduced, polled for at
+          most ``BLOCK_TIMEOUT_S``, since a broken promise would hang; on timeout, warn and
+          stop waiting for the rest of this backward.
+        * Else: only if it is reduced already.
+        """
         gathers = self.gathers
         if gathers is None or gathers.backward_issued():
             return True

@@ -64,12 +64,12 @@ Elsewhere a reduction that has completed is finished, and one that has not is le
 the end of the backward, whose callback issues the remaining gathers before it waits: the
 scratch bound is given up for that backward. Tested with ranks skipping different blocks
 and different params of one block (with ``find_unused_parameters`` True and False). On
-CUDA both groups' collectives run on their process groups' own NCCL streams, ordered against the
-compute stream by events (at issue and at ``wait()``); since torch 2.8 ProcessGroupNCCL
-keeps an async collective's tensors alive until ``wait()`` instead of recording streams,
-and a full bucket or grad scratch is freed or reused only after that wait (tested on gloo:
-``tests/test_collective_lifetimes.py``), so the caching allocator reuses the memory in
-stream order and does not grow. None of this is verified on a GPU.
+CUDA both groups' collectives run on their process groups' own NCCL streams, ordered
+against the compute stream by events (at issue and at ``wait()``); since torch 2.8
+ProcessGroupNCCL keeps an async collective's tensors alive until ``wait()`` instead of
+recording streams, and a full bucket or grad scratch is freed or reused only after that
+wait (tested on gloo: ``tests/test_collective_lifetimes.py``), so the caching allocator
+reuses the memory in stream order and does not grow. None of this is verified on a GPU.
 """
 
 from __future__ import annotations
