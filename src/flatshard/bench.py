@@ -61,11 +61,21 @@ def _bytes_written() -> int | None:
     return _proc_counter("/proc/self/io", "wchar")
 
 
+def _barrier_bytes(count: int) -> float | None:
+    """Bytes one ``dist.barrier()`` writes to this rank's sockets (the mean of ``count``)."""
+    before = _bytes_written()
+    for _ in range(count):
+        dist.barrier()
+    after = _bytes_written()
+    return None if before is None or after is None else (after - before) / count
+
+
 def _peer_session(
     name: str, preset: str, steps: int, warmup: int, batch: int, bucket_size, dtype: str
 ) -> dict:
     """One peer on this rank: build, warm up, then ``steps`` timed steps."""
     retain_freed_cpu_memory()  # the same allocator settings for every peer
+    barrier_bytes = _barrier_bytes(steps)  # before any peer's collective can be in flight
     rank = dist.get_rank()
     cfg = PRESETS[preset]
     prepare(name)
@@ -78,9 +88,9 @@ def _peer_session(
     for i in range(warmup):  # first-iteration allocations, DDP's bucket rebuild, ...
         trainer.step(*data[i], measure=i == warmup - 1)
     rss = _rss()
-    barriers = _bytes_written()
-    for _ in range(steps):
-        dist.barrier()
+    # gloo's barrier first finishes the group's pending work (a gather a step left in
+    # flight), so both ends of the counted window stand at the same point of a step
+    dist.barrier()
     start_sent = _bytes_written()
     times, loss = [], 0.0
     for i in range(warmup, warmup + steps):
@@ -88,9 +98,10 @@ def _peer_session(
         start = time.perf_counter()
         loss = trainer.step(*data[i])
         times.append(time.perf_counter() - start)
+    dist.barrier()
     sent = None
-    if start_sent is not None:
-        sent = (_bytes_written() - start_sent - (start_sent - barriers)) / steps
+    if start_sent is not None and barrier_bytes is not None:
+        sent = (_bytes_written() - start_sent - (steps + 1) * barrier_bytes) / steps
     final = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(final)
     return {
