@@ -111,6 +111,7 @@ def _deepspeed(stage: int) -> Peer:
             "gradient_accumulation_steps": 1,
             "zero_optimization": zero,
             "zero_allow_untested_optimizer": True,
+            "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told; no other peer clips
             "steps_per_print": 2**31 - 1,
         }
         if compute is not None:
