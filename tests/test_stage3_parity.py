@@ -119,6 +119,15 @@ def test_shared_blocks_and_activation_checkpointing(model_cls, reshard_after_for
     check_parity(result, params=1e-5)
 
 
+DIVERGING = {
+    "optimizer_class": torch.optim.SGD,  # plain SGD: a zero grad changes nothing, as a missing one
+    "opt_kwargs": {"lr": 0.1},
+    "clip": 0.5,
+    "reference_kwargs": {"find_unused_parameters": True},  # DDP's reference where grads go missing
+}
+"""Training where ranks leave different params without grads, against DDP."""
+
+
 @pytest.mark.parametrize("model_cls", [SkippingGPT, RankSkippingGPT])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 @pytest.mark.parametrize("accum", [1, 2])
@@ -133,11 +142,8 @@ def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward, ac
         train_optimizer_side_by_side,
         3,
         {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
-        optimizer_class=torch.optim.SGD,
-        opt_kwargs={"lr": 0.1},
-        clip=0.5,
+        **DIVERGING,
         model_cls=model_cls,
-        reference_kwargs={"find_unused_parameters": True},
         steps=4 if accum == 1 else 3,
         accum=accum,
         timeout=60,
@@ -169,11 +175,8 @@ def test_params_of_a_unit_that_ran_without_grads_on_some_ranks(find_unused_param
         _train_with_a_short_block_timeout,
         3,
         {"stage": 3, "bucket_size": 3000, "find_unused_parameters": find_unused_parameters},
-        optimizer_class=torch.optim.SGD,
-        opt_kwargs={"lr": 0.1},
-        clip=0.5,
+        **DIVERGING,
         model_cls=RankUnusedGPT,
-        reference_kwargs={"find_unused_parameters": True},
         steps=4,
         accum=1,
         timeout=90,
