@@ -1,11 +1,15 @@
 """The multi-process harness reports failures and hangs instead of stalling."""
 
+import ctypes
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from flatshard._launch import rank_env
+from flatshard.memory import cpu_malloc_env
 from flatshard.testing import RankError, run_distributed
 
 
@@ -40,3 +44,44 @@ def _hang():
 def test_a_hang_times_out_naming_the_ranks():
     with pytest.raises(TimeoutError, match=r"ranks \[0, 1\] had not finished"):
         run_distributed(_hang, 2, timeout=3)
+
+
+def test_cpu_malloc_env_adds_the_tunables_and_keeps_the_users():
+    assert cpu_malloc_env({"A": "1"}) == {"A": "1", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
+    mine = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=5"}
+    assert cpu_malloc_env(mine) == mine  # the user's tcache_count stays
+    other = cpu_malloc_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})
+    assert other["GLIBC_TUNABLES"] == "glibc.malloc.arena_max=2:glibc.malloc.tcache_count=0"
+
+
+_MALLINFO2 = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+
+
+class _MallInfo(ctypes.Structure):  # glibc's struct mallinfo2: size_t fields
+    _fields_ = [(name, ctypes.c_size_t) for name in _MALLINFO2.split(" ")]
+
+
+def _a_freed_block_counts_as_free() -> tuple[str, bool]:
+    """Whether glibc counts a freed 600-byte block as free at once (not while its per-thread
+    cache holds it, still marked in use)."""
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.mallinfo2.restype = _MallInfo
+    block = libc.malloc(600)
+    before = libc.mallinfo2().fordblks
+    libc.free(block)
+    return os.environ.get("GLIBC_TUNABLES", ""), libc.mallinfo2().fordblks >= before + 600
+
+
+def test_ranks_start_with_the_cpu_malloc_tunables():
+    for tunables, freed in run_distributed(_a_freed_block_counts_as_free, 2):
+        assert "glibc.malloc.tcache_count=0" in tunables.split(":")
+        assert freed, "glibc did not apply the tunables: a freed block sat in its thread cache"
+
+
+def test_launched_cpu_ranks_get_the_tunables_and_cuda_ranks_do_not():
+    cpu = rank_env({"PATH": "/bin"}, 1, 2, 1234, threads=1, cpu=True)
+    assert cpu["RANK"] == "1" and cpu["WORLD_SIZE"] == "2" and cpu["MASTER_PORT"] == "1234"
+    assert cpu["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
+    assert "GLIBC_TUNABLES" not in rank_env({"PATH": "/bin"}, 1, 2, 1234, threads=1, cpu=False)

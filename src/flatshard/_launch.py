@@ -6,9 +6,12 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from datetime import timedelta
 
 import torch.distributed as dist
+
+from flatshard.memory import cpu_malloc_env
 
 
 def launched() -> bool:
@@ -16,9 +19,12 @@ def launched() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def launch_local(argv: list[str], nproc: int, *, threads_per_rank: int | None = None) -> int:
+def launch_local(
+    argv: list[str], nproc: int, *, threads_per_rank: int | None = None, cpu: bool = False
+) -> int:
     """Run ``python -m flatshard *argv`` as ``nproc`` ranks; return the first failing exit
-    code (the others are stopped), or 0.
+    code (the others are stopped), or 0. Ranks that train on ``cpu`` start with
+    ``CPU_MALLOC_TUNABLES`` (see ``flatshard.memory``).
 
     Like torchrun's agent, this process hosts the rendezvous store (on a port the OS picks,
     so no race for a free port) and outlives every rank, so no rank loses the store while
@@ -28,20 +34,9 @@ def launch_local(argv: list[str], nproc: int, *, threads_per_rank: int | None = 
     store = dist.TCPStore(
         "127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=300)
     )
-    port = str(store.port)
     procs = []
     for rank in range(nproc):
-        env = {
-            **os.environ,
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": port,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(nproc),
-            "LOCAL_WORLD_SIZE": str(nproc),
-            "OMP_NUM_THREADS": str(threads),
-            "TORCHELASTIC_USE_AGENT_STORE": "True",
-        }
+        env = rank_env(os.environ, rank, nproc, store.port, threads=threads, cpu=cpu)
         procs.append(subprocess.Popen([sys.executable, "-m", "flatshard", *argv], env=env))
     code = 0
     try:
@@ -65,3 +60,22 @@ def launch_local(argv: list[str], nproc: int, *, threads_per_rank: int | None = 
             except subprocess.TimeoutExpired:
                 p.kill()
     return code
+
+
+def rank_env(
+    base: Mapping[str, str], rank: int, nproc: int, port: int, *, threads: int, cpu: bool
+) -> dict[str, str]:
+    """The environment of local rank ``rank``: ``base`` with torchrun's variables, and
+    ``CPU_MALLOC_TUNABLES`` for ranks that train on ``cpu``."""
+    env = {
+        **base,
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(nproc),
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "OMP_NUM_THREADS": str(threads),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
+    return cpu_malloc_env(env) if cpu else env

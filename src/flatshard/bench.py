@@ -8,8 +8,9 @@ alike. Per peer, on every rank:
 - step time: the median over all rounds of the step time of the slowest rank, and its ratio
   to torch DDP's;
 - model-state bytes resident after warm-up (``memory_report``: params, grads, main params,
-  optimizer state) where they can be counted from outside, and the process RSS after
-  warm-up, which every peer gets measured the same way;
+  optimizer state) where they can be counted from outside, and the process RSS after the
+  timed steps (so that memory a peer's steps keep adding shows), which every peer gets
+  measured the same way;
 - bytes sent per step: what the rank's process wrote to its sockets (Linux
   ``/proc/self/io``), net of the timing barriers: on gloo that is every collective of every
   peer, whatever its implementation, measured the same way;
@@ -87,7 +88,6 @@ def _peer_session(
     data = [corpus.batch(i, rank, batch) for i in range(warmup + steps)]
     for i in range(warmup):  # first-iteration allocations, DDP's bucket rebuild, ...
         trainer.step(*data[i], measure=i == warmup - 1)
-    rss = _rss()
     # gloo's barrier first finishes the group's pending work (a gather a step left in
     # flight), so both ends of the counted window stand at the same point of a step
     dist.barrier()
@@ -99,6 +99,7 @@ def _peer_session(
         loss = trainer.step(*data[i])
         times.append(time.perf_counter() - start)
     dist.barrier()
+    rss = _rss()
     sent = None
     if start_sent is not None and barrier_bytes is not None:
         sent = (_bytes_written() - start_sent - (steps + 1) * barrier_bytes) / steps
@@ -217,8 +218,8 @@ def format_table(result: dict) -> str:
         )
     lines.append(
         "model state: params, grads, main params and optimizer state resident per rank (- where it "
-        "cannot be counted from outside); RSS after warm-up (growth from before the model was built); "
-        "sent: bytes the rank wrote to its sockets per step"
+        "cannot be counted from outside); RSS after the timed steps (growth from before the model was "
+        "built); sent: bytes the rank wrote to its sockets per step"
     )
     return "\n".join(lines)
 

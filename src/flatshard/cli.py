@@ -264,7 +264,10 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
             )
             return 2
     elif args.world_size > 1:
-        return _launch.launch_local(argv, args.world_size)
+        import torch
+
+        cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
+        return _launch.launch_local(argv, args.world_size, cpu=cpu)
     reason = _check_train_args(args)
     if reason is not None:
         print(f"flatshard train: {reason}", file=sys.stderr)

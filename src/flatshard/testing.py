@@ -21,10 +21,13 @@ import time
 import traceback
 from collections.abc import Callable
 from datetime import timedelta
+from multiprocessing import forkserver
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from flatshard.memory import cpu_malloc_env
 
 _CONTEXT: Any = None
 
@@ -42,9 +45,26 @@ class RankError(RuntimeError):
 def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = mp.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "flatshard"])
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "flatshard"])
+        _start_forkserver()
+        _CONTEXT = ctx
     return _CONTEXT
+
+
+def _start_forkserver() -> None:
+    """Start the forkserver (unless this process already has) with ``CPU_MALLOC_TUNABLES``
+    in its environment: glibc reads them only when a process starts, and every rank forked
+    from the server inherits them."""
+    saved = os.environ.get("GLIBC_TUNABLES")
+    os.environ["GLIBC_TUNABLES"] = cpu_malloc_env(os.environ)["GLIBC_TUNABLES"]
+    try:
+        forkserver.ensure_running()
+    finally:
+        if saved is None:
+            del os.environ["GLIBC_TUNABLES"]
+        else:
+            os.environ["GLIBC_TUNABLES"] = saved
 
 
 def run_distributed(
