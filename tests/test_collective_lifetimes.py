@@ -54,8 +54,8 @@ class _Watched:
     def is_completed(self) -> bool:
         return self.handle.is_completed()
 
-    def wait(self):
-        result = self.handle.wait()
+    def wait(self, **timeout):
+        result = self.handle.wait(**timeout)  # (raises if it times out: still open)
         if self in self.watch.open:
             self.watch.open.remove(self)
         return result

@@ -1,11 +1,20 @@
 """Every implementation of reduce-scatter and all-gather gives the same, exact result, and
 the byte accounting names the implementation that ran."""
 
+import time
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard._collectives import GATHER_IMPLS, SCATTER_IMPLS, CommStats, all_gather, reduce_scatter
+from flatshard._collectives import (
+    GATHER_IMPLS,
+    SCATTER_IMPLS,
+    CommStats,
+    all_gather,
+    reduce_scatter,
+    wait_until,
+)
 from flatshard._world import World
 from flatshard.testing import run_distributed
 
@@ -87,3 +96,23 @@ def test_control_tensors_live_where_the_backend_takes_them():
         assert result["device_only"] == torch.device("cuda")
         assert "device type cpu" in result["refused"]
     assert World(None, 0, 1).control_device == torch.device("cpu")
+
+
+def _late_rank_case(impl: str) -> tuple[bool, bool, bool]:
+    """Rank 1 joins a reduce-scatter a second late; rank 0 first waits 0.1 s for it."""
+    world = World(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    tensor = torch.full((8,), float(world.rank + 1))
+    if world.rank == 1:
+        time.sleep(1.0)
+    handle = reduce_scatter(tensor, tensor[4 * world.rank : 4 * world.rank + 4], world, impl=impl)
+    early = wait_until(handle, time.monotonic() + 0.1) if world.rank == 0 else False
+    late = wait_until(handle, time.monotonic() + 60)
+    handle.wait()
+    return early, late, tensor[4 * world.rank : 4 * world.rank + 4].tolist() == [3.0] * 4
+
+
+@pytest.mark.parametrize("impl", ["all_reduce", "all_to_all"])  # a torch Work, and one with a copy-back
+def test_a_wait_with_a_deadline_gives_up_and_the_collective_still_finishes(impl):
+    (early, late, summed), (_, late_1, summed_1) = run_distributed(_late_rank_case, 2, impl, timeout=60)
+    assert not early, "rank 1 had not even issued it: the wait must give up at its deadline"
+    assert late and late_1 and summed and summed_1

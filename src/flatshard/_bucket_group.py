@@ -42,15 +42,15 @@ import torch
 from torch import nn
 
 from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, Handle, all_reduce, reduce_scatter
+from flatshard._collectives import CommStats, Handle, all_reduce, reduce_scatter, wait_until
 from flatshard._world import ONE, World
 from flatshard.layout import BucketLayout
 from flatshard.mixed_precision import split_scale
 
 FIRST_PAUSE = 2e-5
 LONGEST_PAUSE = 2.5e-4
-"""Seconds between polls of a reduction in ``wait_reduced``, doubling from the first (short:
-the wait usually ends within a few milliseconds, and a longer pause would add to it)."""
+"""Seconds between polls of a reduction in ``wait_reduced`` on CUDA, doubling from the first
+(short: the wait usually ends within a few milliseconds, and a longer pause would add to it)."""
 
 
 class ScratchPool:
@@ -262,13 +262,19 @@ class BucketGroup:
         return True
 
     def wait_reduced(self, timeout: float) -> bool:
-        """Poll ``reduced`` on the host for at most ``timeout`` seconds; whether it came true
-        (a wait that can give up, where another rank might never launch its part)."""
+        """Wait on the host for ``reduced`` at most ``timeout`` seconds; whether it came true
+        (a wait that can give up, where another rank might never launch its part). On CPU
+        it blocks on the collectives with a deadline; on CUDA, where a wait only orders
+        streams, it polls."""
         deadline = time.monotonic() + timeout
         pause = FIRST_PAUSE
         while not self.reduced():
             if time.monotonic() >= deadline:
                 return False
+            if self.buffer.device.type == "cpu":
+                if not all(wait_until(h, deadline) for h in self._handles):
+                    return False
+                continue  # (reduced() may launch the replicate reduction)
             time.sleep(pause)
             pause = min(2 * pause, LONGEST_PAUSE)
         return True

@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import Counter
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Protocol
 
 import torch
@@ -25,7 +27,11 @@ from flatshard._world import World
 
 
 class Handle(Protocol):
-    def wait(self) -> object: ...
+    """What a collective returns (a torch ``Work``, or one of the classes below): ``wait()``
+    finishes it; ``wait(timeout=...)`` raises ``RuntimeError`` if it is still in flight by
+    then, and leaves it valid to wait again."""
+
+    def wait(self, timeout: timedelta = ...) -> object: ...
 
     def is_completed(self) -> bool: ...
 
@@ -33,7 +39,7 @@ class Handle(Protocol):
 class _Done:
     """The handle of a collective that needed no communication."""
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
         return True
 
     def is_completed(self) -> bool:
@@ -123,14 +129,36 @@ class _Group:
     def is_completed(self) -> bool:
         return all(h.is_completed() for h in self.handles)
 
-    def wait(self) -> bool:
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
         for h in self.handles:
-            h.wait()
+            if deadline is None:
+                h.wait()
+            else:  # (a zero timeout would mean none: wait at least a millisecond)
+                h.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
         self.handles = []
         if self.after is not None:
             self.after()
             self.after = None
         return True
+
+
+def wait_until(handle: Handle, deadline: float) -> bool:
+    """Block until ``handle`` completes or ``time.monotonic()`` reaches ``deadline``; whether it
+    completed (``wait()`` still finishes it). For collectives the host sees complete (gloo;
+    on CUDA a wait is a stream wait)."""
+    if handle.is_completed():
+        return True
+    left = deadline - time.monotonic()
+    if left <= 0:
+        return False
+    try:  # (a zero timeout would mean none: wait at least a millisecond)
+        handle.wait(timeout=timedelta(seconds=max(left, 1e-3)))
+    except RuntimeError:
+        if handle.is_completed():  # it failed: the error is the collective's own
+            raise
+        return False  # it timed out, and is still in flight
+    return True
 
 
 # torch 2.13 renamed the single-tensor collectives; 2.9 has only the old names

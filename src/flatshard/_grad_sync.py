@@ -248,7 +248,7 @@ class GradSync:
 
         * No gathers in backward, or all of this backward's issued: yes (``finish_sync`` waits).
         * Every rank ran the same units and ``find_unused_parameters`` is False (as in DDP, a
-          promise that every param of them gets a grad): once it is reduced, polled for at
+          promise that every param of them gets a grad): once it is reduced, waited for at
           most ``BLOCK_TIMEOUT_S``, since a broken promise would hang; on timeout, warn and
           stop waiting for the rest of this backward.
         * Else: only if it is reduced already.
