@@ -83,11 +83,11 @@ CPU_MALLOC_TUNABLES = ("glibc.malloc.tcache_count=0",)
 """glibc malloc settings for processes that train on CPU, in ``GLIBC_TUNABLES`` syntax.
 
 glibc's per-thread caches (tcache) keep small freed blocks marked in use, so they are never
-merged with the free memory around them. With the many small objects a step of collectives
-frees, big freed tensors end up cut into pieces that no later tensor fits, and the heap keeps
-growing: at stage 3 on the small GPT (2 ranks), RSS went from 328 to 608 MiB over 650 steps
-while the bytes in use stayed at 130 MiB, and each step took 300-450 page faults (9-12 ms of
-system time against DDP's 3). With tcache off: 326 to 346 MiB, flat after 100 steps, 30-45
+merged with the free memory around them. Small blocks freed between big ones then cut big
+freed tensors into pieces that no later tensor fits, and the heap keeps growing: at stage 3
+on the small GPT (2 ranks), RSS went from 328 to 608 MiB over 650 steps while the bytes in
+use stayed at 130 MiB, and each step took 300-450 page faults (9-12 ms of system time
+against DDP's 3). With tcache off: 326 to 346 MiB, flat after 100 steps, 30-45
 faults and 4-6 ms of system time per step, and no slower for DDP. glibc reads tunables only
 when a process starts, so they go into the environment of the ranks a launcher starts
 (``cpu_malloc_env``); for ranks started otherwise (torchrun), export them yourself."""
