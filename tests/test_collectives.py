@@ -116,3 +116,25 @@ def test_a_wait_with_a_deadline_gives_up_and_the_collective_still_finishes(impl)
     (early, late, summed), (_, late_1, summed_1) = run_distributed(_late_rank_case, 2, impl, timeout=60)
     assert not early, "rank 1 had not even issued it: the wait must give up at its deadline"
     assert late and late_1 and summed and summed_1
+
+
+def _completes_on_host_case() -> dict:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    host_only = World(dist.new_group(backend="cpu:gloo"), rank, size)
+    world = World(dist.group.WORLD, rank, size)
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    return {
+        "gloo": (world.completes_on_host(cpu), world.completes_on_host(cuda)),
+        "host_only": (host_only.completes_on_host(cpu), host_only.completes_on_host(cuda)),
+    }
+
+
+def test_gloo_finishes_collectives_on_the_host_for_either_device():
+    """The bounded wait for a reduction blocks on gloo's collectives, on CUDA tensors too: on
+    an H100/H200, gloo's reduce_scatter_tensor of CUDA tensors never reported is_completed()
+    to a poll (torch 2.11), and polling it stalled every stage-3 backward for the whole
+    timeout. A device type with no backend gets polled."""
+    for result in run_distributed(_completes_on_host_case, 2):
+        assert result["gloo"] == (True, True)
+        assert result["host_only"] == (True, False)
+    assert World(None, 0, 1).completes_on_host(torch.device("cuda"))

@@ -263,15 +263,15 @@ class BucketGroup:
 
     def wait_reduced(self, timeout: float) -> bool:
         """Wait on the host for ``reduced`` at most ``timeout`` seconds; whether it came true
-        (a wait that can give up, where another rank might never launch its part). On CPU
-        it blocks on the collectives with a deadline; on CUDA, where a wait only orders
-        streams, it polls."""
+        (a wait that can give up, where another rank might never launch its part). Where the
+        backend finishes collectives on the host (gloo, on CPU or CUDA tensors) it blocks on
+        them with a deadline; on NCCL, where a wait only orders streams, it polls."""
         deadline = time.monotonic() + timeout
         pause = FIRST_PAUSE
         while not self.reduced():
             if time.monotonic() >= deadline:
                 return False
-            if self.buffer.device.type == "cpu":
+            if self.world.completes_on_host(self.buffer.device):
                 if not all(wait_until(h, deadline) for h in self._handles):
                     return False
                 continue  # (reduced() may launch the replicate reduction)

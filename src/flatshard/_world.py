@@ -35,6 +35,18 @@ class World:
             return torch.device("cpu")
         return torch.device(types[0])
 
+    def completes_on_host(self, device: torch.device) -> bool:
+        """Whether this world's backend for ``device`` tensors (gloo, mpi) finishes a
+        collective on the host, so that a ``wait()`` returns once it has completed; NCCL's
+        ``wait()`` only orders streams."""
+        if self.group is None:
+            return True
+        try:
+            backend = self.group._get_backend(device)
+        except RuntimeError:  # no backend for that device type
+            return device.type == "cpu"
+        return any(name in type(backend).__name__ for name in ("Gloo", "MPI"))
+
     def __str__(self) -> str:
         return f"world(rank {self.rank} of {self.size}, {self.backend})"
 
