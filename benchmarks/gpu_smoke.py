@@ -49,8 +49,11 @@ def _train(kind: str, stage: int, options: dict, steps: int = STEPS, preset: str
             opt = flatshard.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-3)
         else:
             opt = flatshard.DistributedOptimizer(
-                m, flatshard.HybridDeviceOptimizer, offload_fraction=hybrid,
-                cpu_optimizer_class=torch.optim.AdamW, lr=1e-3,
+                m,
+                flatshard.HybridDeviceOptimizer,
+                offload_fraction=hybrid,
+                cpu_optimizer_class=torch.optim.AdamW,
+                lr=1e-3,
             )
     losses, reserved = [], []
     start = None
@@ -70,7 +73,7 @@ def _train(kind: str, stage: int, options: dict, steps: int = STEPS, preset: str
     return {
         "losses": losses,
         "step_ms": (time.perf_counter() - start) / (steps - 2) * 1e3,
-        "reserved_mib": [r / 2**20 for r in reserved[1::max(1, steps // 4)]],
+        "reserved_mib": [r / 2**20 for r in reserved[1 :: max(1, steps // 4)]],
         "max_alloc_mib": torch.cuda.max_memory_allocated() / 2**20,
     }
 
@@ -89,7 +92,7 @@ def main(backend: str, world: int, cases: list[tuple[str, str, int, dict]], step
     ref = out.get("ddp", {}).get("losses")
     for name, r in out.items():
         if ref and "losses" in r:
-            diff = max(abs(a - b) for a, b in zip(r["losses"], ref))
+            diff = max(abs(a - b) for a, b in zip(r["losses"], ref, strict=True))
             print(f"{name:28s} max |loss - ddp| = {diff:.2e}")
     with open(sys.argv[2], "w") as f:
         json.dump(out, f, indent=1)
