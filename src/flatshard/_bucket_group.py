@@ -49,7 +49,7 @@ from flatshard.mixed_precision import split_scale
 
 FIRST_PAUSE = 2e-5
 LONGEST_PAUSE = 2.5e-4
-"""Seconds between polls of a reduction in ``wait_reduced`` on CUDA, doubling from the first
+"""Seconds between polls of a reduction in ``wait_reduced`` on NCCL, doubling from the first
 (short: the wait usually ends within a few milliseconds, and a longer pause would add to it)."""
 
 

@@ -56,10 +56,10 @@ backward (to bound grad scratch, ``_grad_sync``) only where no cycle can form:
   ``find_unused_parameters`` is False, which as in DDP promises that every param of a unit
   that ran gets a grad on every rank. Then every rank's backward issues the same
   collectives in the same order, and each waits only for what the others issue before.
-  A user can break that promise, so this wait happens on the host with a deadline (on
-  CPU it blocks on the collective; on CUDA, where a stream wait alone would only move the
-  cycle into the streams, it polls) and gives up after ``BLOCK_TIMEOUT_S`` with a warning
-  (the grads stay right, as below).
+  A user can break that promise, so this wait happens on the host with a deadline (where
+  gloo runs the collective, on CPU or CUDA tensors, it blocks on it; on NCCL, where a
+  stream wait alone would only move the cycle into the streams, it polls) and gives up
+  after ``BLOCK_TIMEOUT_S`` with a warning (the grads stay right, as below).
 
 Elsewhere a reduction that has completed is finished, and one that has not is left until
 the end of the backward, whose callback issues the remaining gathers before it waits: the
