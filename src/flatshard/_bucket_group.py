@@ -267,17 +267,25 @@ class BucketGroup:
         backend finishes collectives on the host (gloo, on CPU or CUDA tensors) it blocks on
         them with a deadline; on NCCL, where a wait only orders streams, it polls."""
         deadline = time.monotonic() + timeout
+        if self._handles is not None and self.world.completes_on_host(self.buffer.device):
+            return self._block_until_reduced(deadline)
         pause = FIRST_PAUSE
         while not self.reduced():
             if time.monotonic() >= deadline:
                 return False
-            if self.world.completes_on_host(self.buffer.device):
-                if not all(wait_until(h, deadline) for h in self._handles):
-                    return False
-                continue  # (reduced() may launch the replicate reduction)
             time.sleep(pause)
             pause = min(2 * pause, LONGEST_PAUSE)
         return True
+
+    def _block_until_reduced(self, deadline: float) -> bool:
+        """Block on the reduction, then on the cross-replica one, until ``deadline``. A handle
+        waited for counts as done whatever its ``is_completed()`` says (gloo's reduce-scatter
+        of CUDA tensors never says so)."""
+        while all(wait_until(h, deadline) for h in self._handles):
+            if self._replicated or self.replicate.size == 1:
+                return True
+            self.replicate_shards()
+        return False
 
     def finish_sync(self) -> None:
         """Wait for the reduction; fold stage-2 shards into the grad shards."""
