@@ -80,7 +80,10 @@ class FlatBuffer:
         self._frame_starts = starts
         self.frame_numel = offset
         self._full: list[torch.Tensor] = []  # stage 3: one full tensor per bucket
-        self._views: dict[int, torch.Tensor] = {}  # stage 3: slot index -> view into _full
+        # stage 3, per bucket, slot index -> (param, its view into _full, its placeholder)
+        self._pointers: list[dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = [
+            {} for _ in layout.buckets
+        ]
         self.main_frame: torch.Tensor | None = None  # stage 3, 16-bit: fp32 main params hold the shard
         if sharded_params:
             self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
@@ -128,7 +131,9 @@ class FlatBuffer:
         the placeholder (a meta param keeps no values: it is initialized unit by unit)."""
         bucket = self.layout.buckets[slot.bucket]
         full = self._full[slot.bucket]
-        self._views[slot.index] = full[slot.start - bucket.start : slot.end - bucket.start].view(param.shape)
+        view = full[slot.start - bucket.start : slot.end - bucket.start].view(param.shape)
+        placeholder = self.placeholder.expand(param.shape)
+        self._pointers[slot.bucket][slot.index] = (param, view, placeholder)
         if not param.is_meta:
             self.load_param(slot, param)
         if param.grad is not None:
@@ -137,7 +142,7 @@ class FlatBuffer:
             )
         param.main_grad = None
         if not param.is_meta:
-            param.data = self.placeholder.expand(param.shape)
+            param.data = placeholder
 
     def load_param(self, slot, values: torch.Tensor) -> None:
         """Copy this rank's pieces of a full param's ``values`` into the shard frame (into
@@ -205,11 +210,15 @@ class FlatBuffer:
     def free_full(self, bucket: BucketLayout) -> None:
         _release(self._full[bucket.index])
 
-    def point_params(self, bucket: BucketLayout, params: Sequence[nn.Parameter], *, full: bool) -> None:
-        """Point the bucket's params at their views of the full bucket, or at the placeholder."""
-        for slot in bucket.params:
-            param = params[slot.index]
-            param.data = self._views[slot.index] if full else self.placeholder.expand(param.shape)
+    def point_params(self, bucket: BucketLayout, *, full: bool) -> None:
+        """Point the bucket's params at their views of the full bucket, or at their
+        placeholders (both made once, at ``bind``: this runs twice per unit and pass)."""
+        if full:
+            for param, view, _ in self._pointers[bucket.index].values():
+                param.data = view
+        else:
+            for param, _, placeholder in self._pointers[bucket.index].values():
+                param.data = placeholder
 
     def param_storage(self) -> torch.Tensor | None:
         """The tensor that holds this buffer's params between uses (None when the main

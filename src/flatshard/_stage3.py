@@ -110,7 +110,7 @@ def initialize_units(
                 _materialize_locals(m, device)
             for part in unsharder.parts[unit.index]:
                 unsharder.allocate(part).zero_()
-                part.buffer.point_params(part.bucket, part.params, full=True)
+                part.buffer.point_params(part.bucket, full=True)
             for m in modules:
                 if _holds_state(m):
                     _init_module(m, init_fn)
@@ -125,7 +125,7 @@ def initialize_units(
             for part in unsharder.parts[unit.index]:
                 buffer, bucket = part.buffer, part.bucket
                 buffer.param_shard(bucket).copy_(buffer.own_part(buffer.full_bucket(bucket), bucket))
-                buffer.point_params(bucket, part.params, full=False)
+                buffer.point_params(bucket, full=False)
                 unsharder.free(part)
 
 

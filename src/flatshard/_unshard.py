@@ -188,7 +188,7 @@ class Unsharder:
         for handle in self._handles.pop(u):
             handle.wait()
         for part in self.parts[u]:
-            part.buffer.point_params(part.bucket, part.params, full=True)
+            part.buffer.point_params(part.bucket, full=True)
         self.state[u] = _State.FULL
 
     def reshard(self, u: int) -> None:
@@ -199,7 +199,7 @@ class Unsharder:
             for handle in self._handles.pop(u):
                 handle.wait()
         for part in self.parts[u]:
-            part.buffer.point_params(part.bucket, part.params, full=False)
+            part.buffer.point_params(part.bucket, full=False)
             self.free(part)
         self.state[u] = _State.SHARDED
 
@@ -356,7 +356,9 @@ class Unsharder:
             if u == 0:
                 self._end_forward()
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
-            if tensors and torch.is_grad_enabled():
+            if len(tensors) == 1 and torch.is_grad_enabled():  # (the usual block; a cheaper hook)
+                tensors[0].register_hook(lambda grad: self._pre_backward(u))
+            elif tensors and torch.is_grad_enabled():
                 register_multi_grad_hook(tensors, lambda grads: self._pre_backward(u), mode="any")
 
         return hook
