@@ -139,6 +139,35 @@ def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_
             assert r["full_params"] == 2 * r["psi"]
 
 
+def _gathers_case(backward_prefetch: str | None) -> list[int]:
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(DEEP), stage=3, backward_prefetch=backward_prefetch)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    unsharder = model.flatshard_state.unsharder
+    _step(model, opt, 0)  # (records the forward order)
+    counts = [0] * len(unsharder.units)
+    issue = unsharder.unshard
+
+    def counted(u: int) -> None:  # a gather is issued when a unit leaves the sharded state
+        before = unsharder.state[u]
+        issue(u)
+        counts[u] += unsharder.state[u] is not before
+
+    unsharder.unshard = counted
+    _step(model, opt, 1)  # (its first gathers were issued by the step before; it issues the next's)
+    return counts
+
+
+@pytest.mark.parametrize("backward_prefetch", ["pre", "post", None])
+def test_units_kept_from_forward_into_backward_are_gathered_once(backward_prefetch):
+    """Each unit is gathered twice a step (forward, then backward) except the kept ones:
+    the root, the last block and, with "pre" (which would gather it again as soon as
+    backward reaches the last block), the block before it."""
+    kept_blocks = 2 if backward_prefetch == "pre" else 1
+    for counts in run_distributed(_gathers_case, 2, backward_prefetch):
+        assert counts == [1] + [2] * (DEEP.n_layers - kept_blocks) + [1] * kept_blocks
+
+
 # -- full params on demand -------------------------------------------------------------------
 def _full_params_case(path: str) -> dict:
     torch.manual_seed(0)

@@ -9,8 +9,11 @@ each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *g
 
 * **forward**: the unit's forward pre-hook makes it full, then *prefetches* the next
   ``forward_prefetch`` units. The forward hook frees it again unless
-  ``reshard_after_forward=False``, or it is the root or the last unit (backward needs both
-  at once); its outputs get a hook that fires when backward reaches them.
+  ``reshard_after_forward=False``, or it is *kept*: the root or the last unit (backward
+  needs both at once), and with ``backward_prefetch="pre"`` the unit before the last, which
+  that prefetch would gather again as soon as backward reaches the last unit (so keeping it
+  saves a gather and never raises the peak: forward had as many units full just before);
+  its outputs get a hook that fires when backward reaches them.
 * **backward**: that hook makes the unit full again and (``backward_prefetch="pre"``)
   prefetches the unit backward reaches next. Once every param of the unit has its grad
   (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the unit is freed
@@ -29,7 +32,7 @@ fixed *schedule* on a process group of their own (``side_world``: the grad reduc
 order, which depends on when grads arrive, cannot interleave with them). The forward
 schedule is the order in which the first forward ran the units (registration order until
 then, and kept only if every rank recorded the same one); the backward schedule is its
-reverse without the root and the last unit. A hook that needs a unit issues every entry up
+reverse without the kept units. A hook that needs a unit issues every entry up
 to it; prefetching issues entries ahead. At the end of a forward a rank issues the entries
 it never reached (units it skipped) and frees them as they land; a backward does the same
 for units that did not run since the last backward. So a rank that skips a block or exits
@@ -77,7 +80,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
@@ -249,8 +252,9 @@ class Unsharder:
         """Make ``u`` full, issuing the schedule up to its entry (or, for a second call of
         a unit already freed again, one gather outside it)."""
         pos = schedule.index.get(u)
-        if pos is not None:
-            schedule.needed = max(schedule.needed, pos)
+        schedule.needed = max(
+            schedule.needed, schedule.lead.get(u, -len(schedule.lead) - 1) if pos is None else pos
+        )
         if self.state[u] is _State.SHARDED and pos is not None and pos >= schedule.pos:
             self._advance(schedule, pos)
         self.wait(u)
@@ -285,13 +289,15 @@ class Unsharder:
             self._same_units = self._compare_across_ranks(sorted(self._ran))
 
     def _set_schedule(self, order: list[int]) -> None:
-        """Forward gathers follow ``order``; backward ones its reverse, without the root and
-        the last unit (both stay full from their forward into their backward)."""
+        """Forward gathers follow ``order``; backward ones its reverse, without the kept
+        units (they stay full from their forward into their backward)."""
         order = order + [u for u in self._fwd.units if u not in order]
         self._fwd = _Schedule(order)
-        kept = {0, order[-1]} if len(order) > 1 else {0}
+        self._kept = {0, *order[-2 if self.backward_prefetch == "pre" else -1 :]}
+        backward = [u for u in reversed(order) if u != 0]  # (the kept ones first)
         self._bwd = _Schedule(
-            [u for u in reversed(order) if u not in kept] if self.reshard_after_forward else []
+            [u for u in backward if u not in self._kept] if self.reshard_after_forward else [],
+            first=[u for u in backward if u in self._kept],
         )
 
     def _agreed(self, recorded: list[int]) -> list[int]:
@@ -349,10 +355,8 @@ class Unsharder:
                 return
             if self.summoned:
                 return
-            if not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or (self.reshard_after_forward and u not in self._kept):
                 self.reshard(u)
-            elif u != 0 and self.reshard_after_forward and u != self._fwd.units[-1]:
-                self.reshard(u)  # (the last unit is the first backward needs)
             if u == 0:
                 self._end_forward()
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -396,17 +400,22 @@ class Unsharder:
 
 @dataclass
 class _Schedule:
-    """A fixed order of gathers and how far this pass has issued it."""
+    """A fixed order of gathers and how far this pass has issued it. ``first`` are units the
+    pass reaches before its first entry but never gathers (kept full): entries -len(first)
+    to -1, so that needing them prefetches only as far as needing an entry there would."""
 
     units: list[int]
+    first: list[int] = field(default_factory=list)
     pos: int = 0  # entries before this one are issued
     needed: int = -1  # the furthest entry a hook has needed in this pass
 
     def __post_init__(self) -> None:
         self.index = {u: i for i, u in enumerate(self.units)}
+        self.lead = {u: i - len(self.first) for i, u in enumerate(self.first)}
+        self.restart()
 
     def restart(self) -> None:
-        self.pos, self.needed = 0, -1
+        self.pos, self.needed = 0, -len(self.first) - 1
 
 
 def _all_equal(checks: list[tuple[torch.Tensor, Handle]]) -> bool:

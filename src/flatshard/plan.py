@@ -66,19 +66,20 @@ def _check(world_size: int, optimizer: str) -> tuple[int, int]:
 
 def _comm(stage: int, numel: int, world: int, param_bytes: int, grad_bytes: int, gathers: int = 2) -> int:
     """Ring wire bytes per step for ``numel`` elements (one bucket, or all of them); at
-    stage 3 a bucket is gathered ``gathers`` times (once for the root and the last unit,
-    which stay full from forward into backward)."""
+    stage 3 a bucket is gathered ``gathers`` times (once for the units that stay full from
+    forward into backward)."""
     ring = (world - 1) / world
     per_element = {0: 2 * grad_bytes, 1: grad_bytes + param_bytes, 2: grad_bytes + param_bytes}
     return int(ring * numel * per_element.get(stage, grad_bytes + gathers * param_bytes))
 
 
 def _gathers_per_bucket(specs: Sequence[ParamSpec]):
-    """Stage-3 gathers per step of a bucket: once for the root unit ("0") and the last unit
-    (they stay full into backward), twice for the others (and without units)."""
+    """Stage-3 gathers per step of a bucket with the default options: once for the root unit
+    ("0") and the last two units (they stay full into backward, [Note: unsharding]), twice
+    for the others (and without units)."""
     unit_of = {spec.name: spec.unit for spec in specs}
-    units = [int(u) for u in unit_of.values() if u is not None]
-    kept = {"0", str(max(units))} if units else set()
+    units = sorted({int(u) for u in unit_of.values() if u is not None})
+    kept = {"0", *map(str, units[-2:])} if units else set()
     return lambda bucket: 1 if unit_of[bucket.params[0].name] in kept else 2
 
 
