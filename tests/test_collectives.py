@@ -13,6 +13,7 @@ from flatshard._collectives import (
     CommStats,
     all_gather,
     reduce_scatter,
+    sum_rows,
     wait_until,
 )
 from flatshard._world import World
@@ -52,6 +53,15 @@ def test_every_implementation_is_exact(world_size, op, impl):
         assert result["equal"]
         assert result["stats"]["impl"] == impl
         assert result["stats"]["payload_bytes"] == numel * 4
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_sum_rows_equals_torch_sum(rows):
+    """The reduce-scatter's local sum (chained adds up to four rows, torch.sum above)."""
+    values = torch.randn(rows, 1000, generator=torch.Generator().manual_seed(rows))
+    out = torch.full((1000,), float("nan"))
+    sum_rows(values, out)
+    assert torch.allclose(out, values.sum(dim=0), rtol=0, atol=1e-6)
 
 
 def _bad_shard_case() -> str:

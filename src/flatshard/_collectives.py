@@ -266,7 +266,7 @@ def reduce_scatter(
     elif impl == "all_to_all":
         received = torch.empty_like(tensor)  # row r: rank r's part of this rank's shard
         work = group.alltoall_base(received, tensor, [], [], dist.AllToAllOptions())
-        handle = _Group([work], lambda: torch.sum(received.view(n, -1), dim=0, out=shard))
+        handle = _Group([work], lambda: sum_rows(received.view(n, -1), shard))
     elif impl == "reduce_scatter_tensor":
         out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
         work = _reduce_scatter_single(out, tensor, group=group, async_op=True)
@@ -275,6 +275,17 @@ def reduce_scatter(
         raise ValueError(f"unknown reduce-scatter implementation {impl!r}; known: {SCATTER_IMPLS}")
     _record(stats, "reduce_scatter", tensor, world, impl)
     return handle
+
+
+def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
+    """``out`` = the sum of the rows of ``rows`` (2-D). Up to four rows as chained adds, which
+    on CPU take a quarter (2 rows) to two thirds (4 rows) of ``torch.sum(dim=0)``'s time."""
+    if len(rows) == 1 or len(rows) > 4:
+        torch.sum(rows, dim=0, out=out)
+        return
+    torch.add(rows[0], rows[1], out=out)
+    for row in rows[2:]:
+        out.add_(row)
 
 
 def all_gather(
