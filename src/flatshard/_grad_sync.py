@@ -27,9 +27,10 @@ Two kinds of buffers:
 
 At stages 1-3 grads are scaled as they arrive and kept as shards between backwards
 ([Note: sharded grads] in ``_bucket_group.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
-launched groups hold scratch (at stage 3, where a unit's full params are alive too, one):
-a group that needs scratch first waits for the oldest (at stage 3 only where that cannot
-deadlock with the param gathers, [Note: two process groups] in ``_unshard.py``).
+launched groups hold scratch (at stage 3, where a unit's full params are alive too, one),
+besides the group accumulating: before a group's reduction is launched, the oldest are
+finished (waited for; at stage 3 only where that cannot deadlock with the param gathers,
+[Note: two process groups] in ``_unshard.py``), and the next group reuses their scratch.
 """
 
 from __future__ import annotations
@@ -173,8 +174,7 @@ class GradSync:
             )
         if not self.sync_enabled:
             self.unsynced = True
-        if group.begin():
-            self._bound_scratch()
+        group.begin()
         if group.sharded:
             self._accumulate_prescaled(param, group)
         elif self.sync_enabled:
@@ -234,8 +234,11 @@ class GradSync:
         param.grad = None
 
     def _bound_scratch(self) -> None:
-        """Finish the oldest launched groups until few enough hold scratch: waiting for them
-        where that cannot deadlock with stage 3's param gathers, else only those reduced."""
+        """Before a scratch group's reduction is launched, finish the oldest launched groups
+        until fewer than ``scratch_in_flight`` are left: waiting for them where that cannot
+        deadlock with stage 3's param gathers, else only those reduced. (Bounding at launch,
+        not when the next group takes its scratch, holds the same scratch at the peak but
+        gives each reduction the next group's whole backward to finish.)"""
         while self._next - self._done >= self.scratch_in_flight:
             oldest = self.groups[self._done]
             if not self._reduction_done(oldest):
@@ -281,6 +284,8 @@ class GradSync:
     def _launch_ready(self) -> None:
         groups = self.groups
         while self._next < len(groups) and groups[self._next].complete:
+            if not groups[self._next].buffer.full_grads:
+                self._bound_scratch()
             groups[self._next].start_sync()
             self._next += 1
 
