@@ -165,6 +165,9 @@ def test_bench_compares_ddp_and_flatshard_and_counts_the_bytes_sent(tmp_path):
     result = json.loads(out_json.read_text())
     ddp, ours = result["peers"]["ddp"], result["peers"]["flatshard-2"]
     assert ddp["ratio_to_ddp"] == 1.0 and ours["ratio_to_ddp"] > 0
+    # each round paired with DDP's in the same round
+    assert ddp["ratio_to_ddp_by_round"] == [1.0, 1.0]
+    assert len(ours["ratio_to_ddp_by_round"]) == 2 and min(ours["ratio_to_ddp_by_round"]) > 0
     assert abs(ours["final_loss"] - ddp["final_loss"]) < 1e-4  # the same training
     assert ddp["final_losses_agree_across_rounds"] and ours["final_losses_agree_across_rounds"]
     grad_bytes = 4 * result["params"]

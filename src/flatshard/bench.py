@@ -154,8 +154,13 @@ def run_bench(
             sessions[name].append(per_rank)
     results = {name: _summarize(runs) for name, runs in sessions.items()}
     ddp = results.get("ddp", {}).get("median_step_s")
-    for r in results.values():
+    for name, r in results.items():
         r["ratio_to_ddp"] = r["median_step_s"] / ddp if ddp else None
+        r["ratio_to_ddp_by_round"] = (
+            [_step_median(a) / _step_median(b) for a, b in zip(sessions[name], sessions["ddp"], strict=True)]
+            if ddp
+            else None
+        )
     threads = sessions[peers[0]][0][0]["threads"]
     return {
         "date": date.today().isoformat(),
@@ -172,12 +177,19 @@ def run_bench(
     }
 
 
+def _step_times(per_rank: list[dict]) -> list[float]:
+    """One round's step times: each step as slow as its slowest rank."""
+    return [max(ts) for ts in zip(*(r["step_times"] for r in per_rank), strict=True)]
+
+
+def _step_median(per_rank: list[dict]) -> float:
+    return statistics.median(_step_times(per_rank))
+
+
 def _summarize(runs: list[list[dict]]) -> dict:
     """One peer's rounds (each a list of per-rank results) in one line of the table."""
-    times = [max(ts) for per_rank in runs for ts in zip(*(r["step_times"] for r in per_rank), strict=True)]
-
     return {
-        "median_step_s": statistics.median(times),
+        "median_step_s": statistics.median(t for per_rank in runs for t in _step_times(per_rank)),
         "final_loss": runs[-1][0]["final_loss"],
         "final_losses_agree_across_rounds": len({per_rank[0]["final_loss"] for per_rank in runs}) == 1,
         "model_state_bytes": _worst(runs, lambda r: r["model_state_bytes"]),
@@ -205,18 +217,21 @@ def format_table(result: dict) -> str:
         f"{result['world_size']} ranks, {result['rounds']} rounds x {result['steps_per_round']} steps, "
         f"{result['date']},",
         f"  {result['machine']}",
-        f"{'peer':<{width}} {'median step':>12} {'vs DDP':>7} {'model state':>13} {'RSS (growth)':>22} "
-        f"{'sent/step':>13} {'final loss':>11}",
+        f"{'peer':<{width}} {'median step':>12} {'vs DDP':>7} {'by round':>12} {'model state':>13} "
+        f"{'RSS (growth)':>22} {'sent/step':>13} {'final loss':>11}",
     ]
     for name, r in result["peers"].items():
         ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
+        by_round = r.get("ratio_to_ddp_by_round")
+        spread = f"{min(by_round):.2f}-{max(by_round):.2f}" if by_round else "-"
         rss = "-" if r["rss_bytes"] is None else f"{mib(r['rss_bytes'])} ({mib(r['rss_growth_bytes'])})"
         lines.append(
-            f"{name:<{width}} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} "
+            f"{name:<{width}} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} {spread:>12} "
             f"{mib(r['model_state_bytes']):>13} {rss:>22} {mib(r['sent_bytes_per_step']):>13} "
             f"{r['final_loss']:>11.4f}"
         )
     lines.append(
+        "by round: the lowest and highest ratio of a round's median step to DDP's in the same round; "
         "model state: params, grads, main params and optimizer state resident per rank (- where it "
         "cannot be counted from outside); RSS after the timed steps (growth from before the model was "
         "built); sent: bytes the rank wrote to its sockets per step"
