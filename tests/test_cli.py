@@ -51,6 +51,10 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
         (["train", "--model", "nosuchmodule:build"], "cannot import 'nosuchmodule'"),
         (["train", "--data", "/nonexistent.txt"], "--data /nonexistent.txt: no such file"),
         (["train", "--resume"], "--resume needs --checkpoint-dir"),
+        (
+            ["train", "--device", "cuda", "--world-size", "64"],
+            "--device cuda needs a CUDA device per local rank: 64 rank(s)",
+        ),
         (["train", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
         (["train", "--micro-batches", "0"], "argument --micro-batches: expected a positive integer, got '0'"),
         (["train", "--lr", "-1"], "argument --lr: expected a positive number, got '-1'"),
@@ -78,6 +82,32 @@ def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
     out = _flatshard(*args, timeout=60)
     assert out.returncode == 2
     assert reason in out.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("device", "ranks", "gpus", "chosen"),
+    [
+        ("auto", 2, 0, "cpu"),
+        ("auto", 2, 1, "cpu"),
+        ("auto", 2, 2, "cuda"),
+        ("auto", 1, 1, "cuda"),
+        ("cpu", 1, 8, "cpu"),
+    ],
+)
+def test_device_auto_is_cuda_only_with_a_gpu_per_local_rank(monkeypatch, device, ranks, gpus, chosen):
+    """With 2 ranks on a one-GPU machine, ``auto`` used to pick CUDA for both, and rank 1 then
+    asked for ``set_device(1)``, which does not exist; now it trains on CPU there, and
+    ``cuda`` says why it cannot."""
+    import torch
+
+    from flatshard._train import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert resolve_device(device, ranks) == chosen
+    if gpus < ranks:
+        with pytest.raises(ValueError, match=f"{ranks} rank\\(s\\), {gpus} device"):
+            resolve_device("cuda", ranks)
 
 
 def test_help_lists_every_train_option():

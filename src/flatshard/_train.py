@@ -68,9 +68,22 @@ def run(cfg: TrainConfig) -> dict:
             dist.destroy_process_group()
 
 
-def _device(name: str) -> torch.device:
+def resolve_device(name: str, local_ranks: int) -> str:
+    """``"cpu"`` or ``"cuda"`` for ``--device name`` with ``local_ranks`` ranks on this host:
+    ``auto`` is CUDA only when every local rank gets a GPU of its own (NCCL refuses two
+    ranks on one GPU), else CPU. Raises ``ValueError`` for ``cuda`` without enough GPUs."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if gpus >= local_ranks else "cpu"
+    if name == "cuda" and gpus < local_ranks:
+        raise ValueError(
+            f"--device cuda needs a CUDA device per local rank: {local_ranks} rank(s), {gpus} device(s)"
+        )
+    return name
+
+
+def _device(name: str) -> torch.device:
+    name = resolve_device(name, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     if name == "cuda":
         local = int(os.environ.get("LOCAL_RANK", "0"))
         torch.cuda.set_device(local)

@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    from flatshard._train import TrainConfig, run
+    from flatshard._train import TrainConfig, resolve_device, run
 
     if _launch.launched():
         world = int(os.environ["WORLD_SIZE"])
@@ -263,21 +263,18 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-    elif args.world_size > 1:
-        import torch
-
-        cpu = args.device == "cpu" or (args.device == "auto" and not torch.cuda.is_available())
-        return _launch.launch_local(argv, args.world_size, cpu=cpu)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if _launch.launched() else args.world_size
+    try:
+        device = resolve_device(args.device, local_ranks)
+    except ValueError as e:
+        print(f"flatshard train: {e}", file=sys.stderr)
+        return 2
+    if not _launch.launched() and args.world_size > 1:
+        return _launch.launch_local(argv, args.world_size, cpu=device == "cpu")
     reason = _check_train_args(args)
     if reason is not None:
         print(f"flatshard train: {reason}", file=sys.stderr)
         return 2
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            print("flatshard train: --device cuda but no CUDA device is available", file=sys.stderr)
-            return 2
     cfg = TrainConfig(
         model=args.model,
         stage=args.stage,
