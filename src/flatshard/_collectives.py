@@ -151,13 +151,19 @@ class _Group:
         for h in self.handles:
             if deadline is None:
                 h.wait()
-            else:  # (a zero timeout would mean none: wait at least a millisecond)
-                h.wait(timeout=timedelta(seconds=max(deadline - time.monotonic(), 1e-3)))
+            else:
+                h.wait(timeout=_left(deadline))
         self.handles = []
         if self.after is not None:
             self.after()
             self.after = None
         return True
+
+
+def _left(deadline: float) -> timedelta:
+    """The time until ``deadline`` (``time.monotonic()``) as a ``wait()`` timeout: at least a
+    millisecond, since a zero timeout would mean none."""
+    return timedelta(seconds=max(deadline - time.monotonic(), 1e-3))
 
 
 def wait_until(handle: Handle, deadline: float) -> bool:
@@ -166,11 +172,10 @@ def wait_until(handle: Handle, deadline: float) -> bool:
     on CUDA a wait is a stream wait)."""
     if handle.is_completed():
         return True
-    left = deadline - time.monotonic()
-    if left <= 0:
+    if deadline <= time.monotonic():
         return False
-    try:  # (a zero timeout would mean none: wait at least a millisecond)
-        handle.wait(timeout=timedelta(seconds=max(left, 1e-3)))
+    try:
+        handle.wait(timeout=_left(deadline))
     except RuntimeError:
         if handle.is_completed():  # it failed: the error is the collective's own
             raise
