@@ -203,6 +203,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         if _checkpoint_due(cfg, step + 1):
             _save(cfg.checkpoint_dir, step + 1, model, optimizer, schedule, rank)
     tokens_per_s = (cfg.steps - first_step) * tokens / (time.perf_counter() - start)
+    model.wait_for_params()  # the last step's gathers, before the process group goes away
     progress.close()
     metrics.close()
     return _finish(cfg, model, optimizer, corpus, metrics.records, first_step, tokens_per_s, rank, world)

@@ -283,7 +283,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         lr=args.lr,
         bucket_size=args.bucket_size,
         seed=args.seed,
-        device=args.device,
+        device=device,
         offload_fraction=args.offload_fraction,
         micro_batches=args.micro_batches,
         dtype=args.dtype,
