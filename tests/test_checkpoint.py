@@ -232,3 +232,46 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
         _load_step_case(broken)
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
         _load_step_case(str(tmp_path / "nothing"))
+
+
+def _save_into(path: str) -> str:
+    model, opt, _ = _build(1)
+    try:
+        save_checkpoint(path, model, opt, extra={"step": 7})
+    except FileExistsError as e:
+        return str(e)
+    return "saved"
+
+
+@pytest.mark.parametrize("where", ["", ".old", ".partial"])
+@pytest.mark.parametrize("kind", ["dir", "file"])
+def test_a_save_never_touches_what_it_did_not_write(tmp_path, where, kind):
+    """A user's directory or file at PATH, PATH.old or PATH.partial refuses the save on every
+    rank, naming it, and stays exactly as it was (it used to be renamed and deleted)."""
+    path = str(tmp_path / "ckpt")
+    mine = path + where
+    if kind == "dir":
+        os.makedirs(os.path.join(mine, "notes"))
+        with open(os.path.join(mine, "notes", "a.txt"), "w") as f:
+            f.write("keep me")
+    else:
+        with open(mine, "w") as f:
+            f.write("keep me")
+    before = sorted(os.listdir(tmp_path))
+    errors = run_distributed(_save_into, 2, path)
+    assert all(f"{mine} exists and is a {'directory' if kind == 'dir' else 'file'}" in e for e in errors)
+    assert sorted(os.listdir(tmp_path)) == before
+    kept = os.path.join(mine, "notes", "a.txt") if kind == "dir" else mine
+    with open(kept) as f:
+        assert f.read() == "keep me"
+
+
+def test_a_save_replaces_its_own_checkpoint_and_an_unfinished_save(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert _save_into(path) == "saved"
+    os.makedirs(path + ".partial")  # a save cut off before it wrote anything
+    with open(os.path.join(path + ".partial", "__0_0.distcp"), "wb") as f:
+        f.write(b"x")
+    assert _save_into(path) == "saved"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    assert _load_step_case(path) == 7

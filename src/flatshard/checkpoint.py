@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import warnings
 from collections.abc import Mapping
@@ -110,8 +111,12 @@ def save_checkpoint(
     world = _world()
     rank, size = world.rank, world.size
     partial = path + ".partial"
-    if rank == 0 and os.path.exists(partial):
-        shutil.rmtree(partial)
+    _agree_on_destination(world, path)
+    if rank == 0:
+        if os.path.exists(partial):
+            shutil.rmtree(partial)
+        os.makedirs(partial)
+        open(os.path.join(partial, PARTIAL_MARK), "w").close()
     _barrier()
     with cs.param_dtype_shards(model):
         state = cs.model_pieces(model, load=False)
@@ -121,9 +126,59 @@ def save_checkpoint(
         state[f"rng/{rank}"] = _rng_state()
         _dcp.save(state, partial, single_process=size == 1)
     if rank == 0:
+        os.remove(os.path.join(partial, PARTIAL_MARK))
         _write_manifest(partial, model, optimizer, size)
         _publish(partial, path)
     _barrier()
+
+
+# [Note: save destinations]
+# A save writes PATH.partial, moves a checkpoint already at PATH to PATH.old, renames
+# PATH.partial to PATH, then deletes PATH.old. Each of those deletions and renames touches
+# only what flatshard wrote: PATH and PATH.old must be absent or checkpoints (a readable
+# flatshard.json of this format), PATH.partial absent or an unfinished save (it carries
+# PARTIAL_MARK, or holds only the files a save writes). Anything else there -- a user's
+# directory, a file -- refuses the save before anything is written, on every rank: rank 0
+# decides and tells the others, so that ranks on different views of the path agree.
+PARTIAL_MARK = ".flatshard-partial"
+_SAVE_FILES = re.compile(r"(\.metadata|__\d+_\d+\.distcp|flatshard\.json|\.flatshard-partial)")
+
+
+def _is_checkpoint(path: str) -> bool:
+    try:
+        with open(os.path.join(path, MANIFEST)) as f:
+            return json.load(f).get("format") == FORMAT
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
+def _is_unfinished_save(path: str) -> bool:
+    return os.path.isdir(path) and all(_SAVE_FILES.fullmatch(name) for name in os.listdir(path))
+
+
+def destination_problem(path: str) -> str | None:
+    """Why ``save_checkpoint(path)`` must not write there, or None when it may."""
+    checks = (
+        (path, _is_checkpoint, "a flatshard checkpoint"),
+        (path + ".old", _is_checkpoint, "a flatshard checkpoint"),
+        (path + ".partial", _is_unfinished_save, "an unfinished flatshard save"),
+    )
+    for where, ours, what in checks:
+        if os.path.lexists(where) and not ours(where):
+            kind = "a directory" if os.path.isdir(where) else "a file"
+            return (
+                f"{where} exists and is {kind} that is not {what}: save_checkpoint replaces only "
+                f"what it wrote itself. Choose another path, or move {where} away"
+            )
+    return None
+
+
+def _agree_on_destination(world: World, path: str) -> None:
+    problem = [destination_problem(path) if world.rank == 0 else None]
+    if world.group is not None:
+        dist.broadcast_object_list(problem, src=dist.get_global_rank(world.group, 0), group=world.group)
+    if problem[0] is not None:
+        raise FileExistsError(problem[0])
 
 
 def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int) -> None:
