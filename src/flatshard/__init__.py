@@ -3,7 +3,8 @@
 from flatshard._collectives import CommStats
 from flatshard._sharded_module import ShardedModule
 from flatshard.api import ExpertGroup, shard
-from flatshard.checkpoint import load_checkpoint, save_checkpoint
+from flatshard.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.hybrid_optimizer import HybridDeviceOptimizer
 from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.loss_scale import DynamicLossScaler, StaticLossScaler
@@ -14,6 +15,8 @@ from flatshard.owner_optimizer import OwnerShardedOptimizer
 from flatshard.weights import export_checkpoint, load_weights
 
 __all__ = [
+    "CheckpointError",
+    "ChecksumError",
     "CommStats",
     "DistributedOptimizer",
     "DynamicLossScaler",
@@ -33,5 +36,6 @@ __all__ = [
     "plan_layout",
     "save_checkpoint",
     "shard",
+    "verify_checkpoint",
 ]
 __version__ = "0.1.0"

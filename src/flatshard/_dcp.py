@@ -11,17 +11,33 @@ checkpoint written at any world size, stage or bucket size loads at any other.
 Plain tensors and other objects in the same state dict go through DCP's default planners
 (plain tensors replicated on several ranks are written once; objects under per-rank keys
 by their rank).
+
+[Note: checkpoint checksums]
+Every item DCP writes (a piece, an object) passes through ``Crc32Trailer`` on its way to
+the file: the CRC-32 of its bytes is computed as they are written, with no second pass, and
+stored as 4 bytes right after them; DCP's metadata records the trailer's descriptor with the
+item. A read of an item checks the trailer before DCP unpickles anything, and a mismatch is
+a ``ChecksumError`` naming the file, the key and the byte range. Items written before the
+trailer existed carry no descriptor and load unchecked. A failure on any rank, in a save or
+a load, reaches every rank as one ``CheckpointError`` that names each failing rank's cause
+(DCP's own ``CheckpointException`` is a ``BaseException``, which ``except Exception`` misses).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import io
+import os
+import struct
 import warnings
-from typing import Any, NamedTuple
+import zlib
+from typing import IO, Any, NamedTuple
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, DefaultSavePlanner
+from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -37,6 +53,8 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from flatshard.errors import CheckpointError, ChecksumError
 
 
 class Piece(NamedTuple):
@@ -133,6 +151,107 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         return super().lookup_tensor(index)
 
 
+# -- checksums -----------------------------------------------------------------------------------
+class _CrcWriter(io.RawIOBase):
+    """Passes bytes through to ``output``, then appends their CRC-32 when closed."""
+
+    def __init__(self, output: IO[bytes]) -> None:
+        super().__init__()
+        self.output = output
+        self.crc = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.crc = zlib.crc32(b, self.crc)
+        return self.output.write(b)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.output.write(struct.pack("<I", self.crc))
+            self.output.close()  # DCP's wrapper: flushes the file, leaves it open
+        super().close()
+
+
+class Crc32Trailer(StreamTransformExtension):
+    """An item's bytes followed by their CRC-32 (little-endian, 4 bytes)."""
+
+    @staticmethod
+    def registry_name() -> str:
+        return "flatshard.crc32"
+
+    @staticmethod
+    def from_descriptor(version: str) -> Crc32Trailer:
+        if version != "1":
+            raise CheckpointError(
+                f"unknown checksum version flatshard.crc32/{version} (this flatshard reads 1)"
+            )
+        return Crc32Trailer()
+
+    def get_descriptor(self) -> str:
+        return f"{self.registry_name()}/1"
+
+    def transform_to(self, output: IO[bytes]) -> IO[bytes]:
+        return _CrcWriter(output)  # type: ignore[return-value]
+
+    def transform_from(self, input: IO[bytes]) -> IO[bytes]:
+        data = input.read(-1)
+        if len(data) < 4 or zlib.crc32(memoryview(data)[:-4]) != struct.unpack("<I", data[-4:])[0]:
+            raise ChecksumError("the bytes read do not match the checksum written with them")
+        return io.BytesIO(data[:-4])
+
+
+def verify_item(data: bytes) -> bool:
+    """Whether one stored item (its bytes and trailer) is as written."""
+    try:
+        Crc32Trailer().transform_from(io.BytesIO(data))
+    except ChecksumError:
+        return False
+    return True
+
+
+def mismatch(path: str, info, key: str) -> ChecksumError:
+    """The error for item ``key`` of checkpoint ``path`` whose bytes (``info``: DCP's
+    storage info) do not match their trailer."""
+    where = os.path.join(path, info.relative_path)
+    span = f"bytes {info.offset}..{info.offset + info.length}"
+    return ChecksumError(f"{where}: {key!r} ({span}) does not match the checksum written with it: corrupted")
+
+
+class _NamingTransforms(_StorageReaderTransforms):
+    """DCP's read transforms, with a checksum mismatch named by file, key and byte range."""
+
+    def __init__(self, reader: dcp.FileSystemReader) -> None:
+        registry = ExtensionRegistry()
+        registry.register(Crc32Trailer)
+        super().__init__(registry)
+        self.reader = reader
+
+    def transform_load_stream(self, read_item: ReadItem, transform_descriptors, raw_stream):
+        try:
+            return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
+        except ChecksumError:
+            info = self.reader.storage_data[read_item.storage_index]
+            raise mismatch(str(self.reader.path), info, read_item.storage_index.fqn) from None
+
+
+def reader(path: str) -> dcp.FileSystemReader:
+    """A DCP reader of ``path`` that checks every item's checksum trailer."""
+    out = dcp.FileSystemReader(path)
+    out.transforms = _NamingTransforms(out)
+    return out
+
+
+def _rank_failures(error: CheckpointException, action: str, path: str) -> CheckpointError:
+    causes = {rank: exc for rank, (exc, _) in sorted(error.failures.items())}
+    lines = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in causes.items())
+    kind = ChecksumError if any(isinstance(e, ChecksumError) for e in causes.values()) else CheckpointError
+    return kind(f"{action} {path} failed on rank(s) {sorted(causes)}: {lines}")
+
+
+METADATA = ".metadata"  # DCP's index of the items: where each one lies, in which file
+
 # DCP warns on every single-process call that it is "assuming the intent": it is ours.
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
@@ -141,13 +260,20 @@ def save(state_dict: dict[str, Any], path: str, *, single_process: bool) -> None
     """``state_dict`` (``Piece``s and anything else) into checkpoint directory ``path``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        writer = dcp.FileSystemWriter(path)
-        dcp.save(state_dict, storage_writer=writer, planner=PieceSavePlanner(), no_dist=single_process)
+        writer = dcp.FileSystemWriter(path, _extensions=[Crc32Trailer()])
+        try:
+            dcp.save(state_dict, storage_writer=writer, planner=PieceSavePlanner(), no_dist=single_process)
+        except CheckpointException as e:
+            raise _rank_failures(e, "saving", path) from None
 
 
 def load(state_dict: dict[str, Any], path: str, *, single_process: bool) -> None:
     """Fill ``state_dict``'s ``Piece``s, tensors and placeholders from checkpoint ``path``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        reader = dcp.FileSystemReader(path)
-        dcp.load(state_dict, storage_reader=reader, planner=PieceLoadPlanner(), no_dist=single_process)
+        try:
+            dcp.load(
+                state_dict, storage_reader=reader(path), planner=PieceLoadPlanner(), no_dist=single_process
+            )
+        except CheckpointException as e:
+            raise _rank_failures(e, "loading", path) from None

@@ -12,6 +12,16 @@ them again; ``.safetensors`` cannot share data and stores it once per name.
   tensors: the pickle, and a hole per storage), then each chunk goes to its place with
   ``pwrite`` and each storage's CRC-32 is patched into its zip headers.
 
+[Note: weights checksums] A ``.safetensors`` file flatshard writes carries, in its header's
+``__metadata__`` under ``flatshard.crc32``, the CRC-32 of every ``CRC_BLOCK`` bytes of every
+tensor, computed as the bytes are written (the header goes out first with placeholders of
+the same width, and is rewritten in place at the end). A read of any range checks the
+blocks it touches, so a rank reading only its shard still checks all it reads; a mismatch
+is a ``ChecksumError`` naming the file, the tensor and the bytes. ``.pt`` files (ours and
+torch.save's) carry the zip format's CRC-32 per storage, which is checked over the whole
+file when one is opened. ``.safetensors`` files from elsewhere (a Hugging Face checkpoint)
+carry none of ours and are read unchecked.
+
 Reading (``open_source``): a path to either format, or an in-memory state dict, becomes a
 ``Source`` with each tensor's shape and dtype and ``read(name, lo, hi)``, the flat elements
 ``[lo, hi)`` of one tensor. A ``.safetensors`` read touches only those bytes of the file; a
@@ -23,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import struct
 import zipfile
 import zlib
@@ -30,6 +41,8 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import NamedTuple
 
 import torch
+
+from flatshard.errors import CheckpointError, ChecksumError
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64",
@@ -47,6 +60,9 @@ SAFETENSORS_DTYPES = {
 }
 _DTYPE_OF = {code: dtype for dtype, code in SAFETENSORS_DTYPES.items()}
 PT_SUFFIXES = (".pt", ".pth", ".bin")
+CRC_KEY = "flatshard.crc32"
+CRC_BLOCK = 2**20  # bytes of a tensor per checksum; a range read checks the whole blocks it touches
+_NO_CRC = "00000000"
 
 
 class Entry(NamedTuple):
@@ -114,8 +130,12 @@ def _checked_chunks(entries: list[Entry], read: Reader) -> Iterator[tuple[Entry,
 
 
 # -- .safetensors ---------------------------------------------------------------------------------
-def _safetensors_header(entries: list[Entry]) -> bytes:
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
+def _safetensors_header(entries: list[Entry], crcs: dict[str, list[str]] | None = None) -> bytes:
+    """The header of ``entries``; ``crcs`` (8 hex digits per ``CRC_BLOCK``) default to
+    placeholders of the same width, so that the real ones later fit in the same bytes."""
+    blocks = {e.name: [_NO_CRC] * max(1, -(-e.nbytes // CRC_BLOCK)) for e in entries}
+    checksums = json.dumps({"block": CRC_BLOCK, "tensors": crcs or blocks}, separators=(",", ":"))
+    header: dict[str, object] = {"__metadata__": {"format": "pt", CRC_KEY: checksums}}
     offset = 0
     for entry in entries:
         code = SAFETENSORS_DTYPES.get(entry.dtype)
@@ -131,13 +151,51 @@ def _safetensors_header(entries: list[Entry]) -> bytes:
     return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned
 
 
+class _BlockCrcs:
+    """The CRC-32 of each ``CRC_BLOCK`` bytes of each entry, fed chunk by chunk in order."""
+
+    def __init__(self) -> None:
+        self.crcs: dict[str, list[str]] = {}  # name -> 8 hex digits per block
+        self.name: str | None = None
+        self.filled = self.crc = 0
+
+    def update(self, entry: Entry, data: memoryview) -> None:
+        if entry.name != self.name:
+            self._close_entry()
+            self.name, self.filled, self.crc = entry.name, 0, 0
+            self.crcs[entry.name] = []
+        while len(data):
+            take = min(len(data), CRC_BLOCK - self.filled)
+            self.crc, self.filled = zlib.crc32(data[:take], self.crc), self.filled + take
+            if self.filled == CRC_BLOCK:
+                self.crcs[entry.name].append(f"{self.crc:08x}")
+                self.filled = self.crc = 0
+            data = data[take:]
+
+    def _close_entry(self) -> None:
+        if self.name is not None and (self.filled or not self.crcs[self.name]):
+            self.crcs[self.name].append(f"{self.crc:08x}")
+
+    def finish(self) -> dict[str, list[str]]:
+        self._close_entry()
+        self.name = None
+        return self.crcs
+
+
 def _write_safetensors(path: str, entries: list[Entry], read: Reader) -> None:
     header = _safetensors_header(entries)
+    crcs = _BlockCrcs()
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(header)))
         f.write(header)
-        for _, data in _checked_chunks(entries, read):
+        for entry, data in _checked_chunks(entries, read):
+            crcs.update(entry, data)
             f.write(data)
+        final = _safetensors_header(entries, crcs.finish())
+        if len(final) != len(header):
+            raise RuntimeError("internal: the checksums changed the header's length")
+        f.seek(8)
+        f.write(final)
         f.flush()
         os.fsync(f.fileno())
 
@@ -220,6 +278,7 @@ class Source(NamedTuple):
     shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]  # name -> (shape, dtype)
     read: Callable[[str, int, int], torch.Tensor]  # (name, lo, hi) -> elements [lo, hi), flat
     description: str
+    checksums: dict[str, list[str]] | None = None  # a flatshard .safetensors file's block CRCs
 
 
 def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Source:
@@ -230,10 +289,16 @@ def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Sourc
         raise FileNotFoundError(f"no weights file at {path}")
     if file_format(path) == "safetensors":
         return _safetensors_source(path)
+    if zipfile.is_zipfile(path):
+        _check_zip(path)
     try:
-        loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
-        loaded = torch.load(path, map_location="cpu", weights_only=True)
+        if zipfile.is_zipfile(path):
+            loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+        else:  # the legacy (non-zip) format cannot be memory-mapped
+            loaded = torch.load(path, map_location="cpu", weights_only=True)
+    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a readable .pt state dict: {first}") from None
     if not isinstance(loaded, Mapping):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
     return _tensor_source(loaded, path)
@@ -246,10 +311,17 @@ def _tensor_source(tensors: Mapping[str, torch.Tensor], description: str) -> Sou
 
 
 def _safetensors_source(path: str) -> Source:
-    with open(path, "rb") as f:
-        (length,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(length))
-    header.pop("__metadata__", None)
+    try:
+        with open(path, "rb") as f:
+            (length,) = struct.unpack("<Q", f.read(8))
+            if length > os.path.getsize(path) - 8:
+                raise ValueError(f"a header of {length} bytes in a file of {os.path.getsize(path)}")
+            header = json.loads(f.read(length))
+        if not isinstance(header, dict):
+            raise ValueError(f"the header is a {type(header).__name__}, not a JSON object")
+    except (struct.error, ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path} is not a .safetensors file: {e}") from None
+    checksums = _header_checksums(path, header.pop("__metadata__", None))
     start = 8 + length
     shapes, spans = {}, {}
     for name, info in header.items():
@@ -257,15 +329,83 @@ def _safetensors_source(path: str) -> Source:
         if dtype is None:
             raise ValueError(f"{path}: {name!r} has dtype {info['dtype']}, which flatshard cannot read")
         shapes[name] = (tuple(info["shape"]), dtype)
-        spans[name] = info["data_offsets"][0]
+        spans[name] = info["data_offsets"]
 
     def read(name: str, lo: int, hi: int) -> torch.Tensor:
-        dtype = shapes[name][1]
-        buf = bytearray((hi - lo) * dtype.itemsize)
-        with open(path, "rb") as f:
-            f.seek(start + spans[name] + lo * dtype.itemsize)
-            if f.readinto(buf) != len(buf):
-                raise ValueError(f"{path} is truncated: {name!r} is cut short")
-        return torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+        itemsize = shapes[name][1].itemsize
+        first, end = spans[name]
+        a, b = first + lo * itemsize, first + hi * itemsize
+        if name in checksums and b > a:  # widen to whole blocks, check them
+            a0 = first + (a - first) // CRC_BLOCK * CRC_BLOCK
+            b0 = min(end, first + -(-(b - first) // CRC_BLOCK) * CRC_BLOCK)
+            buf = _read_bytes(path, name, start + a0, b0 - a0)
+            _check_blocks(path, name, checksums[name], buf, (a0 - first) // CRC_BLOCK)
+            buf = buf[a - a0 : b - a0]
+        else:
+            buf = _read_bytes(path, name, start + a, b - a)
+        return torch.frombuffer(buf, dtype=shapes[name][1]) if buf else torch.empty(0, dtype=shapes[name][1])
 
-    return Source(shapes, read, path)
+    return Source(shapes, read, path, checksums or None)
+
+
+def _header_checksums(path: str, metadata: object) -> dict[str, list[str]]:
+    """Tensor name -> its blocks' CRCs, from a header flatshard wrote ({} for other files)."""
+    if not isinstance(metadata, dict) or CRC_KEY not in metadata:
+        return {}
+    try:
+        checksums = json.loads(metadata[CRC_KEY])
+        if checksums["block"] != CRC_BLOCK:
+            raise ValueError(f"blocks of {checksums['block']} bytes, this flatshard reads {CRC_BLOCK}")
+        return dict(checksums["tensors"])
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path}: its {CRC_KEY} header entry is unreadable ({e})") from None
+
+
+def _read_bytes(path: str, name: str, offset: int, count: int) -> bytearray:
+    buf = bytearray(count)
+    with open(path, "rb") as f:
+        f.seek(offset)
+        if f.readinto(buf) != count:
+            raise CheckpointError(f"{path} is truncated: {name!r} is cut short")
+    return buf
+
+
+def _check_blocks(path: str, name: str, crcs: list[str], data: bytearray, first_block: int) -> None:
+    view = memoryview(data)
+    for i in range(0, len(data), CRC_BLOCK):
+        block = first_block + i // CRC_BLOCK
+        if block >= len(crcs) or f"{zlib.crc32(view[i : i + CRC_BLOCK]):08x}" != crcs[block]:
+            span = f"bytes {block * CRC_BLOCK}..{block * CRC_BLOCK + len(view[i : i + CRC_BLOCK])}"
+            raise ChecksumError(
+                f"{path}: {name!r} ({span} of the tensor) does not match the checksum written with it: "
+                f"the file is corrupted"
+            )
+
+
+def _check_zip(path: str) -> int:
+    """Check the CRC-32 of every record of the zip archive ``path``; returns the number of
+    storages in it."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            bad = archive.testzip()
+            names = archive.namelist()
+    except (zipfile.BadZipFile, OSError) as e:
+        raise CheckpointError(f"{path} is not a readable .pt archive: {e}") from None
+    if bad is not None:
+        raise ChecksumError(f"{path}: {bad} does not match its zip CRC-32: the file is corrupted")
+    return sum(1 for n in names if "/data/" in n)
+
+
+def verify_state_file(path: str) -> int:
+    """Check every checksum of weights file ``path`` (ours, as written); returns how many
+    tensors were checked. Raises ``ChecksumError`` naming the first that differs."""
+    if file_format(path) == "pt":
+        return _check_zip(path)
+    src = _safetensors_source(path)
+    if src.checksums is None:
+        return 0
+    for name, (shape, dtype) in src.shapes.items():
+        numel, step = math.prod(shape), 64 * CRC_BLOCK // dtype.itemsize
+        for lo in range(0, numel, step):
+            src.read(name, lo, min(numel, lo + step))
+    return len(src.shapes)

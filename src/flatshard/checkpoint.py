@@ -16,6 +16,7 @@ import random
 import re
 import shutil
 import warnings
+import zlib
 from collections.abc import Mapping
 from typing import Any
 
@@ -26,7 +27,10 @@ from torch import nn
 
 from flatshard import _checkpoint_state as cs
 from flatshard import _dcp
+from flatshard._dcp import Crc32Trailer
+from flatshard._state_files import verify_state_file
 from flatshard._world import World, resolve_world
+from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optimizer import DistributedOptimizer
 
 FORMAT = "flatshard-checkpoint/1"
@@ -183,6 +187,8 @@ def _agree_on_destination(world: World, path: str) -> None:
 
 def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int) -> None:
     files = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
+    with open(os.path.join(directory, _dcp.METADATA), "rb") as f:  # small: the index of the pieces
+        metadata_crc = zlib.crc32(f.read())
     manifest = {
         "format": FORMAT,
         "world_size": world_size,
@@ -191,6 +197,7 @@ def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int
         "params": cs.model_shapes(model),
         "aliases": cs.model_aliases(model),
         "files": files,
+        "crc32": {_dcp.METADATA: metadata_crc},
     }
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -234,25 +241,68 @@ def resolve_checkpoint(path: str | os.PathLike) -> str:
             return old
         raise FileNotFoundError(f"no checkpoint at {path}")
     if not os.path.isfile(os.path.join(path, MANIFEST)):
-        raise ValueError(f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did not finish)")
+        raise CheckpointError(
+            f"checkpoint {path} is incomplete: it has no {MANIFEST} (its save did not finish)"
+        )
     return path
 
 
 def read_manifest(path: str) -> dict[str, Any]:
-    with open(os.path.join(path, MANIFEST)) as f:
-        manifest = json.load(f)
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: unknown checkpoint format {manifest.get('format')!r} (expected {FORMAT})")
+    """The manifest of checkpoint ``path``, once every file it lists has its written size
+    (and the DCP index its written checksum); raises ``CheckpointError`` naming the file."""
+    where = os.path.join(path, MANIFEST)
+    try:
+        with open(where) as f:
+            manifest = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"checkpoint {path} is corrupted: {where} is not JSON ({e})") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise CheckpointError(f"{path}: unknown checkpoint format {found!r} (expected {FORMAT})")
     for name, size in manifest["files"].items():
         full = os.path.join(path, name)
         if not os.path.isfile(full):
-            raise ValueError(f"checkpoint {path} is corrupted: file {name} is missing")
+            raise CheckpointError(f"checkpoint {path} is corrupted: file {name} is missing")
         if os.path.getsize(full) != size:
-            raise ValueError(
+            raise CheckpointError(
                 f"checkpoint {path} is corrupted: {name} has {os.path.getsize(full)} bytes, "
                 f"{size} when it was written"
             )
+    for name, crc in manifest.get("crc32", {}).items():  # absent in checkpoints older than checksums
+        with open(os.path.join(path, name), "rb") as f:
+            if zlib.crc32(f.read()) != crc:
+                raise ChecksumError(f"checkpoint {path} is corrupted: {name} does not match its checksum")
     return manifest
+
+
+def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:
+    """Check checkpoint directory ``path`` (or a ``.safetensors``/``.pt`` weights file)
+    against the sizes and checksums written with it, without loading anything into a model.
+
+    Returns counts: ``{"files": ..., "checked": ..., "unchecked": ...}`` (items written
+    before checkpoints had checksums are unchecked). Raises ``ChecksumError`` naming the
+    first file and key that differ, ``CheckpointError`` for anything else unreadable.
+    """
+    path = os.fspath(path)
+    if os.path.isfile(path):
+        return {"files": 1, "checked": verify_state_file(path), "unchecked": 0}
+    path = resolve_checkpoint(path)
+    manifest = read_manifest(path)
+    by_file: dict[str, list] = {}
+    for index, info in _dcp.reader(path).read_metadata().storage_data.items():
+        by_file.setdefault(info.relative_path, []).append((info, index.fqn))
+    counts = {"files": len(manifest["files"]), "checked": 0, "unchecked": 0}
+    for name, items in sorted(by_file.items()):
+        with open(os.path.join(path, name), "rb") as f:
+            for info, fqn in sorted(items, key=lambda item: item[0].offset):
+                if Crc32Trailer().get_descriptor() not in (info.transform_descriptors or ()):
+                    counts["unchecked"] += 1
+                    continue
+                f.seek(info.offset)
+                if not _dcp.verify_item(f.read(info.length)):
+                    raise _dcp.mismatch(path, info, fqn)
+                counts["checked"] += 1
+    return counts
 
 
 def load_checkpoint(

@@ -132,8 +132,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_plan(sub)
     _add_layout(sub)
     _add_export(sub)
+    _add_verify(sub)
     _add_bench(sub)
     return parser
+
+
+def _add_verify(sub) -> None:
+    verify = sub.add_parser(
+        "verify",
+        help="check a checkpoint or weights file against its checksums, without loading it",
+        description="Read every piece of a flatshard checkpoint directory (or a .safetensors/.pt "
+        "weights file) and check it against the size and checksum written with it. Exits 1 "
+        "naming the first file and tensor that differ.",
+    )
+    verify.add_argument("path", help="checkpoint directory, or a .safetensors/.pt file")
 
 
 def _add_bench(sub) -> None:
@@ -243,6 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         return _layout(args)
     if args.command == "export":
         return _export(args)
+    if args.command == "verify":
+        return _verify(args)
     if args.command == "bench":
         from flatshard.bench import bench_main
 
@@ -405,6 +419,20 @@ def _export(args: argparse.Namespace) -> int:
     tensors = {e.source: e for e in entries}.values()  # a tied param once
     values, mib = sum(e.numel for e in tensors), sum(e.nbytes for e in tensors) / 2**20
     print(f"wrote {args.out}: {len(entries)} tensors, {values:,} values, {mib:.1f} MiB")
+    return 0
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from flatshard.checkpoint import verify_checkpoint
+    from flatshard.errors import CheckpointError
+
+    try:
+        counts = verify_checkpoint(args.path)
+    except (OSError, CheckpointError) as e:
+        print(f"flatshard verify: {e}", file=sys.stderr)
+        return 1
+    note = f" ({counts['unchecked']} written without checksums)" if counts["unchecked"] else ""
+    print(f"{args.path}: {counts['checked']} pieces in {counts['files']} files match their checksums{note}")
     return 0
 
 
