@@ -53,7 +53,10 @@ def test_every_flipped_byte_of_a_data_file_is_named_on_every_rank(saved, tmp_pat
             shutil.copytree(saved, copy)
             _flip(os.path.join(copy, name), at)
             errors = run_distributed(_load_error, 2, copy)
-            assert all(f"{copy}/{name}" in e and "does not match the checksum" in e for e in errors), (at, errors)
+            assert all(f"{copy}/{name}" in e and "does not match the checksum" in e for e in errors), (
+                at,
+                errors,
+            )
             with pytest.raises(ChecksumError, match=name):
                 verify_checkpoint(copy)
 

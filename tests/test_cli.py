@@ -71,6 +71,7 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
         (["layout"], "the following arguments are required: --model"),
         (["layout", "--model", "nosuch"], "neither a GPT preset"),
         (["layout", "--model", "tiny", "--stage", "4"], "argument --stage: invalid choice: 4"),
+        (["train", "--checkpoint-dir", __file__], f"--checkpoint-dir {__file__} is a file, not a directory"),
         (["export", "/nonexistent/ckpt", "out.pt"], "no checkpoint at /nonexistent/ckpt"),
         (["export", "ckpt"], "the following arguments are required: out"),
         (["export", "a", "b.pt", "--dtype", "int3"], "argument --dtype: invalid choice: 'int3'"),
@@ -258,6 +259,10 @@ def test_train_on_a_text_file_with_metrics_plot_checkpoints_and_exact_resume(tmp
     assert [(r["loss"], r["grad_norm"]) for r in resumed] == [
         (r["loss"], r["grad_norm"]) for r in records[8:]
     ]
+    # resuming with no step left to train is refused (it used to print negative tokens/s)
+    out = _flatshard(*common, "--checkpoint-dir", str(ckpt), "--resume")
+    assert out.returncode == 2
+    assert "--steps 12, but the newest checkpoint" in out.stderr and "is at step 12" in out.stderr
 
 
 def test_train_starts_from_plain_weights(tmp_path):

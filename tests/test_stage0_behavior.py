@@ -268,6 +268,9 @@ def test_params_are_views_into_the_flat_buffers_and_keep_values():
         ({"bucket_size": 0}, ValueError, "bucket_size .* got 0"),
         ({"buckets_per_group": 0}, ValueError, "buckets_per_group .* got 0"),
         ({"grad_scale": -1.0}, ValueError, "grad_scale .* got -1.0"),
+        ({"grad_scale": float("inf")}, ValueError, "grad_scale must be a positive finite number .* got inf"),
+        ({"grad_scale": float("nan")}, ValueError, "grad_scale .* got nan"),
+        ({"grad_scale": "abc"}, ValueError, "grad_scale .* got 'abc'"),
         ({"group": "world"}, TypeError, "group must be .* got str"),
     ],
 )
@@ -283,6 +286,30 @@ def test_module_without_trainable_params_and_double_wrap_are_rejected():
     wrapped = flatshard.shard(nn.Linear(2, 2))
     with pytest.raises(ValueError, match="already sharded"):
         flatshard.shard(wrapped)
+
+
+def _wrap_case(stage: int, kind: str) -> str:
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    model = DDP(model) if kind == "ddp" else fully_shard(model)
+    try:
+        flatshard.shard(model, stage=stage)
+    except TypeError as e:
+        return str(e)
+    return "wrapped"
+
+
+def test_a_module_already_under_ddp_or_fsdp_is_refused():
+    """At stage 0 a DDP-wrapped module used to train without its params ever changing."""
+    for message in run_distributed(_wrap_case, 2, 0, "ddp") + run_distributed(_wrap_case, 1, 3, "ddp"):
+        assert message.startswith("the module is already data-parallel (DistributedDataParallel)")
+        assert "pass its .module" in message
+    for message in run_distributed(_wrap_case, 2, 2, "fsdp"):
+        assert message.startswith("the module is already data-parallel (FSDPSequential)")
+    outer = nn.Sequential(nn.Linear(2, 2), nn.DataParallel(nn.Linear(2, 2)))
+    with pytest.raises(TypeError, match=r"submodule '1' is already data-parallel \(DataParallel\)"):
+        flatshard.shard(outer)
 
 
 class ReusedUnderCheckpoint(nn.Module):

@@ -152,10 +152,24 @@ def checkpoints(directory: str) -> list[tuple[int, str]]:
     return sorted(found)
 
 
+def resume_problem(checkpoint_dir: str | None, steps: int) -> str | None:
+    """Why resuming from ``checkpoint_dir`` cannot train toward ``steps``, or None."""
+    found = checkpoints(checkpoint_dir) if checkpoint_dir else []
+    if found and found[-1][0] >= steps:
+        step, path = found[-1]
+        return (
+            f"--steps {steps}, but the newest checkpoint {path} is at step {step}: pass --steps above {step}"
+        )
+    return None
+
+
 def _start(cfg: TrainConfig, model, optimizer, schedule) -> int:
     """The step to start from: the newest checkpoint's with --resume, else 0 (from
     --init-from weights when given)."""
     found = checkpoints(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else []
+    problem = resume_problem(cfg.checkpoint_dir, cfg.steps) if cfg.resume else None
+    if problem is not None:
+        raise ValueError(problem)
     if found:
         path = found[-1][1]
         return int(flatshard.load_checkpoint(path, model, optimizer, extra={"schedule": schedule})["step"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -278,8 +280,30 @@ def _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale) 
         raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
     if buckets_per_group is not None and (not isinstance(buckets_per_group, int) or buckets_per_group < 1):
         raise ValueError(f"buckets_per_group must be a positive int or None, got {buckets_per_group!r}")
-    if grad_scale is not None and not grad_scale > 0:
-        raise ValueError(f"grad_scale must be positive or None, got {grad_scale!r}")
+    if grad_scale is not None and (
+        isinstance(grad_scale, bool)
+        or not isinstance(grad_scale, numbers.Real)
+        or not (math.isfinite(grad_scale) and grad_scale > 0)
+    ):
+        raise ValueError(f"grad_scale must be a positive finite number or None, got {grad_scale!r}")
+    _check_not_wrapped(module)
+
+
+def _check_not_wrapped(module: nn.Module) -> None:
+    """A module already under DDP or FSDP would be synced twice, or (DDP at stage 0) have its
+    flat views replaced under it so that no step reaches the params: refuse it."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    wrappers = (DistributedDataParallel, DataParallel, FullyShardedDataParallel, FSDPModule)
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrappers):
+            where = "the module" if not name else f"submodule {name!r}"
+            inner = "its .module" if isinstance(sub, (DistributedDataParallel, DataParallel)) else "the model"
+            raise TypeError(
+                f"{where} is already data-parallel ({type(sub).__name__}); flatshard.shard does the data "
+                f"parallelism itself: pass {inner} before wrapping it"
+            )
 
 
 def _check_devices(named: list[tuple[str, nn.Parameter]]) -> None:

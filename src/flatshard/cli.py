@@ -316,6 +316,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _check_train_args(args: argparse.Namespace) -> str | None:
     """Why the options cannot work (before any rank starts), or None."""
+    from flatshard._train import resume_problem
     from flatshard.models import model_factory
 
     try:
@@ -327,6 +328,10 @@ def _check_train_args(args: argparse.Namespace) -> str | None:
             return f"{option} {path}: no such file"
     if args.resume and args.checkpoint_dir is None:
         return "--resume needs --checkpoint-dir"
+    if args.checkpoint_dir is not None and os.path.isfile(args.checkpoint_dir):
+        return f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory"
+    if args.resume and resume_problem(args.checkpoint_dir, args.steps) is not None:
+        return resume_problem(args.checkpoint_dir, args.steps)
     if args.checkpoint_every and args.checkpoint_dir is None:
         return "--checkpoint-every needs --checkpoint-dir"
     if args.plot is not None:
