@@ -362,6 +362,27 @@ def test_loading_state_of_another_layout_is_refused():
 
 
 # -- bad input -----------------------------------------------------------------------------------
+class NormalizedSGD(torch.optim.SGD):
+    """Steps each param along its grad over that grad's norm: a per-tensor rule that a
+    refusal list let through, and that flat shards silently change."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad / p.grad.norm().clamp_min(1e-12), alpha=-group["lr"])
+
+
+def test_an_optimizer_declared_elementwise_is_taken_at_its_word():
+    model = flatshard.shard(TiedGPT(), stage=1)
+    opt = DistributedOptimizer(model, NormalizedSGD, elementwise=True, lr=0.1)
+    assert type(opt.inner) is NormalizedSGD
+    sub = type("MyAdamW", (torch.optim.AdamW,), {})  # a subclass may override step: not assumed
+    with pytest.raises(ValueError, match="MyAdamW is not known to be elementwise"):
+        DistributedOptimizer(flatshard.shard(TiedGPT(), stage=1), sub, lr=0.1)
+
+
 def test_stage1_backward_without_the_distributed_optimizer_raises():
     model = flatshard.shard(TiedGPT(), stage=1)
     x, y = CORPUS.batch(0, 0, 2)
@@ -374,6 +395,16 @@ def test_stage1_backward_without_the_distributed_optimizer_raises():
     [
         (lambda m: DistributedOptimizer(TiedGPT(), torch.optim.SGD, lr=1), TypeError, "flatshard.shard"),
         (lambda m: DistributedOptimizer(m, torch.optim.LBFGS), ValueError, "LBFGS .* elementwise"),
+        (
+            lambda m: DistributedOptimizer(m, torch.optim.Muon),
+            ValueError,
+            "Muon is not known to be elementwise",
+        ),
+        (
+            lambda m: DistributedOptimizer(m, NormalizedSGD, lr=1),
+            ValueError,
+            "NormalizedSGD is not known to be",
+        ),
         (lambda m: DistributedOptimizer(m, object), TypeError, "torch.optim.Optimizer subclass"),
         (
             lambda m: DistributedOptimizer(m, torch.optim.SGD, params=[torch.zeros(3, 4)], lr=1),

@@ -219,3 +219,39 @@ def test_bad_arguments_name_the_value():
         OwnerShardedOptimizer(params, torch.optim.SGD, bucket_cap_bytes=-1, lr=0.1)
     with pytest.raises(ValueError, match="to must be a rank in"):
         OwnerShardedOptimizer(params, torch.optim.SGD, lr=0.1).consolidate_state_dict(to=1)
+
+
+def _muon_case(steps: int = 4) -> list[bool]:
+    """Muon over the 2-D weights (each rank steps the matrices it owns, whole) and AdamW over
+    the rest, against DDP + the same two plain optimizers."""
+    torch.manual_seed(0)
+    model = AwkwardGPT()
+    reference = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ours = DDP(model, find_unused_parameters=True)
+
+    def pair(m, muon_class):
+        matrices = [p for p in m.parameters() if p.ndim == 2]
+        rest = [p for p in m.parameters() if p.ndim != 2]
+        return muon_class(matrices), torch.optim.AdamW(rest, lr=1e-2)
+
+    plain = pair(reference.module, lambda ps: torch.optim.Muon(ps, lr=2e-2))
+    owned = pair(ours.module, lambda ps: OwnerShardedOptimizer(ps, torch.optim.Muon, lr=2e-2))
+    equal = []
+    for step in range(steps):
+        x, y = CORPUS.batch(step, dist.get_rank(), 4)
+        for model_, opts in ((reference, plain), (ours, owned)):
+            model_(x, y).backward()
+            for opt in opts:
+                opt.step()
+                opt.zero_grad()
+        equal.append(_equal(ours, reference))
+    return equal
+
+
+@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_muon_steps_whole_matrices_on_their_owners_exactly(world_size):
+    """Muon orthogonalizes each matrix whole, so it needs whole params: owners give it that.
+    Its construction used to fail on a 1-D probe tensor."""
+    for equal in run_distributed(_muon_case, world_size):
+        assert all(equal)

@@ -43,7 +43,8 @@ def class_defaults(optimizer_class: type, defaults: dict[str, Any]) -> dict[str,
     class validates ``defaults`` here, so a bad value fails at construction)."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-    probe = optimizer_class([torch.zeros(0, requires_grad=True)], **defaults)
+    # A 2-D probe: matrix optimizers (Muon) refuse other shapes, and every other takes it.
+    probe = optimizer_class([torch.zeros(1, 1, requires_grad=True)], **defaults)
     return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
 
 

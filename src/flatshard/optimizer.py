@@ -48,10 +48,29 @@ from flatshard.layout import ShardRanges
 from flatshard.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.mixed_precision import HALF_DTYPES
 
-_NOT_ELEMENTWISE = tuple(
-    cls
-    for cls in (getattr(torch.optim, name, None) for name in ("LBFGS", "SparseAdam", "Adafactor", "Muon"))
-    if cls is not None
+# [Note: elementwise optimizers] Flat shards cut params anywhere, so the inner optimizer sees
+# pieces of params glued together: exact only for rules that update every element from
+# that element's own grad and state (plus per-group scalars such as the step count). These
+# torch classes are known to be such rules; any other class (a subclass too: it may
+# override ``step``) is refused unless the caller declares ``elementwise=True``. A refusal
+# list let a per-tensor rule through silently (a normalised SGD stepped fragments as if
+# they were tensors).
+ELEMENTWISE = frozenset(
+    getattr(torch.optim, name)
+    for name in (
+        "SGD",
+        "Adam",
+        "AdamW",
+        "Adamax",
+        "NAdam",
+        "RAdam",
+        "Adagrad",
+        "Adadelta",
+        "RMSprop",
+        "Rprop",
+        "ASGD",
+    )
+    if hasattr(torch.optim, name)
 )
 
 
@@ -131,7 +150,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Args:
         model: the sharded module. Build the optimizer before its first backward.
-        optimizer_class: any elementwise ``torch.optim`` class (SGD, Adam, AdamW, Adagrad, ...).
+        optimizer_class: an elementwise ``torch.optim`` class (SGD, Adam, AdamW, Adagrad, ...;
+            ``ELEMENTWISE`` lists them); any other is refused unless ``elementwise=True``.
         params: param groups over the model's own params, as for any torch optimizer
             (e.g. ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``);
             None: every trainable param in one group. A param in no group is not updated.
@@ -142,6 +162,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss_scale: None, a number (static) or ``"dynamic"`` (or a scaler from
             ``flatshard.loss_scale``): scale the loss with ``scale_loss`` before backward.
         skip_nonfinite: skip a step whose grads hold inf or NaN on any rank.
+        elementwise: declare that ``optimizer_class`` updates each element from its own
+            grad and state alone, so flat shards step it exactly; needed for a class that is
+            not in ``ELEMENTWISE`` (see [Note: elementwise optimizers]).
         **defaults: the inner optimizer's keyword arguments (``lr``, ``weight_decay``, ...).
 
     A param that got no grad in any backward still takes a step with a zero grad (torch
@@ -157,10 +180,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         overlap_param_gather: bool = True,
         loss_scale: float | str | StaticLossScaler | None = None,
         skip_nonfinite: bool = True,
+        elementwise: bool = False,
         **defaults: Any,
     ) -> None:
         state = _sharded_state(model)
-        _check_optimizer_class(optimizer_class, defaults)
+        _check_optimizer_class(optimizer_class, defaults, elementwise=elementwise)
         self._model = model
         self._sharded: ShardState = state
         groups, group_of = _param_groups(state, params)
@@ -421,7 +445,9 @@ def _sharded_state(model: nn.Module) -> ShardState:
     return state
 
 
-def _check_optimizer_class(optimizer_class: type, defaults: dict[str, Any] | None = None) -> None:
+def _check_optimizer_class(
+    optimizer_class: type, defaults: dict[str, Any] | None = None, *, elementwise: bool = False
+) -> None:
     """Refuse what cannot step flat shards; a ``HybridDeviceOptimizer``'s classes are
     checked in its place."""
     from flatshard.hybrid_optimizer import HybridDeviceOptimizer
@@ -430,14 +456,18 @@ def _check_optimizer_class(optimizer_class: type, defaults: dict[str, Any] | Non
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, HybridDeviceOptimizer):
         for key in ("cpu_optimizer_class", "device_optimizer_class"):
             if defaults.get(key) is not None:
-                _check_optimizer_class(defaults[key])
+                _check_optimizer_class(defaults[key], elementwise=elementwise)
         return
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-    if _NOT_ELEMENTWISE and issubclass(optimizer_class, _NOT_ELEMENTWISE):
+    if optimizer_class not in ELEMENTWISE and not elementwise:
         raise ValueError(
-            f"{optimizer_class.__name__} updates each param as a whole tensor, but DistributedOptimizer "
-            "steps flat shards that split params; use an elementwise optimizer (SGD, Adam, AdamW, ...)"
+            f"{optimizer_class.__name__} is not known to be elementwise, and DistributedOptimizer steps "
+            "flat shards that cut params anywhere: a rule that looks at a whole tensor (Muon, "
+            "Adafactor, L-BFGS, a per-tensor norm) would silently step fragments. Use one of "
+            f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE))}; pass elementwise=True if "
+            f"{optimizer_class.__name__} updates each element from its own grad and state alone; for "
+            "per-tensor optimizers use flatshard.OwnerShardedOptimizer over a stage-0 model"
         )
 
 
