@@ -36,3 +36,17 @@ def test_lint_and_format_are_clean():
 def test_no_module_over_600_lines():
     long = {p.name: n for p in (ROOT / "src").rglob("*.py") if (n := len(p.read_text().splitlines())) > 600}
     assert not long, f"split these by concept: {long}"
+
+
+def test_only_the_stage_policy_compares_the_stage_number():
+    """[Note: stage policy]: what a stage means lives in flatshard/stage.py alone; elsewhere
+    code asks the policy (``policy.shards_grads``), never ``stage == 3`` or ``stage > 0``."""
+    compare = re.compile(r"\bstage\s*(==|!=|<=|>=|<|>)\s*\d|\bstage\s+(not\s+)?in\s*[(\[{]")
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in (ROOT / "src").rglob("*.py")
+        if p.name != "stage.py"
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if compare.search(line.split("#")[0]) and not line.lstrip().startswith(('f"', '"', "'"))
+    ]
+    assert not found, "ask StagePolicy instead:\n" + "\n".join(found)

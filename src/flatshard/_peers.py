@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
 from flatshard.memory import memory_report
+from flatshard.stage import STAGES
 
 ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
 
@@ -135,7 +136,7 @@ def _flatshard(stage: int, **options) -> Peer:
         if compute is not None:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, **kwargs)
-        if stage == 0 and compute is None:
+        if not model.flatshard_state.policy.shards_optimizer and compute is None:
             optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         else:
             optimizer = flatshard.DistributedOptimizer(
@@ -199,7 +200,7 @@ STAGE_PEERS: dict[str, Peer] = {
     "torch-zero1": _torch_zero1,
     "fsdp2": _fsdp2(False),
     "fsdp2-zero3": _fsdp2(True),
-    **{f"flatshard-{s}": _flatshard(s) for s in flatshard.api.IMPLEMENTED_STAGES},
+    **{f"flatshard-{s}": _flatshard(s) for s in STAGES},
     "flatshard-3-no-reshard": _flatshard(3, reshard_after_forward=False),  # as the "fsdp2" peer
 }
 OPTIMIZER_PEERS: dict[str, Peer] = {

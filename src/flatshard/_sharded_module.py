@@ -18,13 +18,14 @@ from flatshard._grad_sync import BufferSet, GradSync
 from flatshard._param_gather import ParamGather
 from flatshard._unshard import Unsharder
 from flatshard.layout import Layout
+from flatshard.stage import StagePolicy
 
 
 @dataclass
 class ShardState:
     """Everything flatshard attaches to a wrapped module."""
 
-    stage: int
+    policy: StagePolicy  # what the stage keeps sharded ([Note: stage policy])
     sets: dict[str, BufferSet]  # "main", and "expert" when an ExpertGroup is given
     grad_sync: GradSync
     stats: CommStats
@@ -33,6 +34,10 @@ class ShardState:
     originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
     unsharder: Unsharder | None = None  # stage 3
     _materialized: int = 0  # depth of param_dtype_shards() blocks
+
+    @property
+    def stage(self) -> int:
+        return self.policy.stage
 
     def take_originals(self) -> dict[str, torch.Tensor]:
         """The pre-cast fp32 values (once: they are dropped after)."""
@@ -117,7 +122,7 @@ class ShardedModule(nn.Module):
         self._flatshard.wait_for_params()
 
     def state_dict(self, *args, **kwargs):
-        if self._flatshard.stage == 3:
+        if self._flatshard.policy.shards_params:
             raise RuntimeError(
                 "at stage 3 each rank holds only shards of the params: use model.full_state_dict() "
                 "(every rank calls it; rank 0 gets a CPU state dict) or summon_full_params()"
@@ -131,7 +136,7 @@ class ShardedModule(nn.Module):
         optimizer keeps fp32 main params."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the flat buffers' views")
-        if self._flatshard.stage == 3:
+        if self._flatshard.policy.shards_params:
             plain = partial(nn.Module.state_dict, self)
             load = partial(nn.Module.load_state_dict, self)
             missing, unexpected = load_full_state_dict(self._flatshard, state_dict, strict, plain, load)
@@ -142,7 +147,7 @@ class ShardedModule(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """A plain state dict on rank 0 (CPU tensors; other ranks get ``{}``), gathered one
         unit at a time at stage 3; every rank must call it."""
-        if self._flatshard.stage != 3:
+        if not self._flatshard.policy.shards_params:
             self._flatshard.wait_for_params()
             rank = next(iter(self._flatshard.sets.values())).world.rank
             return (
@@ -158,7 +163,7 @@ class ShardedModule(nn.Module):
     ) -> Iterator[None]:
         """Full params inside the block ([Note: full params] in ``_full_params.py``); every rank
         must enter it. Below stage 3 params are always full and this only waits for gathers."""
-        if self._flatshard.stage != 3:
+        if not self._flatshard.policy.shards_params:
             self._flatshard.wait_for_params()
             yield
             return

@@ -25,13 +25,18 @@ from flatshard._grad_sync import BufferSet
 from flatshard._units import Unit
 from flatshard._unshard import Part, Unsharder
 from flatshard._world import World, side_world
+from flatshard.stage import UnitOptions
 
 COALESCE_NUMEL = 2**22
 """Elements per broadcast when rank 0's values are sent to every rank before binding."""
 
 
 def build_unsharder(
-    units: list[Unit], unit_of: dict[int, int], sets: Sequence[BufferSet], stats: CommStats, **options
+    units: list[Unit],
+    unit_of: dict[int, int],
+    sets: Sequence[BufferSet],
+    stats: CommStats,
+    options: UnitOptions,
 ) -> Unsharder:
     """The parts (buckets) of each unit and the ``Unsharder`` over them."""
     parts: list[list[Part]] = [[] for _ in units]
@@ -41,7 +46,7 @@ def build_unsharder(
             for bucket in buffer.layout.buckets:
                 first = bset.params[bucket.params[0].index]
                 parts[unit_of[id(first)]].append(Part(buffer, bucket, gather_world, bset.params))
-    return Unsharder(units, parts, stats, **options)
+    return Unsharder(units, parts, stats, options)
 
 
 def broadcast_values(pairs: Sequence[tuple[torch.Tensor, World]]) -> None:

@@ -93,8 +93,7 @@ from flatshard._collectives import CommStats, Handle, all_gather, all_reduce
 from flatshard._units import Unit
 from flatshard._world import World
 from flatshard.layout import BucketLayout
-
-BACKWARD_PREFETCH = ("pre", "post", None)
+from flatshard.stage import UnitOptions
 
 
 class _State(Enum):
@@ -121,27 +120,16 @@ class Unsharder:
         units: list[Unit],
         parts: list[list[Part]],
         stats: CommStats,
-        *,
-        reshard_after_forward: bool = True,
-        forward_prefetch: int = 1,
-        backward_prefetch: str | None = "pre",
-        limit: int = 2,
+        options: UnitOptions | None = None,
     ) -> None:
-        if backward_prefetch not in BACKWARD_PREFETCH:
-            raise ValueError(
-                f"backward_prefetch must be one of {BACKWARD_PREFETCH}, got {backward_prefetch!r}"
-            )
-        if not isinstance(forward_prefetch, int) or forward_prefetch < 0:
-            raise ValueError(f"forward_prefetch must be an int >= 0, got {forward_prefetch!r}")
-        if not isinstance(limit, int) or limit < 1:
-            raise ValueError(f"limit_all_gathers must be an int >= 1, got {limit!r}")
+        options = options or UnitOptions()
         self.units = units
         self.parts = parts
         self.stats = stats
-        self.reshard_after_forward = reshard_after_forward
-        self.forward_prefetch = forward_prefetch
-        self.backward_prefetch = backward_prefetch
-        self.limit = limit
+        self.reshard_after_forward = options.reshard_after_forward
+        self.forward_prefetch = options.forward_prefetch
+        self.backward_prefetch = options.backward_prefetch
+        self.limit = options.limit_all_gathers
         self.state = [_State.SHARDED] * len(units)
         self._handles: dict[int, list[Handle]] = {}
         self._recording: list[int] | None = []  # units in the order the first forward runs them

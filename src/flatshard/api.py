@@ -36,10 +36,10 @@ from flatshard._units import UnitSpec, assign_params, find_units
 from flatshard._world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
 from flatshard.layout import ParamSpec, plan_layout
 from flatshard.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params, input_cast_hook
+from flatshard.stage import StagePolicy
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per bucket by default (16 MiB of fp32 grads)."""
-IMPLEMENTED_STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -119,46 +119,51 @@ def shard(
         param_init_fn: initializes each module of a meta model (default: its own
             ``reset_parameters()``).
     """
-    _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale)
+    policy = StagePolicy.build(
+        stage,
+        units=units,
+        device=device,
+        param_init_fn=param_init_fn,
+        reshard_after_forward=reshard_after_forward,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        limit_all_gathers=limit_all_gathers,
+    )
+    _check_arguments(module, bucket_size, buckets_per_group, grad_scale)
     world, replicate = resolve_worlds(group)
-    if replicate.size > 1 and stage == 0:
+    if replicate.size > 1 and not policy.allows_hybrid_mesh:
         raise ValueError(
-            "group: a 2-D (replicate x shard) mesh is hybrid sharding, which needs stage >= 1; "
-            "got stage 0 (pass the flattened group for plain data parallelism)"
+            f"group: a 2-D (replicate x shard) mesh is hybrid sharding, which needs stage >= 1; "
+            f"got {policy} (pass the flattened group for plain data parallelism)"
         )
     mp = mixed_precision or MixedPrecision()
-    named, meta, device, originals = _prepare_params(module, stage, mp, device)
+    named, meta, device, originals = _prepare_params(module, policy, mp, device)
     tied = _tied_params(module)
-    unit_list, unit_of = _stage3_units(module, named, units) if stage == 3 else ([], {})
+    unit_list, unit_of = _stage3_units(module, named, units) if policy.gathers_units else ([], {})
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     config = (
-        f"stage={stage} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
+        f"{policy} {policy.unit_options} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
         f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters} {mp} "
-        f"units={[u.name for u in unit_list]} reshard_after_forward={reshard_after_forward} meta={meta}"
+        f"units={[u.name for u in unit_list]} meta={meta}"
     )
     for key, part_world, part_replicate, part, _ in parts:
         for w in (part_world, part_replicate):
             check_ranks_agree(w, [config, *_describe(part, key, unit_of)], f"the {key} params")
-    if sync_module_states and stage == 3 and not meta:  # before binding: the shards come from rank 0
+    if (
+        sync_module_states and policy.shards_params and not meta
+    ):  # before binding: the shards come from rank 0
         _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
     for key, part_world, part_replicate, part, scale in parts:
         sets[key] = _build_set(
-            part_world, part_replicate, part, tied, stage, bucket_size, pad_for_high_busbw, scale, unit_of
+            part_world, part_replicate, part, tied, policy, bucket_size, pad_for_high_busbw, scale, unit_of
         )
-    if sync_module_states and stage < 3:
+    if sync_module_states and not policy.shards_params:
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
         _broadcast_originals(originals, list(sets.values()))
-    options = {
-        "reshard_after_forward": reshard_after_forward,
-        "forward_prefetch": forward_prefetch,
-        "backward_prefetch": backward_prefetch,
-        "limit": limit_all_gathers,
-    }
-    stage3 = (unit_list, unit_of, options)
     sharded = _assemble(
-        module, stage, sets, buckets_per_group, find_unused_parameters, mp.reduce_dtype, stage3
+        module, policy, sets, buckets_per_group, find_unused_parameters, mp.reduce_dtype, (unit_list, unit_of)
     )
     sharded.flatshard_state.originals = originals or None
     if meta:
@@ -171,17 +176,15 @@ def shard(
     return sharded
 
 
-def _prepare_params(module: nn.Module, stage: int, mp: MixedPrecision, device):
+def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device):
     """(trainable named params, whether the model is on meta, the device, fp32 originals):
     a meta model gets placeholders on ``device``; params are cast to ``mp.param_dtype``."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
     meta = is_meta_model(named)
-    if meta and stage != 3:
-        raise ValueError(
-            f"a model on the meta device is materialized unit by unit at stage 3; got stage {stage}"
-        )
+    if meta and not policy.gathers_units:
+        raise ValueError(f"a model on the meta device is materialized unit by unit at stage 3; got {policy}")
     originals = cast_params(module, mp.param_dtype) if mp.param_dtype is not None else {}
     if meta:  # placeholders on the device (cast first: meta tensors cost nothing)
         originals = {}  # the main params start from the initialized values
@@ -224,7 +227,7 @@ def _broadcast_originals(originals: dict[str, torch.Tensor], sets: list[BufferSe
 
 
 def _assemble(
-    module, stage, sets, buckets_per_group, find_unused_parameters, reduce_dtype, stage3
+    module, policy: StagePolicy, sets, buckets_per_group, find_unused_parameters, reduce_dtype, units
 ) -> ShardedModule:
     """Bucket groups, the grad-sync state machine, and the param gathers (stages 1-2) or
     the unsharder (stage 3)."""
@@ -235,19 +238,19 @@ def _assemble(
         groups,
         find_unused_parameters=find_unused_parameters,
         stats=stats,
-        scratch_in_flight=STAGE3_SCRATCH_IN_FLIGHT if stage == 3 else MAX_SCRATCH_IN_FLIGHT,
+        scratch_in_flight=STAGE3_SCRATCH_IN_FLIGHT if policy.gathers_units else MAX_SCRATCH_IN_FLIGHT,
     )
     gather = unsharder = None
-    if stage in (1, 2):
+    if policy.gathers_buckets_after_step:
         gather = ParamGather(
             module, [(b, s.world, s.params) for s in sets.values() for b in s.buffers], stats
         )
-    if stage == 3:
-        unit_list, unit_of, options = stage3
-        unsharder = build_unsharder(unit_list, unit_of, list(sets.values()), stats, **options)
+    if policy.gathers_units:
+        unit_list, unit_of = units
+        unsharder = build_unsharder(unit_list, unit_of, list(sets.values()), stats, policy.unit_options)
         sync.gathers = unsharder
-    state = ShardState(stage, sets, sync, stats, gather, unsharder=unsharder)
-    if stage > 0:
+    state = ShardState(policy, sets, sync, stats, gather, unsharder=unsharder)
+    if policy.shards_optimizer:
         sync.on_synced = partial(_require_optimizer, state)
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(_backward_start_hook(sync))
@@ -269,13 +272,11 @@ def _split_worlds(named, world: World, replicate: World, grad_scale, expert: Exp
     return parts
 
 
-def _check_arguments(module, stage, bucket_size, buckets_per_group, grad_scale) -> None:
+def _check_arguments(module, bucket_size, buckets_per_group, grad_scale) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ShardedModule):
         raise ValueError(f"{type(module).__name__} is already sharded")
-    if stage not in (0, 1, 2, 3):
-        raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage!r}")
     if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
         raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
     if buckets_per_group is not None and (not isinstance(buckets_per_group, int) or buckets_per_group < 1):
@@ -367,7 +368,7 @@ def model_specs(module: nn.Module, *, stage: int = 0, units: UnitSpec = None) ->
     """``param_specs`` of a module's trainable params as ``shard(module, stage=stage)`` lays
     them out (works on the meta device)."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
-    unit_of = _stage3_units(module, named, units)[1] if stage == 3 else {}
+    unit_of = _stage3_units(module, named, units)[1] if StagePolicy(stage).gathers_units else {}
     return param_specs(named, _tied_params(module), unit_of)
 
 
@@ -381,21 +382,25 @@ def _stage3_units(module: nn.Module, named: list, units: UnitSpec):
 
 
 def _build_set(
-    world, replicate, named, tied, stage, bucket_size, pad_for_high_busbw, scale, unit_of
+    world, replicate, named, tied, policy: StagePolicy, bucket_size, pad_for_high_busbw, scale, unit_of
 ) -> BufferSet:
     specs = param_specs(named, tied, unit_of)
     layout = plan_layout(
         specs,
         world_size=world.size,
         bucket_size=bucket_size,
-        shard=stage > 0,
+        shard=policy.pads_for_shards,
         pad_for_high_busbw=pad_for_high_busbw,
     )
     params = [p for _, p in named]
     buffers = []
     for buffer_layout in layout.buffers:
         buffer = FlatBuffer(
-            buffer_layout, params[0].device, rank=world.rank, full_grads=stage < 2, sharded_params=stage == 3
+            buffer_layout,
+            params[0].device,
+            rank=world.rank,
+            full_grads=not policy.shards_grads,
+            sharded_params=policy.shards_params,
         )
         buffer.bind(params)
         buffers.append(buffer)
@@ -432,7 +437,7 @@ def _broadcast_states(
 def _require_optimizer(state: ShardState) -> None:
     if state.optimizer is None:
         raise RuntimeError(
-            f"stage {state.stage} shards the optimizer: its grads exist only as shards that a "
+            f"{state.policy} shards the optimizer: its grads exist only as shards that a "
             "torch optimizer over model.parameters() never sees. Create "
             "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) before the first backward"
         )

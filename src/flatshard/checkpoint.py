@@ -60,7 +60,8 @@ def _optimizer_entries(model, optimizer, *, load: bool, saved=None):
         if load:
             return cs.distributed_optimizer_to_load(optimizer, saved)
         return cs.distributed_optimizer_to_save(optimizer), None
-    if (_stage(model) or 0) > 0:
+    state = getattr(model, "flatshard_state", None)
+    if state is not None and state.policy.shards_optimizer:
         raise TypeError(
             f"at stage {_stage(model)} checkpoints need the model's DistributedOptimizer, got "
             f"{type(optimizer).__name__}"

@@ -8,7 +8,8 @@ import os
 import sys
 
 from flatshard import _launch
-from flatshard.api import DEFAULT_BUCKET_SIZE, IMPLEMENTED_STAGES
+from flatshard.api import DEFAULT_BUCKET_SIZE
+from flatshard.stage import STAGES, StagePolicy
 
 
 def _positive_int(text: str) -> int:
@@ -62,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--stage",
         type=int,
-        choices=IMPLEMENTED_STAGES,
+        choices=STAGES,
         default=0,
         help="ZeRO stage (implemented: %(choices)s)",
     )
@@ -194,7 +195,7 @@ def _add_layout(sub) -> None:
     layout.add_argument(
         "--model", required=True, help="a GPT preset, or module:factory returning an nn.Module"
     )
-    layout.add_argument("--stage", type=int, choices=IMPLEMENTED_STAGES, default=2, help="default 2")
+    layout.add_argument("--stage", type=int, choices=STAGES, default=2, help="default 2")
     _add_layout_options(layout, world_size=2, bucket_help="")
     layout.add_argument("--out", help="also write the drawing to this PNG file")
 
@@ -391,11 +392,12 @@ def _layout(args: argparse.Namespace) -> int:
     except (ValueError, ImportError, AttributeError) as e:
         print(f"flatshard layout: {e}", file=sys.stderr)
         return 2
+    policy = StagePolicy(args.stage)
     layout = plan_layout(
-        stage3_specs if args.stage == 3 else specs,
+        stage3_specs if policy.gathers_units else specs,
         world_size=args.world_size,
         bucket_size=args.bucket_size,
-        shard=args.stage > 0,
+        shard=policy.pads_for_shards,
     )
     print(draw.format_shards(layout))
     if args.out:

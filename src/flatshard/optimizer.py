@@ -514,13 +514,13 @@ def _global_norm_sq(state: ShardState, shards: list[_BufferShards]) -> torch.Ten
     world = worlds[0]
     device = shards[0].buffer.device if shards else torch.device("cpu")
     total = torch.zeros((), dtype=torch.float64, device=device)
-    local_only = len(worlds) == 1 and state.stage == 0
+    local_only = len(worlds) == 1 and not state.policy.shards_optimizer
     for s in shards:
         grads = s.grad_shards()
         if not grads:
             continue
         sq = torch.stack(torch._foreach_norm(grads)).double().square().sum()
-        replicas = 1 if (local_only or state.stage > 0) else s.world.size
+        replicas = 1 if (local_only or state.policy.shards_optimizer) else s.world.size
         total += sq / replicas
     if not local_only:
         all_reduce(total, world, stats=state.stats).wait()

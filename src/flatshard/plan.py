@@ -24,6 +24,7 @@ import torch
 from flatshard._shard_map import plan_runs
 from flatshard.layout import ParamSpec, plan_layout
 from flatshard.mixed_precision import HALF_DTYPES
+from flatshard.stage import STAGES, StagePolicy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,7 +36,6 @@ OPTIMIZERS: dict[str, tuple[int, int]] = {
     "sgd-momentum": (4, 0),
     "sgd": (0, 0),
 }
-STAGES = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -64,13 +64,14 @@ def _check(world_size: int, optimizer: str) -> tuple[int, int]:
     return OPTIMIZERS[optimizer]
 
 
-def _comm(stage: int, numel: int, world: int, param_bytes: int, grad_bytes: int, gathers: int = 2) -> int:
+def _comm(
+    policy: StagePolicy, numel: int, world: int, param_bytes: int, grad_bytes: int, gathers: int = 2
+) -> int:
     """Ring wire bytes per step for ``numel`` elements (one bucket, or all of them); at
     stage 3 a bucket is gathered ``gathers`` times (once for the units that stay full from
     forward into backward)."""
     ring = (world - 1) / world
-    per_element = {0: 2 * grad_bytes, 1: grad_bytes + param_bytes, 2: grad_bytes + param_bytes}
-    return int(ring * numel * per_element.get(stage, grad_bytes + gathers * param_bytes))
+    return int(ring * numel * policy.wire_bytes_per_element(param_bytes, grad_bytes, gathers))
 
 
 def _gathers_per_bucket(specs: Sequence[ParamSpec]):
@@ -99,14 +100,15 @@ def plan_from_count(
     n, shard = world_size, params / world_size
     plans = {}
     for stage in STAGES:
-        full_or_shard = [params if stage < k else shard for k in (3, 2, 1)]  # params, grads, state
-        held = 0 if stage == 3 and mb else pb  # stage 3, 16-bit: the main params hold the shard
+        policy = StagePolicy(stage)
+        held = 0 if policy.shards_params and mb else pb  # stage 3, 16-bit: the main params hold the shard
+        state = shard if policy.shards_optimizer else params
         plans[stage] = StagePlan(
-            params=round(held * full_or_shard[0]),
-            grads=round(gb * full_or_shard[1]),
-            main_params=round(mb * full_or_shard[2]),
-            optimizer_state=round(state_bytes * full_or_shard[2]),
-            comm_bytes_per_step=_comm(stage, params, n, pb, gb),
+            params=round(held * (shard if policy.shards_params else params)),
+            grads=round(gb * (shard if policy.shards_grads else params)),
+            main_params=round(mb * state),
+            optimizer_state=round(state_bytes * state),
+            comm_bytes_per_step=_comm(policy, params, n, pb, gb),
         )
     return plans
 
@@ -128,8 +130,11 @@ def plan_from_specs(
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
     plans = {}
     for stage in STAGES:
-        staged = stage3_specs if stage == 3 and stage3_specs is not None else specs
-        layout = plan_layout(staged, world_size=world_size, bucket_size=bucket_size, shard=stage > 0)
+        policy = StagePolicy(stage)
+        staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
+        layout = plan_layout(
+            staged, world_size=world_size, bucket_size=bucket_size, shard=policy.pads_for_shards
+        )
         gathers = _gathers_per_bucket(staged)
         totals = dict.fromkeys(
             ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step"), 0
@@ -140,12 +145,12 @@ def plan_from_specs(
             full, shard = buffer.numel, buffer.shard_numel(rank)
             runs = plan_runs(buffer, rank, group_of)
             half = buffer.dtype in HALF_DTYPES  # (at stage 3 the main params hold a 16-bit shard)
-            totals["params"] += (pb * full) if stage < 3 else (0 if half else pb * shard)
-            totals["grads"] += gb * (full if stage < 2 else shard)
+            totals["params"] += (0 if half else pb * shard) if policy.shards_params else pb * full
+            totals["grads"] += gb * (shard if policy.shards_grads else full)
             totals["main_params"] += 4 * shard if half else 0
             totals["optimizer_state"] += sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
             totals["comm_bytes_per_step"] += sum(
-                _comm(stage, b.numel, world_size, pb, gb, gathers(b)) for b in buffer.buckets
+                _comm(policy, b.numel, world_size, pb, gb, gathers(b)) for b in buffer.buckets
             )
         if world_size == 1:
             totals["comm_bytes_per_step"] = 0
