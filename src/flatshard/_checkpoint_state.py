@@ -122,7 +122,7 @@ def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:
             for buffer in bset.buffers:
                 numel = _numels(buffer.layout)
                 for bucket in buffer.layout.buckets:
-                    if load and buffer.param_data is not None:  # stages 0-2: read whole params
+                    if load and not state.policy.shards_params:  # params held whole: read them whole
                         for slot in bucket.params:
                             view = buffer.param_data[slot.start : slot.end]
                             out[MODEL + slot.name] = Piece(slot.numel, 0, view)
