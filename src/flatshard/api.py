@@ -149,9 +149,7 @@ def shard(
     for key, part_world, part_replicate, part, _ in parts:
         for w in (part_world, part_replicate):
             check_ranks_agree(w, [config, *_describe(part, key, unit_of)], f"the {key} params")
-    if (
-        sync_module_states and policy.shards_params and not meta
-    ):  # before binding: the shards come from rank 0
+    if sync_module_states and policy.shards_params and not meta:  # rank 0's values, then bind
         _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
     for key, part_world, part_replicate, part, scale in parts:

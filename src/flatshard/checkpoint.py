@@ -158,7 +158,12 @@ def _is_checkpoint(path: str) -> bool:
 
 
 def _is_unfinished_save(path: str) -> bool:
-    return os.path.isdir(path) and all(_SAVE_FILES.fullmatch(name) for name in os.listdir(path))
+    """Marked by the save that made it (DCP's temporary files may be there too), or, from a
+    flatshard without the mark, holding only the files a save writes."""
+    if not os.path.isdir(path):
+        return False
+    names = os.listdir(path)
+    return PARTIAL_MARK in names or all(_SAVE_FILES.fullmatch(name) for name in names)
 
 
 def destination_problem(path: str) -> str | None:

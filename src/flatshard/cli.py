@@ -331,8 +331,9 @@ def _check_train_args(args: argparse.Namespace) -> str | None:
         return "--resume needs --checkpoint-dir"
     if args.checkpoint_dir is not None and os.path.isfile(args.checkpoint_dir):
         return f"--checkpoint-dir {args.checkpoint_dir} is a file, not a directory"
-    if args.resume and resume_problem(args.checkpoint_dir, args.steps) is not None:
-        return resume_problem(args.checkpoint_dir, args.steps)
+    problem = resume_problem(args.checkpoint_dir, args.steps) if args.resume else None
+    if problem is not None:
+        return problem
     if args.checkpoint_every and args.checkpoint_dir is None:
         return "--checkpoint-every needs --checkpoint-dir"
     if args.plot is not None:
