@@ -143,6 +143,34 @@ def test_ranks_with_different_models_fail_at_wrap_time_naming_the_param():
         run_distributed(_mismatched_models, 2, timeout=60)
 
 
+def _rank_dependent_option(stage: int, option: str, values: tuple) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ModuleList([nn.Linear(4, 4), nn.Linear(4, 4)]))
+    if option == "frozen":  # a frozen param on one rank only
+        if dist.get_rank() == 1:
+            model.add_module("extra", nn.Linear(2, 2).requires_grad_(False))
+        flatshard.shard(model, stage=stage)
+        return
+    flatshard.shard(model, stage=stage, **{option: values[dist.get_rank()]})
+
+
+@pytest.mark.parametrize(
+    ("stage", "option", "values", "named"),
+    [
+        (2, "sync_module_states", (False, True), "sync_module_states=True"),
+        (2, "pad_for_high_busbw", (False, True), "pad_for_high_busbw=True"),
+        (3, "backward_prefetch", ("pre", "post"), "backward_prefetch=post"),
+        (3, "forward_prefetch", (1, 2), "forward_prefetch=2"),
+        (0, "frozen", None, r"frozen extra\.weight \(2, 2\) torch\.float32"),
+    ],
+)
+def test_ranks_that_differ_in_an_option_that_changes_the_collectives_fail_at_wrap_time(
+    stage, option, values, named
+):
+    """They used to hang until gloo's timeout, or abort steps later."""
+    with pytest.raises(RankError, match=rf"ranks disagree on the main params: rank 1 has '{named}'"):
+        run_distributed(_rank_dependent_option, 2, stage, option, values, timeout=60)
+
+
 def _comm_accounting():
     torch.manual_seed(0)
     model = flatshard.shard(nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3)), bucket_size=20)

@@ -141,14 +141,22 @@ def shard(
     tied = _tied_params(module)
     unit_list, unit_of = _stage3_units(module, named, units) if policy.gathers_units else ([], {})
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
-    config = (
-        f"{policy} {policy.unit_options} bucket_size={bucket_size} buckets_per_group={buckets_per_group} "
-        f"grad_scale={grad_scale} find_unused_parameters={find_unused_parameters} {mp} "
-        f"units={[u.name for u in unit_list]} meta={meta}"
+    config = _agreement_lines(
+        module,
+        policy,
+        mp,
+        [u.name for u in unit_list],
+        meta=meta,
+        bucket_size=bucket_size,
+        buckets_per_group=buckets_per_group,
+        grad_scale=grad_scale,
+        find_unused_parameters=find_unused_parameters,
+        sync_module_states=sync_module_states,
+        pad_for_high_busbw=pad_for_high_busbw,
     )
     for key, part_world, part_replicate, part, _ in parts:
         for w in (part_world, part_replicate):
-            check_ranks_agree(w, [config, *_describe(part, key, unit_of)], f"the {key} params")
+            check_ranks_agree(w, [*config, *_describe(part, key, unit_of)], f"the {key} params")
     if sync_module_states and policy.shards_params and not meta:  # rank 0's values, then bind
         _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
@@ -172,6 +180,24 @@ def shard(
             _mixed_precision_hook(sharded.flatshard_state, mp), with_kwargs=True
         )
     return sharded
+
+
+def _agreement_lines(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, units: list[str], **options):
+    """What every rank must agree on before wrapping, one option per line so that a
+    difference is named: everything that changes the sequence of collectives (the stage, the
+    unit schedule, bucketing, syncing, padding, mixed precision, units) and the frozen params."""
+    return [
+        f"stage={policy.stage}",
+        *(f"{k}={v}" for k, v in vars(policy.unit_options).items()),
+        *(f"{k}={v}" for k, v in options.items()),
+        f"mixed_precision={mp}",
+        f"units={units}",
+        *(
+            f"frozen {n} {tuple(p.shape)} {p.dtype}"
+            for n, p in module.named_parameters()
+            if not p.requires_grad
+        ),
+    ]
 
 
 def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device):
