@@ -152,6 +152,9 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
 
 # -- checksums -----------------------------------------------------------------------------------
+DESCRIPTOR = "flatshard.crc32/1"  # recorded with each item in DCP's metadata
+
+
 class _CrcWriter(io.RawIOBase):
     """Passes bytes through to ``output``, then appends their CRC-32 when closed."""
 
@@ -179,7 +182,7 @@ class Crc32Trailer(StreamTransformExtension):
 
     @staticmethod
     def registry_name() -> str:
-        return "flatshard.crc32"
+        return DESCRIPTOR.split("/")[0]
 
     @staticmethod
     def from_descriptor(version: str) -> Crc32Trailer:
@@ -190,25 +193,21 @@ class Crc32Trailer(StreamTransformExtension):
         return Crc32Trailer()
 
     def get_descriptor(self) -> str:
-        return f"{self.registry_name()}/1"
+        return DESCRIPTOR
 
     def transform_to(self, output: IO[bytes]) -> IO[bytes]:
         return _CrcWriter(output)  # type: ignore[return-value]
 
     def transform_from(self, input: IO[bytes]) -> IO[bytes]:
         data = input.read(-1)
-        if len(data) < 4 or zlib.crc32(memoryview(data)[:-4]) != struct.unpack("<I", data[-4:])[0]:
+        if not trailer_intact(data):
             raise ChecksumError("the bytes read do not match the checksum written with them")
         return io.BytesIO(data[:-4])
 
 
-def verify_item(data: bytes) -> bool:
-    """Whether one stored item (its bytes and trailer) is as written."""
-    try:
-        Crc32Trailer().transform_from(io.BytesIO(data))
-    except ChecksumError:
-        return False
-    return True
+def trailer_intact(data: bytes) -> bool:
+    """Whether one stored item (its bytes, then their CRC-32) is as written."""
+    return len(data) >= 4 and zlib.crc32(memoryview(data)[:-4]) == struct.unpack("<I", data[-4:])[0]
 
 
 def mismatch(path: str, info, key: str) -> ChecksumError:

@@ -289,10 +289,11 @@ def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Sourc
         raise FileNotFoundError(f"no weights file at {path}")
     if file_format(path) == "safetensors":
         return _safetensors_source(path)
-    if zipfile.is_zipfile(path):
+    zipped = zipfile.is_zipfile(path)
+    if zipped:
         _check_zip(path)
     try:
-        if zipfile.is_zipfile(path):
+        if zipped:
             loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         else:  # the legacy (non-zip) format cannot be memory-mapped
             loaded = torch.load(path, map_location="cpu", weights_only=True)

@@ -126,10 +126,7 @@ class Unsharder:
         self.units = units
         self.parts = parts
         self.stats = stats
-        self.reshard_after_forward = options.reshard_after_forward
-        self.forward_prefetch = options.forward_prefetch
-        self.backward_prefetch = options.backward_prefetch
-        self.limit = options.limit_all_gathers
+        self.options = options
         self.state = [_State.SHARDED] * len(units)
         self._handles: dict[int, list[Handle]] = {}
         self._recording: list[int] | None = []  # units in the order the first forward runs them
@@ -219,7 +216,7 @@ class Unsharder:
         ``forward_prefetch``), so they overlap whatever runs between a step and the next
         forward."""
         if self._fwd.pos == 0:
-            self._advance(self._fwd, self.forward_prefetch)
+            self._advance(self._fwd, self.options.forward_prefetch)
 
     @property
     def in_flight(self) -> int:
@@ -254,7 +251,7 @@ class Unsharder:
         while (
             schedule.pos <= schedule.needed + count
             and schedule.pos < len(schedule.units)
-            and self.in_flight < self.limit
+            and self.in_flight < self.options.limit_all_gathers
         ):
             if schedule is self._bwd and schedule.units[schedule.pos] not in self._ran:
                 return
@@ -281,10 +278,10 @@ class Unsharder:
         units (they stay full from their forward into their backward)."""
         order = order + [u for u in self._fwd.units if u not in order]
         self._fwd = _Schedule(order)
-        self._kept = {0, *order[-2 if self.backward_prefetch == "pre" else -1 :]}
+        self._kept = {0, *order[-2 if self.options.backward_prefetch == "pre" else -1 :]}
         backward = [u for u in reversed(order) if u != 0]  # (the kept ones first)
         self._bwd = _Schedule(
-            [u for u in backward if u not in self._kept] if self.reshard_after_forward else [],
+            [u for u in backward if u not in self._kept] if self.options.reshard_after_forward else [],
             first=[u for u in backward if u in self._kept],
         )
 
@@ -333,7 +330,7 @@ class Unsharder:
             self._ran.add(u)
             self._ran_now.add(u)
             self._need(self._fwd, u)
-            self._prefetch(self._fwd, self.forward_prefetch)
+            self._prefetch(self._fwd, self.options.forward_prefetch)
 
         return hook
 
@@ -343,7 +340,7 @@ class Unsharder:
                 return
             if self.summoned:
                 return
-            if not torch.is_grad_enabled() or (self.reshard_after_forward and u not in self._kept):
+            if not torch.is_grad_enabled() or (self.options.reshard_after_forward and u not in self._kept):
                 self.reshard(u)
             if u == 0:
                 self._end_forward()
@@ -360,7 +357,7 @@ class Unsharder:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._need(self._bwd, u)
-        if self.backward_prefetch == "pre":
+        if self.options.backward_prefetch == "pre":
             self._prefetch(self._bwd, 1)
 
     def _grad_hook(self, u: int):
@@ -369,7 +366,7 @@ class Unsharder:
             waiting.discard(id(param))
             if not waiting and not self.summoned:
                 self.reshard(u)
-                if self.backward_prefetch == "post":
+                if self.options.backward_prefetch == "post":
                     self._prefetch(self._bwd, 1)
 
         return hook

@@ -27,7 +27,6 @@ from torch import nn
 
 from flatshard import _checkpoint_state as cs
 from flatshard import _dcp
-from flatshard._dcp import Crc32Trailer
 from flatshard._state_files import verify_state_file
 from flatshard._world import World, resolve_world
 from flatshard.errors import CheckpointError, ChecksumError
@@ -63,7 +62,7 @@ def _optimizer_entries(model, optimizer, *, load: bool, saved=None):
     state = getattr(model, "flatshard_state", None)
     if state is not None and state.policy.shards_optimizer:
         raise TypeError(
-            f"at stage {_stage(model)} checkpoints need the model's DistributedOptimizer, got "
+            f"at stage {state.stage} checkpoints need the model's DistributedOptimizer, got "
             f"{type(optimizer).__name__}"
         )
     if load:
@@ -301,11 +300,11 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:
     for name, items in sorted(by_file.items()):
         with open(os.path.join(path, name), "rb") as f:
             for info, fqn in sorted(items, key=lambda item: item[0].offset):
-                if Crc32Trailer().get_descriptor() not in (info.transform_descriptors or ()):
+                if _dcp.DESCRIPTOR not in (info.transform_descriptors or ()):
                     counts["unchecked"] += 1
                     continue
                 f.seek(info.offset)
-                if not _dcp.verify_item(f.read(info.length)):
+                if not _dcp.trailer_intact(f.read(info.length)):
                     raise _dcp.mismatch(path, info, fqn)
                 counts["checked"] += 1
     return counts

@@ -96,7 +96,7 @@ class StagePolicy:
             raise TypeError(f"not stage-3 options: {sorted(unknown)}")
         if not policy.gathers_units:
             for name, value in stage3_options.items():
-                if value is not _STAGE3_ONLY[name] and value != _STAGE3_ONLY[name]:
+                if value != _STAGE3_ONLY[name]:
                     raise ValueError(
                         f"{name}={_short(value)} applies to stage 3 only (it says how units are gathered "
                         f"and materialized); got stage {stage}: drop it or use stage=3"
