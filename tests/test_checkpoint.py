@@ -274,4 +274,9 @@ def test_a_save_replaces_its_own_checkpoint_and_an_unfinished_save(tmp_path):
         f.write(b"x")
     assert _save_into(path) == "saved"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+    os.makedirs(path + ".partial")  # a save cut off while DCP wrote its index
+    for name in (".flatshard-partial", ".metadata.tmp"):
+        open(os.path.join(path + ".partial", name), "w").close()
+    assert _save_into(path) == "saved"
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
     assert _load_step_case(path) == 7

@@ -248,7 +248,6 @@ def _muon_case(steps: int = 4) -> list[bool]:
     return equal
 
 
-@pytest.mark.skipif(not hasattr(torch.optim, "Muon"), reason="torch.optim.Muon is new in torch 2.9")
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_muon_steps_whole_matrices_on_their_owners_exactly(world_size):
     """Muon orthogonalizes each matrix whole, so it needs whole params: owners give it that.
