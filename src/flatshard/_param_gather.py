@@ -7,7 +7,11 @@ of the param buffer is stale until the bucket is all-gathered. ``ParamGather`` l
 all-gather per bucket, in the order the next forward needs them (the bucket holding the
 first-registered param first), and waits for a bucket only where it is needed:
 
-* in a forward pre-hook of every module that owns (``recurse=False``) one of its params;
+* in a forward pre-hook of the outermost *block* (a child of an ``nn.ModuleList``, the
+  default units of ``_units.py``) around a module that owns (``recurse=False``) one of its
+  params, or of that module itself when no block holds it. Hooking the block rather than
+  its layers keeps the waits on its edges, outside a graph that ``block.compile()`` makes
+  ([Note: hooks and torch.compile]);
 * in ``wait_all``: before the next step writes any shard, and before the module's
   ``state_dict`` reads params.
 
@@ -24,6 +28,8 @@ from torch import nn
 
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, Handle, all_gather
+from flatshard._compile import eager
+from flatshard._units import find_units
 from flatshard._world import World
 
 
@@ -52,11 +58,16 @@ class ParamGather:
             for p in params:
                 unit_of.setdefault(id(p), []).append(index)
         self._pending: dict[int, Handle] = {}
-        self._hooks = []
+        waiter = _waiters(module)
+        needed: dict[int, set[int]] = {}
         for submodule in module.modules():
-            needed = sorted({u for p in submodule.parameters(recurse=False) for u in unit_of.get(id(p), [])})
-            if needed:
-                self._hooks.append(submodule.register_forward_pre_hook(partial(self._pre_forward, needed)))
+            for p in submodule.parameters(recurse=False):
+                needed.setdefault(id(waiter[id(submodule)]), set()).update(unit_of.get(id(p), []))
+        self._hooks = [
+            m.register_forward_pre_hook(eager(partial(self._pre_forward, sorted(needed[id(m)]))))
+            for m in module.modules()
+            if needed.get(id(m))
+        ]
 
     def launch(self) -> None:
         """Start every bucket's all-gather (each rank's shard must be written first)."""
@@ -81,3 +92,15 @@ class ParamGather:
     def _pre_forward(self, units: Sequence[int], module: nn.Module, args: object) -> None:
         if self._pending:
             self.wait(units)
+
+
+def _waiters(module: nn.Module) -> dict[int, nn.Module]:
+    """``{id(submodule): the module whose pre-hook waits for its params}``: the outermost
+    block holding it, or itself."""
+    units = find_units(module)
+    waiter = {id(m): m for m in module.modules()}
+    for unit in units[1:]:  # pre-order: an outer block comes first and keeps its modules
+        if units[unit.parent].parent is None:  # (directly inside the root unit)
+            for m in unit.module.modules():
+                waiter[id(m)] = unit.module
+    return waiter

@@ -90,6 +90,7 @@ from torch.utils._pytree import tree_leaves
 
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, Handle, all_gather, all_reduce
+from flatshard._compile import eager
 from flatshard._units import Unit
 from flatshard._world import World
 from flatshard.layout import BucketLayout
@@ -145,8 +146,12 @@ class Unsharder:
         self._hooks = []
         for unit, unit_parts in zip(units, parts, strict=True):
             if unit_parts or unit.index == 0:  # the root's hooks also end each forward
-                self._hooks.append(unit.module.register_forward_pre_hook(self._pre_forward_hook(unit.index)))
-                self._hooks.append(unit.module.register_forward_hook(self._post_forward_hook(unit.index)))
+                self._hooks.append(
+                    unit.module.register_forward_pre_hook(eager(self._pre_forward_hook(unit.index)))
+                )
+                self._hooks.append(
+                    unit.module.register_forward_hook(eager(self._post_forward_hook(unit.index)))
+                )
                 for p in {
                     id(q.params[s.index]): q.params[s.index] for q in unit_parts for s in q.bucket.params
                 }.values():

@@ -16,6 +16,7 @@ from torch.utils._pytree import tree_leaves
 
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import CommStats, broadcast
+from flatshard._compile import eager
 from flatshard._grad_sync import (
     MAX_SCRATCH_IN_FLIGHT,
     STAGE3_SCRATCH_IN_FLIGHT,
@@ -177,7 +178,7 @@ def shard(
         initialize_units(module, sharded.flatshard_state.unsharder, param_init_fn, device, worlds)
     if mp.param_dtype is not None:
         sharded.register_forward_pre_hook(
-            _mixed_precision_hook(sharded.flatshard_state, mp), with_kwargs=True
+            eager(_mixed_precision_hook(sharded.flatshard_state, mp)), with_kwargs=True
         )
     return sharded
 
@@ -277,7 +278,7 @@ def _assemble(
     if policy.shards_optimizer:
         sync.on_synced = partial(_require_optimizer, state)
     sharded = make_sharded(module, state)
-    sharded.register_forward_hook(_backward_start_hook(sync))
+    sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     return sharded
 
 
