@@ -27,6 +27,7 @@ from torch import nn
 
 from flatshard import _checkpoint_state as cs
 from flatshard import _dcp
+from flatshard._compile import uncompiled
 from flatshard._state_files import verify_state_file
 from flatshard._world import World, resolve_world
 from flatshard.errors import CheckpointError, ChecksumError
@@ -111,7 +112,7 @@ def save_checkpoint(
     the data position, ... Every rank's RNG states are saved too. ``path`` appears only when
     the checkpoint is complete; a checkpoint already there is replaced only then.
     """
-    path = os.fspath(path)
+    path, model = os.fspath(path), uncompiled(model)
     world = _world()
     rank, size = world.rank, world.size
     partial = path + ".partial"
@@ -325,7 +326,7 @@ def load_checkpoint(
     from the saved value of the same key. RNG states are restored when the checkpoint was
     written by as many ranks as there are now (``restore_rng=False``: never).
     """
-    path = resolve_checkpoint(path)
+    path, model = resolve_checkpoint(path), uncompiled(model)
     manifest = read_manifest(path)
     cs.check_shapes(model, {n: shape for n, (shape, _) in manifest["params"].items()}, f"checkpoint {path}")
     world = _world()

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from flatshard._compile import uncompiled
+
 
 @dataclass(frozen=True)
 class MemoryReport:
@@ -49,6 +51,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     prefetched for the next forward; ``model.wait_for_params()`` frees them);
     ``model.flatshard_state.unsharder.peak_full_bytes`` says the most ever alive."""
     seen: set[int] = set()
+    model = uncompiled(model)
     params = list(model.parameters())
     state = getattr(model, "flatshard_state", None)
     held = params

@@ -40,6 +40,7 @@ from torch import nn
 
 from flatshard._buffer import FlatBuffer
 from flatshard._collectives import all_reduce
+from flatshard._compile import uncompiled
 from flatshard._composite import run_closure
 from flatshard._shard_map import Run, plan_runs
 from flatshard._sharded_module import ShardedModule, ShardState
@@ -183,6 +184,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elementwise: bool = False,
         **defaults: Any,
     ) -> None:
+        model = uncompiled(model)
         state = _sharded_state(model)
         _check_optimizer_class(optimizer_class, defaults, elementwise=elementwise)
         self._model = model

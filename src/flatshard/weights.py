@@ -21,6 +21,7 @@ from torch import nn
 
 from flatshard import _checkpoint_state as cs
 from flatshard import _dcp
+from flatshard._compile import uncompiled
 from flatshard._dcp import Piece
 from flatshard._state_files import Entry, Source, open_source, write_state_file
 from flatshard.checkpoint import read_manifest, resolve_checkpoint
@@ -121,7 +122,7 @@ def load_weights(
     rounded through 16-bit params. Returns ``(missing, unexpected)`` names; with
     ``strict`` either is an error. Names of tied params may appear or not.
     """
-    src = open_source(source)
+    src, model = open_source(source), uncompiled(model)
     shapes = {name: shape for name, (shape, _) in src.shapes.items()}
     missing, unexpected = cs.check_shapes(model, shapes, src.description, strict=strict)
     state = getattr(model, "flatshard_state", None)
