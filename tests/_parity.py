@@ -217,17 +217,26 @@ def train_optimizer_side_by_side(
     model_cls=TiedGPT,
     mesh_shape: tuple[int, int] | None = None,
     reference_kwargs: dict | None = None,
+    compiled: str | None = None,
 ) -> dict:
     """Train a flatshard DistributedOptimizer and torch DDP + the same torch optimizer on
-    the same data; report loss, grad-norm and param differences at every step."""
+    the same data; report loss, grad-norm and param differences at every step. ``compiled``
+    runs ours under ``torch.compile`` (inductor): "block" compiles each block before
+    wrapping, "model" the wrapped model."""
     opt_kwargs = {"lr": 1e-2, "weight_decay": 0.1} if opt_kwargs is None else opt_kwargs
     torch.manual_seed(0)
     model = model_cls()
     reference = DDP(copy.deepcopy(model), **(reference_kwargs or {}))
+    if compiled == "block":  # (the reference too: inductor's kernels round differently from eager's)
+        for block in [*model.blocks, *reference.module.blocks]:
+            block.compile()
     if mesh_shape is not None:
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
         shard_kwargs = {**shard_kwargs, "group": mesh}
     ours = flatshard.shard(model, **shard_kwargs)
+    run = torch.compile(ours) if compiled == "model" else ours
+    if compiled == "model":
+        reference = torch.compile(reference)
     ref_params = reference.module.parameters() if groups is None else groups(reference.module)
     opt_ref = optimizer_class(ref_params, **opt_kwargs)
     opt = flatshard.DistributedOptimizer(
@@ -243,7 +252,7 @@ def train_optimizer_side_by_side(
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     out = {"loss_diffs": [], "param_diffs": [], "norm_diffs": [], "losses": []}
     for step in range(steps):
-        for loss, loss_ref in accumulate(reference, ours, corpus, step, accum, batch, sync_every_micro_batch):
+        for loss, loss_ref in accumulate(reference, run, corpus, step, accum, batch, sync_every_micro_batch):
             out["loss_diffs"].append(abs(loss - loss_ref) / abs(loss_ref))
             out["losses"].append(loss)
         if clip is not None:
