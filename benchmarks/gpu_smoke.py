@@ -3,7 +3,7 @@
 
 ``one-rank`` trains 30 steps on NCCL at world size 1 (stages 0-3, HybridDeviceOptimizer,
 bf16) and ``two-ranks`` 8 steps with two ranks sharing GPU 0 over gloo with CUDA tensors
-(stages 0-3, no reshard, a meta-device model); each prints step time, reserved memory
+(stages 0-3, no reshard, a meta-device model, per-block compile); each prints step time, reserved memory
 across the steps and the largest difference of its losses from DDP's."""
 
 import json
@@ -33,6 +33,7 @@ def _train(kind: str, stage: int, options: dict, steps: int = STEPS, preset: str
     bf16 = options.pop("bf16", False)
     hybrid = options.pop("hybrid", None)
     meta = options.pop("meta", False)
+    compiled = options.pop("compile", False)
     if meta:
         with torch.device("meta"):
             model = GPT(cfg)
@@ -44,6 +45,9 @@ def _train(kind: str, stage: int, options: dict, steps: int = STEPS, preset: str
     else:
         if bf16:
             options["mixed_precision"] = MixedPrecision(param_dtype=torch.bfloat16)
+        if compiled:  # per-block, inductor
+            for block in model.blocks:
+                block.compile()
         m = flatshard.shard(model, stage=stage, **options)
         if hybrid is None:
             opt = flatshard.DistributedOptimizer(m, torch.optim.AdamW, lr=1e-3)
@@ -108,6 +112,9 @@ if __name__ == "__main__":
             ("flatshard-3", "fs", 3, {}),
             ("flatshard-3-no-reshard", "fs", 3, {"reshard_after_forward": False}),
             ("flatshard-3-meta", "fs", 3, {"meta": True, "sync_module_states": True}),
+            ("flatshard-2-compile", "fs", 2, {"compile": True}),
+            ("flatshard-3-compile", "fs", 3, {"compile": True}),
+            ("flatshard-3-bf16-compile", "fs", 3, {"compile": True, "bf16": True}),
         ]
         main("cpu:gloo,cuda:gloo", 2, cases, STEPS)
     else:
