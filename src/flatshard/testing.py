@@ -46,7 +46,9 @@ def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "flatshard"])
+        # torch._dynamo: shard() wraps its hooks with torch.compiler.disable (_compile.py), which
+        # imports it; loaded once here rather than for seconds in every rank
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "flatshard"])
         _start_forkserver()
         _CONTEXT = ctx
     return _CONTEXT
