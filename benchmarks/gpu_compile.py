@@ -1,6 +1,6 @@
 """Eager and compiled training on one GPU, side by side (needs CUDA; not part of the suite):
 ``PYTHONPATH=src python benchmarks/gpu_compile.py MODEL OUT.json`` with MODEL one of
-``gpt150m`` (d_model 1024, 12 blocks, 1024 tokens, vocab 32768: 0.17 B params) or a GPT preset.
+``gpt150m`` (d_model 1024, 12 blocks, 1024 tokens, vocab 32768: 186 M params) or a GPT preset.
 
 World size 1 on NCCL, bf16 params (fp32 main params and grads), AdamW. The peers:
 
