@@ -1,7 +1,7 @@
 """Which implementation of reduce-scatter and all-gather is fastest on this backend?
 
 Times every correct way flatshard knows to do each op on a flat fp32 tensor, at several
-sizes, on real ranks. flatshard's choice per backend (``flatshard._collectives.IMPLS``)
+sizes, on real ranks. flatshard's choice per backend (``flatshard.comm.collectives.IMPLS``)
 comes from this table.
 
 python benchmarks/collectives.py --world-size 2 --out bench-results/collectives.json
@@ -21,8 +21,8 @@ from functools import partial
 import torch
 import torch.distributed as dist
 
-from flatshard._collectives import GATHER_IMPLS, SCATTER_IMPLS, all_gather, reduce_scatter
-from flatshard._world import World
+from flatshard.comm.collectives import GATHER_IMPLS, SCATTER_IMPLS, all_gather, reduce_scatter
+from flatshard.comm.world import World
 from flatshard.testing import run_distributed
 
 

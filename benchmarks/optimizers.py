@@ -9,8 +9,8 @@ Without an accelerator "host" and "device" are the same CPU: the hybrid rows the
 the cost of the extra copies and per-param sub-optimizers, not the benefit of offloading.
 """
 
-from flatshard._peers import OPTIMIZER_PEERS
-from flatshard.bench import script_main
+from flatshard.app.bench import script_main
+from flatshard.app.peers import OPTIMIZER_PEERS
 
 if __name__ == "__main__":
     script_main(__doc__, OPTIMIZER_PEERS, "bench-results/optimizers.json")

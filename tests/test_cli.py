@@ -101,7 +101,7 @@ def test_device_auto_is_cuda_only_with_a_gpu_per_local_rank(monkeypatch, device,
     ``cuda`` says why it cannot."""
     import torch
 
-    from flatshard._train import resolve_device
+    from flatshard.app.train import resolve_device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-import flatshard._bucket_group as bucket_group
-import flatshard._buffer as buffer_module
-import flatshard._unshard as unshard
+import flatshard.engine.bucket_group as bucket_group
+import flatshard.engine.buffer as buffer_module
+import flatshard.stage3.unshard as unshard
 from _parity import CheckpointedGPT, RankSkippingGPT, SharedBlockGPT
 from flatshard.data import SyntheticCorpus
 from flatshard.testing import run_distributed

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard._collectives import (
+from flatshard.comm.collectives import (
     GATHER_IMPLS,
     SCATTER_IMPLS,
     CommStats,
@@ -16,7 +16,7 @@ from flatshard._collectives import (
     sum_rows,
     wait_until,
 )
-from flatshard._world import World
+from flatshard.comm.world import World
 from flatshard.testing import run_distributed
 
 

@@ -1,4 +1,4 @@
-"""torch.compile at every stage ([Note: hooks and torch.compile] in ``_compile.py``).
+"""torch.compile at every stage ([Note: hooks and torch.compile] in ``engine/dynamo.py``).
 
 Compiled runs use inductor, the default backend; world sizes 1 and 2 run in CI, 3 and 4
 under ``-m slow``.
@@ -130,5 +130,5 @@ def _checkpoint_of_compiled(path: str) -> bool:
 def test_checkpoints_and_reports_take_the_compiled_wrapper(tmp_path):
     same_report = run_distributed(_checkpoint_of_compiled, 2, str(tmp_path / "ckpt"), timeout=300)
     assert same_report == [True, True]
-    keys = set(flatshard.checkpoint.read_manifest(str(tmp_path / "ckpt"))["params"])
+    keys = set(flatshard.checkpoint.directory.read_manifest(str(tmp_path / "ckpt"))["params"])
     assert keys and not any(k.startswith("_orig_mod") for k in keys), sorted(keys)[:3]

@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard._launch import rank_env
-from flatshard.memory import cpu_malloc_env
+from flatshard.app.launch import rank_env
+from flatshard.app.malloc import cpu_malloc_env
 from flatshard.testing import RankError, run_distributed
 
 

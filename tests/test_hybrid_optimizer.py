@@ -24,7 +24,7 @@ from _parity import (
 )
 from flatshard import DistributedOptimizer, HybridDeviceOptimizer
 from flatshard.data import SyntheticCorpus
-from flatshard.hybrid_optimizer import _offloaded
+from flatshard.optim.hybrid import _offloaded
 from flatshard.testing import run_distributed
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)

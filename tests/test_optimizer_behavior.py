@@ -13,8 +13,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatshard
 from _parity import CFG, TiedGPT, full_params
 from flatshard import DistributedOptimizer, DynamicLossScaler, memory_report
-from flatshard._grad_sync import MAX_SCRATCH_IN_FLIGHT
 from flatshard.data import SyntheticCorpus
+from flatshard.engine.grad_sync import MAX_SCRATCH_IN_FLIGHT
 from flatshard.models import GPT
 from flatshard.testing import run_distributed
 

@@ -1,6 +1,7 @@
 """The repository keeps its promises: CI runs the README's test command, lint is clean,
-modules stay small."""
+modules stay small, imports point one way between the package's layers."""
 
+import ast
 import pathlib
 import re
 import subprocess
@@ -50,3 +51,68 @@ def test_only_the_stage_policy_compares_the_stage_number():
         if compare.search(line.split("#")[0]) and not line.lstrip().startswith(('f"', '"', "'"))
     ]
     assert not found, "ask StagePolicy instead:\n" + "\n".join(found)
+
+
+# [Note: package layers] in flatshard/__init__.py, lowest first. A module's layer is that of
+# the longest prefix of its dotted name listed here.
+LAYERS = [
+    [f"flatshard.{m}" for m in ("errors", "layout", "stage", "shard_map", "plan", "mixed_precision")],
+    ["flatshard.comm"],
+    ["flatshard.engine"],
+    ["flatshard.stage3"],
+    ["flatshard.wrap"],
+    ["flatshard.optim"],
+    ["flatshard.checkpoint"],
+    ["flatshard", "flatshard.memory"],
+    ["flatshard.app", "flatshard.models", "flatshard.data", "flatshard.testing", "flatshard.__main__"],
+]
+
+
+def _layer(module: str) -> int:
+    best = max((p for layer in LAYERS for p in layer if module == p or module.startswith(p + ".")), key=len)
+    return next(i for i, layer in enumerate(LAYERS) if best in layer)
+
+
+def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, imported flatshard module) for every import in the file, function-local ones too."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "flatshard"]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "flatshard":
+            for a in node.names:  # "from flatshard.app import launch" imports flatshard.app.launch
+                sub = f"{node.module}.{a.name}"
+                out.append((node.lineno, sub if _is_module(sub) else node.module))
+    return out
+
+
+def _is_module(dotted: str) -> bool:
+    base = ROOT / "src" / pathlib.Path(*dotted.split("."))
+    return base.with_suffix(".py").exists() or (base / "__init__.py").exists()
+
+
+def _modules():
+    for p in sorted((ROOT / "src" / "flatshard").rglob("*.py")):
+        parts = p.relative_to(ROOT / "src").with_suffix("").parts
+        yield p, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def test_imports_point_down_the_layers():
+    """No module imports from a layer above its own, so the folder tree is the dependency
+    picture (e.g. the engine never reaches into stage 3 or the optimizers)."""
+    upward = [
+        f"{p.relative_to(ROOT)}:{line}: {module} (layer {_layer(module)}) imports {target} "
+        f"(layer {_layer(target)})"
+        for p, module in _modules()
+        for line, target in _imports(p)
+        if _layer(target) > _layer(module)
+    ]
+    assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def test_every_module_has_a_layer():
+    for _, module in _modules():
+        assert _layer(module) >= 0
+    assert (
+        _layer("flatshard.engine.buffer") < _layer("flatshard.stage3.unshard") < _layer("flatshard.app.cli")
+    )

@@ -10,9 +10,9 @@ from torch import nn
 import flatshard
 from _parity import CFG, TiedGPT, full_params, max_rel_diff
 from flatshard import DistributedOptimizer, memory_report
-from flatshard._checkpoint_state import main_pieces
-from flatshard._units import assign_params, find_units
+from flatshard.checkpoint.state import main_pieces
 from flatshard.data import SyntheticCorpus
+from flatshard.engine.units import assign_params, find_units
 from flatshard.models import GPT, GPTConfig
 from flatshard.models.gpt import Block
 from flatshard.testing import run_distributed

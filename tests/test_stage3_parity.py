@@ -154,9 +154,9 @@ def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward, ac
 def _train_with_a_short_block_timeout(*args, **kwargs):
     """``train_optimizer_side_by_side`` with grad sync giving up a blocked wait after 0.3 s;
     also returns the warnings raised."""
-    import flatshard._grad_sync
+    import flatshard.engine.grad_sync
 
-    flatshard._grad_sync.BLOCK_TIMEOUT_S = 0.3
+    flatshard.engine.grad_sync.BLOCK_TIMEOUT_S = 0.3
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = train_optimizer_side_by_side(*args, **kwargs)

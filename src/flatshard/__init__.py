@@ -1,18 +1,43 @@
-"""flatshard: ZeRO-style sharded data parallelism for PyTorch on flat, bucketed buffers."""
+"""flatshard: ZeRO-style sharded data parallelism for PyTorch on flat, bucketed buffers.
 
-from flatshard._collectives import CommStats
-from flatshard._sharded_module import ShardedModule
-from flatshard.api import ExpertGroup, shard
-from flatshard.checkpoint import load_checkpoint, save_checkpoint, verify_checkpoint
+[Note: package layers]
+
+The package is cut into layers; a module imports only from its own layer and the layers
+above it in this list (``tests/test_repo.py`` checks every import):
+
+0. pure planning, no process group and no wrapped module: ``errors``, ``layout`` (the flat
+   layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),
+   ``shard_map`` (which parts of a shard an optimizer run covers), ``plan`` (memory and
+   bytes per rank before running anything), ``mixed_precision``;
+1. ``comm/``: worlds and collectives;
+2. ``engine/``: flat buffers, bucket groups, grad sync, param gathers, units, hook wrappers;
+3. ``stage3/``: unsharding units, meta init, full params;
+4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;
+5. ``optim/``: the distributed, hybrid and owner-sharded optimizers, loss scaling;
+6. ``checkpoint/``: checkpoint directories, pieces, checksums, weights files;
+7. the public surface: this module (``flatshard.__all__``) and ``memory``
+   (``memory_report``, which reads a wrapped module and its optimizer);
+8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings,
+   malloc settings) and the toolkit modules ``models`` (the demo GPT), ``data`` (the
+   synthetic corpus) and ``testing`` (the multi-process test harness).
+
+Public: the names in ``__all__``, the modules of layer 0, ``memory``, ``models``, ``data``
+and ``testing``, and the CLI. Everything else may move between releases.
+"""
+
+from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
+from flatshard.checkpoint.weights import export_checkpoint, load_weights
+from flatshard.comm.collectives import CommStats
 from flatshard.errors import CheckpointError, ChecksumError
-from flatshard.hybrid_optimizer import HybridDeviceOptimizer
 from flatshard.layout import Layout, ParamSpec, plan_layout
-from flatshard.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.mixed_precision import MixedPrecision
-from flatshard.optimizer import DistributedOptimizer
-from flatshard.owner_optimizer import OwnerShardedOptimizer
-from flatshard.weights import export_checkpoint, load_weights
+from flatshard.optim.distributed import DistributedOptimizer
+from flatshard.optim.hybrid import HybridDeviceOptimizer
+from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
+from flatshard.optim.owner import OwnerShardedOptimizer
+from flatshard.wrap.module import ShardedModule
+from flatshard.wrap.shard import ExpertGroup, shard
 
 __all__ = [
     "CheckpointError",

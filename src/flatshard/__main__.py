@@ -1,5 +1,5 @@
 import sys
 
-from flatshard.cli import main
+from flatshard.app.cli import main
 
 sys.exit(main())

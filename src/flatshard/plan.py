@@ -21,9 +21,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flatshard._shard_map import plan_runs
 from flatshard.layout import ParamSpec, plan_layout
 from flatshard.mixed_precision import HALF_DTYPES
+from flatshard.shard_map import plan_runs
 from flatshard.stage import STAGES, StagePolicy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}

@@ -32,7 +32,7 @@ BACKWARD_PREFETCH = ("pre", "post", None)
 
 @dataclass(frozen=True)
 class UnitOptions:
-    """Stage 3's gather schedule ([Note: unsharding] in ``_unshard.py``), validated once.
+    """Stage 3's gather schedule ([Note: unsharding] in ``stage3/unshard.py``), validated once.
 
     reshard_after_forward: free a unit's params after its forward (False: keep them until
         its backward is done, trading memory for one gather per unit).

@@ -16,9 +16,9 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from flatshard._dcp import Piece
-from flatshard._sharded_module import ShardedModule
-from flatshard.optimizer import DistributedOptimizer
+from flatshard.checkpoint.pieces import Piece
+from flatshard.optim.distributed import DistributedOptimizer
+from flatshard.wrap.module import ShardedModule
 
 MODEL, MAIN, STATE, GROUPS, META = "model/", "main/", "state/", "optimizer/param_groups", "optimizer/meta"
 

@@ -6,7 +6,7 @@
   with each param a view of its full bucket. On exit, with ``writeback``, each rank copies
   its own shard of every bucket back (what a user changed in the params is kept; fp32
   main params take a value only where the 16-bit value changed, so unchanged ones keep
-  their full precision: [Note: main-backed shards] in ``_buffer.py``). ``with_grads``
+  their full precision: [Note: main-backed shards] in ``engine/buffer.py``). ``with_grads``
   gathers the reduced grad shards into ``param.grad`` for the block. ``rank0_only`` frees
   the units again on every other rank.
 * ``full_state_dict()`` gathers one unit at a time and gives rank 0 a plain CPU state dict
@@ -22,8 +22,8 @@ from contextlib import contextmanager
 
 import torch
 
-from flatshard._collectives import all_gather
-from flatshard._unshard import Part, Unsharder
+from flatshard.comm.collectives import all_gather
+from flatshard.stage3.unshard import Part, Unsharder
 
 
 @contextmanager

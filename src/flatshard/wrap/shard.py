@@ -14,30 +14,30 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, broadcast
-from flatshard._compile import eager
-from flatshard._grad_sync import (
+from flatshard.comm.collectives import CommStats, broadcast
+from flatshard.comm.world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
+from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.dynamo import eager
+from flatshard.engine.grad_sync import (
     MAX_SCRATCH_IN_FLIGHT,
     STAGE3_SCRATCH_IN_FLIGHT,
     BufferSet,
     GradSync,
     build_bucket_groups,
 )
-from flatshard._param_gather import ParamGather
-from flatshard._sharded_module import ShardedModule, ShardState, make_sharded
-from flatshard._stage3 import (
+from flatshard.engine.param_gather import ParamGather
+from flatshard.engine.units import UnitSpec, assign_params, find_units
+from flatshard.layout import ParamSpec, plan_layout
+from flatshard.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params, input_cast_hook
+from flatshard.stage import StagePolicy
+from flatshard.stage3.build import (
     broadcast_values,
     build_unsharder,
     initialize_units,
     is_meta_model,
     replace_meta_params,
 )
-from flatshard._units import UnitSpec, assign_params, find_units
-from flatshard._world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
-from flatshard.layout import ParamSpec, plan_layout
-from flatshard.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params, input_cast_hook
-from flatshard.stage import StagePolicy
+from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per bucket by default (16 MiB of fp32 grads)."""
@@ -105,7 +105,7 @@ def shard(
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
         mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
 
-    Stage 3 only (see [Note: unsharding] in ``_unshard.py``):
+    Stage 3 only (see [Note: unsharding] in ``stage3/unshard.py``):
         units: module classes, or a predicate ``(qualified_name, module) -> bool``, that pick
             the units gathered and freed together; default: the children of every
             ``nn.ModuleList``. The root is a unit too and owns every other param.

@@ -7,9 +7,9 @@ import math
 import os
 import sys
 
-from flatshard import _launch
-from flatshard.api import DEFAULT_BUCKET_SIZE
+from flatshard.app import launch
 from flatshard.stage import STAGES, StagePolicy
+from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
 
 
 def _positive_int(text: str) -> int:
@@ -150,7 +150,7 @@ def _add_verify(sub) -> None:
 
 
 def _add_bench(sub) -> None:
-    from flatshard import bench
+    from flatshard.app import bench
 
     parser = sub.add_parser(
         "bench",
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "verify":
         return _verify(args)
     if args.command == "bench":
-        from flatshard.bench import bench_main
+        from flatshard.app.bench import bench_main
 
         bench_main(args)
         return 0
@@ -267,9 +267,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
-    from flatshard._train import TrainConfig, resolve_device, run
+    from flatshard.app.train import TrainConfig, resolve_device, run
 
-    if _launch.launched():
+    if launch.launched():
         world = int(os.environ["WORLD_SIZE"])
         explicit = any(a in ("--world-size", "-n") or a.startswith("--world-size=") for a in argv)
         if explicit and args.world_size != world:
@@ -278,14 +278,14 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if _launch.launched() else args.world_size
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launch.launched() else args.world_size
     try:
         device = resolve_device(args.device, local_ranks)
     except ValueError as e:
         print(f"flatshard train: {e}", file=sys.stderr)
         return 2
-    if not _launch.launched() and args.world_size > 1:
-        return _launch.launch_local(argv, args.world_size, cpu=device == "cpu")
+    if not launch.launched() and args.world_size > 1:
+        return launch.launch_local(argv, args.world_size, cpu=device == "cpu")
     reason = _check_train_args(args)
     if reason is not None:
         print(f"flatshard train: {reason}", file=sys.stderr)
@@ -317,7 +317,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 
 def _check_train_args(args: argparse.Namespace) -> str | None:
     """Why the options cannot work (before any rank starts), or None."""
-    from flatshard._train import resume_problem
+    from flatshard.app.train import resume_problem
     from flatshard.models import model_factory
 
     try:
@@ -385,7 +385,8 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _layout(args: argparse.Namespace) -> int:
-    from flatshard import draw, plan
+    from flatshard import plan
+    from flatshard.app import draw
     from flatshard.layout import plan_layout
 
     try:
@@ -414,7 +415,7 @@ def _layout(args: argparse.Namespace) -> int:
 
 def _export(args: argparse.Namespace) -> int:
     from flatshard import plan
-    from flatshard.weights import export_checkpoint
+    from flatshard.checkpoint.weights import export_checkpoint
 
     dtype = None if args.dtype is None else plan.DTYPES[args.dtype]
     try:
@@ -431,7 +432,7 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _verify(args: argparse.Namespace) -> int:
-    from flatshard.checkpoint import verify_checkpoint
+    from flatshard.checkpoint.directory import verify_checkpoint
     from flatshard.errors import CheckpointError
 
     try:
@@ -449,8 +450,8 @@ def _model_specs(model: str, dtype):
     its specs as stages 0-2 and stage 3 lay them out."""
     import torch
 
-    from flatshard.api import model_specs
     from flatshard.models import model_factory
+    from flatshard.wrap.shard import model_specs
 
     build = model_factory(model)
     with torch.device("meta"):

@@ -28,7 +28,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from flatshard._world import World
+from flatshard.comm.world import World
 
 
 class Handle(Protocol):

@@ -3,7 +3,7 @@ into one state dict file; ``load_weights`` seeds a sharded model from one.
 
 Both stream: an export reads the checkpoint a bounded number of bytes at a time (DCP reads
 exactly the requested ranges of the saved pieces) and writes each tensor as it arrives
-(``_state_files``); a load reads, on each rank, only the ranges of each tensor that the rank
+(``checkpoint.files``); a load reads, on each rank, only the ranges of each tensor that the rank
 holds (its shards at stage 3, whole params below) and writes them in place, through the
 same ``Piece`` destinations as ``load_checkpoint``. No rank ever holds the whole model.
 """
@@ -19,13 +19,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from flatshard import _checkpoint_state as cs
-from flatshard import _dcp
-from flatshard._compile import uncompiled
-from flatshard._dcp import Piece
-from flatshard._state_files import Entry, Source, open_source, write_state_file
-from flatshard.checkpoint import read_manifest, resolve_checkpoint
-from flatshard.optimizer import DistributedOptimizer
+from flatshard.checkpoint import pieces
+from flatshard.checkpoint import state as cs
+from flatshard.checkpoint.directory import read_manifest, resolve_checkpoint
+from flatshard.checkpoint.files import Entry, Source, open_source, write_state_file
+from flatshard.checkpoint.pieces import Piece
+from flatshard.engine.dynamo import uncompiled
+from flatshard.optim.distributed import DistributedOptimizer
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 WEIGHTS = ("main", "model")
@@ -97,7 +97,7 @@ def _read_checkpoint(
 
 def _load_batch(path: str, batch: dict[str, Piece], order: list) -> Iterator[tuple[Entry, torch.Tensor]]:
     if batch:
-        _dcp.load(batch, path, single_process=True)
+        pieces.load(batch, path, single_process=True)
     for entry, piece in order:
         yield entry, piece.tensor.to(entry.dtype)
     batch.clear()
@@ -141,9 +141,9 @@ def load_weights(
     return missing, unexpected
 
 
-def _copy(src: Source, pieces: Mapping[str, Any], prefix: str) -> None:
+def _copy(src: Source, destinations: Mapping[str, Any], prefix: str) -> None:
     """Fill each piece (keyed ``prefix + name``) from the same range of the source's tensor."""
-    for key, piece in pieces.items():
+    for key, piece in destinations.items():
         name = key.removeprefix(prefix)
         count = piece.tensor.numel()
         if name in src.shapes and count:

@@ -41,9 +41,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, Handle, all_reduce, reduce_scatter, wait_until
-from flatshard._world import ONE, World
+from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_scatter, wait_until
+from flatshard.comm.world import ONE, World
+from flatshard.engine.buffer import FlatBuffer
 from flatshard.layout import BucketLayout
 from flatshard.mixed_precision import split_scale
 

@@ -25,13 +25,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from flatshard import _checkpoint_state as cs
-from flatshard import _dcp
-from flatshard._compile import uncompiled
-from flatshard._state_files import verify_state_file
-from flatshard._world import World, resolve_world
+from flatshard.checkpoint import pieces
+from flatshard.checkpoint import state as cs
+from flatshard.checkpoint.files import verify_state_file
+from flatshard.comm.world import World, resolve_world
+from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
-from flatshard.optimizer import DistributedOptimizer
+from flatshard.optim.distributed import DistributedOptimizer
 
 FORMAT = "flatshard-checkpoint/1"
 MANIFEST = "flatshard.json"
@@ -129,7 +129,7 @@ def save_checkpoint(
         state.update(optimizer_entries)
         state[EXTRA] = _extra_to_save(extra)
         state[f"rng/{rank}"] = _rng_state()
-        _dcp.save(state, partial, single_process=size == 1)
+        pieces.save(state, partial, single_process=size == 1)
     if rank == 0:
         os.remove(os.path.join(partial, PARTIAL_MARK))
         _write_manifest(partial, model, optimizer, size)
@@ -193,7 +193,7 @@ def _agree_on_destination(world: World, path: str) -> None:
 
 def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int) -> None:
     files = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
-    with open(os.path.join(directory, _dcp.METADATA), "rb") as f:  # small: the index of the pieces
+    with open(os.path.join(directory, pieces.METADATA), "rb") as f:  # small: the index of the pieces
         metadata_crc = zlib.crc32(f.read())
     manifest = {
         "format": FORMAT,
@@ -203,7 +203,7 @@ def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int
         "params": cs.model_shapes(model),
         "aliases": cs.model_aliases(model),
         "files": files,
-        "crc32": {_dcp.METADATA: metadata_crc},
+        "crc32": {pieces.METADATA: metadata_crc},
     }
     with open(os.path.join(directory, MANIFEST), "w") as f:
         json.dump(manifest, f, indent=1)
@@ -295,18 +295,18 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:
     path = resolve_checkpoint(path)
     manifest = read_manifest(path)
     by_file: dict[str, list] = {}
-    for index, info in _dcp.reader(path).read_metadata().storage_data.items():
+    for index, info in pieces.reader(path).read_metadata().storage_data.items():
         by_file.setdefault(info.relative_path, []).append((info, index.fqn))
     counts = {"files": len(manifest["files"]), "checked": 0, "unchecked": 0}
     for name, items in sorted(by_file.items()):
         with open(os.path.join(path, name), "rb") as f:
             for info, fqn in sorted(items, key=lambda item: item[0].offset):
-                if _dcp.DESCRIPTOR not in (info.transform_descriptors or ()):
+                if pieces.DESCRIPTOR not in (info.transform_descriptors or ()):
                     counts["unchecked"] += 1
                     continue
                 f.seek(info.offset)
-                if not _dcp.trailer_intact(f.read(info.length)):
-                    raise _dcp.mismatch(path, info, fqn)
+                if not pieces.trailer_intact(f.read(info.length)):
+                    raise pieces.mismatch(path, info, fqn)
                 counts["checked"] += 1
     return counts
 
@@ -340,7 +340,7 @@ def load_checkpoint(
         state[EXTRA] = None
         if restore_rng and same_world:
             state[f"rng/{rank}"] = None
-        _dcp.load(state, path, single_process=size == 1)
+        pieces.load(state, path, single_process=size == 1)
         if finish is not None:
             finish(state)
     if restore_rng and same_world:

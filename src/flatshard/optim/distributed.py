@@ -3,7 +3,7 @@
 [Note: distributed optimizer]
 
 ``DistributedOptimizer(model, torch.optim.AdamW, lr=...)`` composes an *inner* torch
-optimizer over flat fp32 tensors ("runs", [Note: optimizer runs] in ``_shard_map.py``) that
+optimizer over flat fp32 tensors ("runs", [Note: optimizer runs] in ``shard_map.py``) that
 cover this rank's shard of every bucket. A step is four phases, each one flat op (or one
 small collective) per bucket shard, never a loop over params:
 
@@ -15,7 +15,7 @@ small collective) per bucket shard, never a loop over params:
 2. **update**: the inner optimizer steps the runs. For fp32 params the runs *are* views of
    the param buffer's shard; for 16-bit params they are views of an fp32 *main param*
    frame, copied back into the param shard after the step (at stage 3 there is no 16-bit
-   shard: the main params are gathered, [Note: main-backed shards] in ``_buffer.py``).
+   shard: the main params are gathered, [Note: main-backed shards] in ``engine/buffer.py``).
 3. **gather**: each bucket's params are all-gathered from the shards ([Note: param
    gather]), overlapped with the next forward unless ``overlap_param_gather=False``.
 
@@ -38,16 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatshard._buffer import FlatBuffer
-from flatshard._collectives import all_reduce
-from flatshard._compile import uncompiled
-from flatshard._composite import run_closure
-from flatshard._shard_map import Run, plan_runs
-from flatshard._sharded_module import ShardedModule, ShardState
-from flatshard._world import World
+from flatshard.comm.collectives import all_reduce
+from flatshard.comm.world import World
+from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.dynamo import uncompiled
 from flatshard.layout import ShardRanges
-from flatshard.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.mixed_precision import HALF_DTYPES
+from flatshard.optim.composite import run_closure
+from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
+from flatshard.shard_map import Run, plan_runs
+from flatshard.wrap.module import ShardedModule, ShardState
 
 # [Note: elementwise optimizers] Flat shards cut params anywhere, so the inner optimizer sees
 # pieces of params glued together: exact only for rules that update every element from
@@ -161,7 +161,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             True starts gathering the root and first unit for the next forward at the end
             of ``step``; False leaves every unit sharded between steps.
         loss_scale: None, a number (static) or ``"dynamic"`` (or a scaler from
-            ``flatshard.loss_scale``): scale the loss with ``scale_loss`` before backward.
+            ``flatshard.optim.loss_scale``): scale the loss with ``scale_loss`` before backward.
         skip_nonfinite: skip a step whose grads hold inf or NaN on any rank.
         elementwise: declare that ``optimizer_class`` updates each element from its own
             grad and state alone, so flat shards step it exactly; needed for a class that is
@@ -452,7 +452,7 @@ def _check_optimizer_class(
 ) -> None:
     """Refuse what cannot step flat shards; a ``HybridDeviceOptimizer``'s classes are
     checked in its place."""
-    from flatshard.hybrid_optimizer import HybridDeviceOptimizer
+    from flatshard.optim.hybrid import HybridDeviceOptimizer
 
     defaults = defaults or {}
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, HybridDeviceOptimizer):

@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from flatshard.memory import cpu_malloc_env
+from flatshard.app.malloc import cpu_malloc_env
 
 
 def launched() -> bool:
@@ -24,7 +24,7 @@ def launch_local(
 ) -> int:
     """Run ``python -m flatshard *argv`` as ``nproc`` ranks; return the first failing exit
     code (the others are stopped), or 0. Ranks that train on ``cpu`` start with
-    ``CPU_MALLOC_TUNABLES`` (see ``flatshard.memory``).
+    ``CPU_MALLOC_TUNABLES`` (see ``flatshard.app.malloc``).
 
     Like torchrun's agent, this process hosts the rendezvous store (on a port the OS picks,
     so no race for a free port) and outlives every rank, so no rank loses the store while

@@ -8,7 +8,7 @@ all-gather per bucket, in the order the next forward needs them (the bucket hold
 first-registered param first), and waits for a bucket only where it is needed:
 
 * in a forward pre-hook of the outermost *block* (a child of an ``nn.ModuleList``, the
-  default units of ``_units.py``) around a module that owns (``recurse=False``) one of its
+  default units of ``engine/units.py``) around a module that owns (``recurse=False``) one of its
   params, or of that module itself when no block holds it. Hooking the block rather than
   its layers keeps the waits on its edges, outside a graph that ``block.compile()`` makes
   ([Note: hooks and torch.compile]);
@@ -26,11 +26,11 @@ from functools import partial
 
 from torch import nn
 
-from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, Handle, all_gather
-from flatshard._compile import eager
-from flatshard._units import find_units
-from flatshard._world import World
+from flatshard.comm.collectives import CommStats, Handle, all_gather
+from flatshard.comm.world import World
+from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.dynamo import eager
+from flatshard.engine.units import find_units
 
 
 class ParamGather:

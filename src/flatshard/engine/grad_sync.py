@@ -26,11 +26,11 @@ Two kinds of buffers:
   last ``zero_grad`` of the module or the flatshard optimizer.
 
 At stages 1-3 grads are scaled as they arrive and kept as shards between backwards
-([Note: sharded grads] in ``_bucket_group.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
+([Note: sharded grads] in ``engine/bucket_group.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
 launched groups hold scratch (at stage 3, where a unit's full params are alive too, one),
 besides the group accumulating: before a group's reduction is launched, the oldest are
 finished (waited for; at stage 3 only where that cannot deadlock with the param gathers,
-[Note: two process groups] in ``_unshard.py``), and the next group reuses their scratch.
+[Note: two process groups] in ``stage3/unshard.py``), and the next group reuses their scratch.
 """
 
 from __future__ import annotations
@@ -43,10 +43,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from flatshard._bucket_group import BucketGroup, ScratchPool
-from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, all_reduce
-from flatshard._world import ONE, World
+from flatshard.comm.collectives import CommStats, all_reduce
+from flatshard.comm.world import ONE, World
+from flatshard.engine.bucket_group import BucketGroup, ScratchPool
+from flatshard.engine.buffer import FlatBuffer
 from flatshard.layout import Layout
 
 MAX_SCRATCH_IN_FLIGHT = 2

@@ -16,10 +16,11 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import plan
-from flatshard._train_report import Metrics, Progress, format_summary, plot_losses
-from flatshard.checkpoint import MANIFEST
+from flatshard.app.malloc import retain_freed_cpu_memory
+from flatshard.app.train_report import Metrics, Progress, format_summary, plot_losses
+from flatshard.checkpoint.directory import MANIFEST
 from flatshard.data import ByteCorpus, SyntheticCorpus
-from flatshard.memory import memory_report, retain_freed_cpu_memory
+from flatshard.memory import memory_report
 from flatshard.models import model_factory
 
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints kept under --checkpoint-dir
@@ -35,7 +36,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 20
     clip: float = 1.0
-    bucket_size: int | None = flatshard.api.DEFAULT_BUCKET_SIZE
+    bucket_size: int | None = flatshard.wrap.shard.DEFAULT_BUCKET_SIZE
     seed: int = 0
     device: str = "auto"
     offload_fraction: float = 0.0  # share of this rank's optimizer updates run on the host

@@ -3,7 +3,7 @@
 [Note: unsharding]
 
 Between uses a rank holds only its shard of every bucket (``FlatBuffer.param_shard_data``,
-or the optimizer's fp32 main params, [Note: main-backed shards] in ``_buffer.py``);
+or the optimizer's fp32 main params, [Note: main-backed shards] in ``engine/buffer.py``);
 each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *gathering*
 (its buckets' all-gathers are in flight) or *full* (its params are views into full buckets):
 
@@ -49,7 +49,7 @@ backwards are alike. A rank whose unit (or one param of it) got no grad complete
 bucket group only at the end of its backward, after issuing every gather; a rank that
 blocked on that reduction before issuing its own remaining gathers would wait forever, and
 so would the first rank, on those gathers. So grad sync blocks on a reduction during a
-backward (to bound grad scratch, ``_grad_sync``) only where no cycle can form:
+backward (to bound grad scratch, ``engine.grad_sync``) only where no cycle can form:
 
 * this rank has issued every gather of its backward schedule: a rank blocked on a gather
   then waits for ranks that are not blocked on a reduction, so the gathers all land;
@@ -88,11 +88,11 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from flatshard._buffer import FlatBuffer
-from flatshard._collectives import CommStats, Handle, all_gather, all_reduce
-from flatshard._compile import eager
-from flatshard._units import Unit
-from flatshard._world import World
+from flatshard.comm.collectives import CommStats, Handle, all_gather, all_reduce
+from flatshard.comm.world import World
+from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.dynamo import eager
+from flatshard.engine.units import Unit
 from flatshard.layout import BucketLayout
 from flatshard.stage import UnitOptions
 

@@ -12,13 +12,13 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
-from flatshard._collectives import CommStats
-from flatshard._full_params import full_state_dict, load_full_state_dict, summon
-from flatshard._grad_sync import BufferSet, GradSync
-from flatshard._param_gather import ParamGather
-from flatshard._unshard import Unsharder
+from flatshard.comm.collectives import CommStats
+from flatshard.engine.grad_sync import BufferSet, GradSync
+from flatshard.engine.param_gather import ParamGather
 from flatshard.layout import Layout
 from flatshard.stage import StagePolicy
+from flatshard.stage3.full_params import full_state_dict, load_full_state_dict, summon
+from flatshard.stage3.unshard import Unsharder
 
 
 @dataclass
@@ -48,7 +48,7 @@ class ShardState:
     def param_dtype_shards(self) -> Iterator[None]:
         """Stage-3 16-bit shards that exist inside the block, for code that reads or writes
         them; what was written reaches the main params on exit ([Note: main-backed shards]
-        in ``_buffer.py``). Blocks nest; elsewhere a no-op."""
+        in ``engine/buffer.py``). Blocks nest; elsewhere a no-op."""
         buffers = [b for bset in self.sets.values() for b in bset.buffers if b.main_frame is not None]
         if self._materialized == 0:
             for buffer in buffers:
@@ -161,7 +161,7 @@ class ShardedModule(nn.Module):
     def summon_full_params(
         self, writeback: bool = True, rank0_only: bool = False, with_grads: bool = False
     ) -> Iterator[None]:
-        """Full params inside the block ([Note: full params] in ``_full_params.py``); every rank
+        """Full params inside the block ([Note: full params] in ``stage3/full_params.py``); every rank
         must enter it. Below stage 3 params are always full and this only waits for gathers."""
         if not self._flatshard.policy.shards_params:
             self._flatshard.wait_for_params()

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from flatshard._composite import CompositeOptimizer, SubOptimizer, run_closure
 from flatshard.mixed_precision import HALF_DTYPES
+from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
 
 
 @dataclass

@@ -20,12 +20,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
-from flatshard._collectives import CommStats, broadcast
-from flatshard._grad_sync import BufferSet
-from flatshard._units import Unit
-from flatshard._unshard import Part, Unsharder
-from flatshard._world import World, side_world
+from flatshard.comm.collectives import CommStats, broadcast
+from flatshard.comm.world import World, side_world
+from flatshard.engine.grad_sync import BufferSet
+from flatshard.engine.units import Unit
 from flatshard.stage import UnitOptions
+from flatshard.stage3.unshard import Part, Unsharder
 
 COALESCE_NUMEL = 2**22
 """Elements per broadcast when rank 0's values are sent to every rank before binding."""

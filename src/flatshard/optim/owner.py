@@ -15,9 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatshard._collectives import CommStats, Handle, broadcast
-from flatshard._composite import CompositeOptimizer, SubOptimizer, run_closure
-from flatshard._world import World, check_ranks_agree, resolve_world
+from flatshard.comm.collectives import CommStats, Handle, broadcast
+from flatshard.comm.world import World, check_ranks_agree, resolve_world
+from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
 
 ASSIGNMENTS = ("balanced", "round_robin")
 FORMAT = "OwnerShardedOptimizer/1"
