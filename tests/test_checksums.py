@@ -114,7 +114,7 @@ def test_a_flipped_byte_in_an_exported_file_is_named_when_it_is_read(saved, tmp_
 def test_a_rank_reading_part_of_a_tensor_checks_the_blocks_it_reads(tmp_path):
     """A .safetensors read of a range checks the whole checksum blocks it touches, so stage 3
     ranks that read only their shards still check everything they read."""
-    from flatshard import _state_files as sf
+    from flatshard.checkpoint import files as sf
 
     out = str(tmp_path / "big.safetensors")
     big = torch.arange(3 * sf.CRC_BLOCK // 4, dtype=torch.float32)  # 3 blocks of 1 MiB

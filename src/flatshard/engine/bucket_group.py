@@ -44,6 +44,7 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_scatter, wait_until
 from flatshard.comm.world import ONE, World
 from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.lifecycle import Reduction, advance
 from flatshard.layout import BucketLayout
 from flatshard.mixed_precision import split_scale
 
@@ -129,7 +130,6 @@ class BucketGroup:
         self.reduce_dtype = None if reduce_dtype == buffer.layout.grad_dtype else reduce_dtype
         self._post = split_scale(scale, self.reduce_dtype)
         self._low: torch.Tensor | None = None  # the reduce-dtype copy while it is reduced
-        self._replicated = False
         self._slots = [slot for bucket in self.buckets for slot in bucket.params]
         ends = [self.start] + [slot.end for slot in self._slots]
         starts = [slot.start for slot in self._slots] + [self.buckets[-1].end]
@@ -138,17 +138,25 @@ class BucketGroup:
         self._shard_fresh = True  # stage 2: grad shards hold nothing since zero_grad
         self._ids = frozenset(id(p) for p in self.params)
         self._pending: set[int] = set(self._ids)
-        self._handles: list[Handle] | None = None
+        self._handles: list[Handle] = []  # the collectives of the reduction in flight
         self._stale = False
-        self.launched = False
+        self.reduction = Reduction.COLLECTING  # [Note: lifecycles]
+
+    def _move(self, new: Reduction) -> None:
+        self.reduction = advance(self.reduction, new, f"bucket group {self.index}")
 
     @property
     def complete(self) -> bool:
         return not self._pending
 
     @property
+    def launched(self) -> bool:
+        """Whether this backward's reduction has started (a grad arriving now is too late)."""
+        return self.reduction is not Reduction.COLLECTING
+
+    @property
     def in_flight(self) -> bool:
-        return self._handles is not None
+        return self.reduction in (Reduction.REDUCING, Reduction.REPLICATING)
 
     def is_ready(self, param: nn.Parameter) -> bool:
         return id(param) not in self._pending
@@ -200,7 +208,7 @@ class BucketGroup:
     def start_sync(self) -> None:
         if self.launched:
             raise RuntimeError(f"bucket group {self.index} was launched twice in one backward")
-        self.launched = True
+        self._move(Reduction.REDUCING)
         self.begin()
         data = self._reduced_data()
         if not self.sharded:
@@ -239,7 +247,7 @@ class BucketGroup:
     def replicate_shards(self) -> None:
         """Hybrid sharding: once the reduce-scatter is done, all-reduce this rank's shards
         over the replicate world (launched; ``finish_sync`` waits)."""
-        if self._handles is None or self._replicated or self.replicate.size == 1:
+        if self.reduction is not Reduction.REDUCING or self.replicate.size == 1:
             return
         for handle in self._handles:
             handle.wait()
@@ -247,16 +255,16 @@ class BucketGroup:
         self._handles = [
             all_reduce(data[lo:hi], self.replicate, stats=self.stats) for lo, hi in self._own_ranges()
         ]
-        self._replicated = True
+        self._move(Reduction.REPLICATING)
 
     def reduced(self) -> bool:
         """Whether ``finish_sync`` would return without waiting for another rank (with a
         replicate world, launches the cross-replica reduction once the shards are reduced)."""
-        if self._handles is None:
+        if not self.in_flight:
             return True
         if not all(h.is_completed() for h in self._handles):
             return False
-        if self.replicate.size > 1 and not self._replicated:
+        if self.replicate.size > 1 and self.reduction is Reduction.REDUCING:
             self.replicate_shards()
             return all(h.is_completed() for h in self._handles)
         return True
@@ -267,7 +275,7 @@ class BucketGroup:
         backend finishes collectives on the host (gloo, on CPU or CUDA tensors) it blocks on
         them with a deadline; on NCCL, where a wait only orders streams, it polls."""
         deadline = time.monotonic() + timeout
-        if self._handles is not None and self.world.completes_on_host(self.buffer.device):
+        if self.in_flight and self.world.completes_on_host(self.buffer.device):
             return self._block_until_reduced(deadline)
         pause = FIRST_PAUSE
         while not self.reduced():
@@ -282,20 +290,20 @@ class BucketGroup:
         waited for counts as done whatever its ``is_completed()`` says (gloo's reduce-scatter
         of CUDA tensors never says so)."""
         while all(wait_until(h, deadline) for h in self._handles):
-            if self._replicated or self.replicate.size == 1:
+            if self.reduction is Reduction.REPLICATING or self.replicate.size == 1:
                 return True
             self.replicate_shards()
         return False
 
     def finish_sync(self) -> None:
         """Wait for the reduction; fold stage-2 shards into the grad shards."""
-        if self._handles is None:
+        if not self.in_flight:
             return
         self.replicate_shards()
         for handle in self._handles:
             handle.wait()
-        self._handles = None
-        self._replicated = False
+        self._handles = []
+        self._move(Reduction.REDUCED)
         self._copy_back()
         if not self.sharded:
             return
@@ -315,7 +323,8 @@ class BucketGroup:
     def reset(self) -> None:
         """Start a new backward: nothing ready, nothing launched."""
         self._pending = set(self._ids)
-        self.launched = False
+        self._handles = []
+        self._move(Reduction.COLLECTING)  # (from any state: a backward that raised is left behind)
 
     def __repr__(self) -> str:
         buckets = ",".join(str(b.index) for b in self.buckets)

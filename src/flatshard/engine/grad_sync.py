@@ -47,6 +47,7 @@ from flatshard.comm.collectives import CommStats, all_reduce
 from flatshard.comm.world import ONE, World
 from flatshard.engine.bucket_group import BucketGroup, ScratchPool
 from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.lifecycle import Backward, Grads, advance
 from flatshard.layout import Layout
 
 MAX_SCRATCH_IN_FLIGHT = 2
@@ -128,8 +129,8 @@ class GradSync:
         self.find_unused_parameters = find_unused_parameters
         self.stats = stats
         self.sync_enabled = True
-        self.synced = False  # a backward has reduced grads since the last zero_grad
-        self.unsynced = False  # grads were accumulated under no_sync since the last reduction
+        self.grads = Grads.EMPTY  # since the last zero_grad ([Note: lifecycles])
+        self.backward = Backward.IDLE
         self.generation = 0  # counts backwards that changed grads
         self.on_synced = None  # called after each synced backward (the optimizer's check)
         self.gathers: BackwardGathers | None = None  # stage 3: the param gathers of backward
@@ -149,17 +150,22 @@ class GradSync:
         self._pool = self.groups[0].pool if self.groups else ScratchPool(0)
         self._next = 0  # first group not yet launched in this backward
         self._done = 0  # groups before this one have finished their reduction
-        self._in_backward = False
-        self._unbounded = False  # this backward gave up waiting for a reduction
         for bset in sets:
             for p in bset.params:
                 p.register_post_accumulate_grad_hook(self._on_grad)
 
+    # -- lifecycles ([Note: lifecycles]) -----------------------------------------------------
+    def _move(self, new: Backward) -> None:
+        self.backward = advance(self.backward, new, "backward")
+
+    def _set_grads(self, new: Grads) -> None:
+        self.grads = advance(self.grads, new, "grads")
+
     # -- hooks -------------------------------------------------------------------------
     def on_backward_start(self) -> None:
         """Queue the end-of-backward callback once per backward (called from autograd)."""
-        if not self._in_backward:
-            self._in_backward = True
+        if self.backward is Backward.IDLE:
+            self._move(Backward.RUNNING)
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -173,7 +179,7 @@ class GradSync:
                 "reentrant activation checkpointing?)"
             )
         if not self.sync_enabled:
-            self.unsynced = True
+            self._set_grads(Grads.UNREDUCED)
         group.begin()
         if group.sharded:
             self._accumulate_prescaled(param, group)
@@ -259,11 +265,12 @@ class GradSync:
         gathers = self.gathers
         if gathers is None or gathers.backward_issued():
             return True
-        if self._unbounded or self.find_unused_parameters or not gathers.ranks_ran_the_same_units():
+        unbounded = self.backward is Backward.UNBOUNDED
+        if unbounded or self.find_unused_parameters or not gathers.ranks_ran_the_same_units():
             return group.reduced()
         if group.wait_reduced(BLOCK_TIMEOUT_S):
             return True
-        self._unbounded = True  # for the rest of this backward
+        self._move(Backward.UNBOUNDED)  # for the rest of this backward
         warnings.warn(
             f"rank {group.world.rank}: waited {BLOCK_TIMEOUT_S:g} s during backward for the "
             f"reduction of the grads of {', '.join(map(repr, group.names[:3]))}"
@@ -292,7 +299,7 @@ class GradSync:
     # -- end of backward -----------------------------------------------------------------
     def finish(self) -> None:
         """Launch what is left, wait for every reduction, reset for the next backward."""
-        if not self._in_backward:
+        if self.backward is Backward.IDLE:
             return
         try:
             if self.sync_enabled:
@@ -302,7 +309,7 @@ class GradSync:
                 group.reset()
             self._fired.clear()
             self._next = self._done = 0
-            self._in_backward = self._unbounded = False
+            self._move(Backward.IDLE)
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
         if self.sync_enabled and self.on_synced is not None:
@@ -331,7 +338,7 @@ class GradSync:
         for group in self.groups[self._done :]:
             self._finish_group(group)
         self._done = len(self.groups)
-        self.synced, self.unsynced = True, False
+        self._set_grads(Grads.REDUCED)
         globally_unused = self._globally_unused(usage)
         for param in locally_unused:
             if id(param) not in globally_unused:
@@ -381,7 +388,7 @@ class GradSync:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
         self._written.clear()
-        self.synced = self.unsynced = False
+        self._set_grads(Grads.EMPTY)
         self.generation += 1
         for group in self.groups:
             group.zero_grad()

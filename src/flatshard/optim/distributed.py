@@ -42,6 +42,7 @@ from flatshard.comm.collectives import all_reduce
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
+from flatshard.engine.lifecycle import Grads
 from flatshard.layout import ShardRanges
 from flatshard.mixed_precision import HALF_DTYPES
 from flatshard.optim.composite import run_closure
@@ -297,7 +298,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")
         self._check_grads_synced()
-        if not self._sharded.grad_sync.synced:
+        if self._sharded.grad_sync.grads is Grads.EMPTY:
             return torch.zeros(())  # no grads since zero_grad, as torch reports for no grads
         self._prepare_grads()
         norm = self._grad_norm
@@ -309,7 +310,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return norm.clone()
 
     def _check_grads_synced(self) -> None:
-        if self._sharded.grad_sync.unsynced:
+        if self._sharded.grad_sync.grads is Grads.UNREDUCED:
             raise RuntimeError(
                 "grads were accumulated under no_sync() and never reduced: run the last backward "
                 "of the accumulation outside no_sync() before clipping or stepping"
@@ -321,7 +322,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One update of this rank's shards, then the param all-gathers; see the note."""
         loss = run_closure(closure)
         self._check_grads_synced()
-        if not self._sharded.grad_sync.synced:
+        if self._sharded.grad_sync.grads is Grads.EMPTY:
             return loss  # no backward since zero_grad: nothing to step, as in torch
         if self.skip_nonfinite or self.loss_scaler is not None:
             self._prepare_grads()

@@ -1,0 +1,48 @@
+"""[Note: lifecycles]: every state has its edges, illegal moves raise, and a training step
+walks the states the note describes."""
+
+import pytest
+import torch
+from torch import nn
+
+import flatshard
+from flatshard.engine.lifecycle import TRANSITIONS, Backward, Grads, IllegalTransition, Reduction, advance
+
+
+def test_every_state_has_its_edges_and_illegal_moves_raise():
+    for enum in (Backward, Grads, Reduction):
+        for state in enum:
+            assert state in TRANSITIONS and all(type(n) is enum for n in TRANSITIONS[state])
+    assert advance(Reduction.COLLECTING, Reduction.REDUCING, "g") is Reduction.REDUCING
+    with pytest.raises(IllegalTransition, match="bucket group 3: REDUCED -> REDUCING"):
+        advance(Reduction.REDUCED, Reduction.REDUCING, "bucket group 3")
+    with pytest.raises(IllegalTransition):
+        advance(Backward.IDLE, Backward.UNBOUNDED, "backward")
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_step_walks_the_states(stage):
+    torch.manual_seed(0)
+    model = flatshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage, bucket_size=8)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    sync = model.flatshard_state.grad_sync
+    assert (sync.backward, sync.grads) == (Backward.IDLE, Grads.EMPTY)
+    seen = []
+
+    def inputs():  # whose grad arrives last in backward, before the end-of-backward callback
+        x = torch.randn(2, 4, requires_grad=True)
+        x.register_hook(lambda grad: seen.append(sync.backward))
+        return x
+
+    with model.no_sync():
+        model(inputs()).sum().backward()
+    assert sync.grads is Grads.UNREDUCED
+    with pytest.raises(RuntimeError, match="no_sync"):
+        opt.step()
+    model(inputs()).sum().backward()
+    assert seen == [Backward.RUNNING, Backward.RUNNING]
+    assert (sync.backward, sync.grads) == (Backward.IDLE, Grads.REDUCED)
+    assert {g.reduction for g in sync.groups} == {Reduction.COLLECTING}  # reset for the next backward
+    opt.step()
+    opt.zero_grad()
+    assert sync.grads is Grads.EMPTY
