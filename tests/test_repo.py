@@ -116,3 +116,37 @@ def test_every_module_has_a_layer():
     assert (
         _layer("flatshard.engine.buffer") < _layer("flatshard.stage3.unshard") < _layer("flatshard.app.cli")
     )
+
+
+# torch's own private members that flatshard has to use (no public equivalent)
+TORCH_PRIVATE = {
+    "_parameters",
+    "_modules",
+    "_buffers",
+    "_non_persistent_buffers_set",
+    "_orig_mod",
+    "_get_backend",
+    "_replace",
+}
+
+
+def test_no_module_reads_another_objects_private_attributes():
+    """Typed seams: a module reaches another class only through its public names; ``x._y``
+    is allowed on ``self``/``cls``, on torch, and for attributes the same file defines."""
+    found = []
+    for p, _ in _modules():
+        tree = ast.parse(p.read_text())
+        own = {
+            n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+        }
+        own |= {n.name for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+        for node in ast.walk(tree):
+            if not (isinstance(node, ast.Attribute) and node.attr.startswith("_")) or node.attr.startswith(
+                "__"
+            ):
+                continue
+            base = ast.unparse(node.value)
+            if base in ("self", "cls") or base.startswith("torch") or node.attr in TORCH_PRIVATE | own:
+                continue
+            found.append(f"{p.relative_to(ROOT)}:{node.lineno}: {base}.{node.attr}")
+    assert not found, "add a public method or property instead:\n" + "\n".join(found)

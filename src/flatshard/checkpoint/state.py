@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard.checkpoint.pieces import Piece
+from flatshard.engine.units import names_by_param
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import ShardedModule
 
@@ -63,12 +64,7 @@ def check_shapes(
 
 def model_aliases(model: nn.Module) -> dict[str, str]:
     """Every further name of a tied param -> its first name (the one the checkpoint keys)."""
-    first: dict[int, str] = {}
-    out: dict[str, str] = {}
-    for name, p in _unwrap(model).named_parameters(remove_duplicate=False):
-        if first.setdefault(id(p), name) != name:
-            out[name] = first[id(p)]
-    return out
+    return {alias: names[0] for names in names_by_param(_unwrap(model)).values() for alias in names[1:]}
 
 
 def _persistent_buffers(model: nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
@@ -149,7 +145,7 @@ def _run_pieces(opt: DistributedOptimizer) -> Iterator[tuple[int, torch.Tensor, 
     """(inner param index, run tensor, [(name, param numel, offset in the param, (lo, hi)
     in the run)]) for every run of the inner optimizer."""
     index = {id(t): i for i, t in enumerate(p for g in opt.inner.param_groups for p in g["params"])}
-    for shards in opt._shards:
+    for shards in opt.shards:
         numel = _numels(shards.buffer.layout)
         for run, tensor in zip(shards.runs, shards.tensors, strict=True):
             bucket = shards.buffer.layout.buckets[run.bucket]
@@ -157,7 +153,7 @@ def _run_pieces(opt: DistributedOptimizer) -> Iterator[tuple[int, torch.Tensor, 
             pieces = [
                 (p.name, numel[p.name], p.in_param.start, (p.in_shard.start - start, p.in_shard.end - start))
                 for p in bucket.local_ranges(shards.buffer.rank)
-                if opt._group_of.get(p.name) == run.group
+                if opt.group_of.get(p.name) == run.group
                 and start <= p.in_shard.start
                 and p.in_shard.end <= end
             ]
@@ -167,12 +163,12 @@ def _run_pieces(opt: DistributedOptimizer) -> Iterator[tuple[int, torch.Tensor, 
 def main_pieces(opt: DistributedOptimizer) -> Iterator[tuple[str, Piece, Any]]:
     """(key, piece of the fp32 main params, its buffer's shards) for every optimized param
     piece of a 16-bit buffer."""
-    for shards in opt._shards:
+    for shards in opt.shards:
         if shards.main_data is None:
             continue
         numel = _numels(shards.buffer.layout)
         for piece, main in shards.main_pieces():
-            if piece.name in opt._group_of:
+            if piece.name in opt.group_of:
                 yield MAIN + piece.name, Piece(numel[piece.name], piece.in_param.start, main), shards
 
 
@@ -246,7 +242,7 @@ def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, An
         _apply_groups(opt.param_groups, loaded[GROUPS], _names_by_group(opt), "the model's")
         groups = opt.inner.state_dict()["param_groups"]
         opt.inner.load_state_dict({"state": inner_state, "param_groups": groups})
-        for shards in opt._shards:
+        for shards in opt.shards:
             if shards.main_data is not None and id(shards) not in has_main:
                 shards.load_main_from_params()  # saved without main params: from the params
         meta = loaded.get(META)
@@ -263,7 +259,7 @@ def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, An
 
 def _names_by_group(opt: DistributedOptimizer) -> list[list[str]]:
     names: list[list[str]] = [[] for _ in opt.param_groups]
-    for name, group in opt._group_of.items():
+    for name, group in opt.group_of.items():
         names[group].append(name)
     return names
 

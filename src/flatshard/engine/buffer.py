@@ -47,11 +47,13 @@ all with AdamW, as FSDP2 keeps). Invariants:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from flatshard.layout import BucketLayout, BufferLayout, Range
+from flatshard.comm.world import ONE, World
+from flatshard.layout import BucketLayout, BufferLayout, Layout, Range
 
 
 class FlatBuffer:
@@ -226,6 +228,17 @@ class FlatBuffer:
         return self.param_data if self.param_data is not None else self.param_shard_data
 
     @property
+    def sharded_params(self) -> bool:
+        """Params kept as this rank's shards, gathered into full buckets on use (stage 3)."""
+        return self.param_shard_data is not None
+
+    @property
+    def main_backed(self) -> bool:
+        """The optimizer's fp32 main params hold this 16-bit buffer's shard
+        ([Note: main-backed shards])."""
+        return self.main_frame is not None
+
+    @property
     def full_grads(self) -> bool:
         return self.grad_data is not None
 
@@ -310,3 +323,16 @@ def _refill(tensor: torch.Tensor) -> torch.Tensor:
 def _release(tensor: torch.Tensor) -> None:
     """Free ``tensor``'s memory, keeping its storage object (and every view's) alive."""
     tensor.untyped_storage().resize_(0)
+
+
+@dataclass
+class BufferSet:
+    """All flat buffers of one world (the main data-parallel group, or an expert group)."""
+
+    world: World  # the shard world: buckets are reduce-scattered and params gathered over it
+    layout: Layout
+    buffers: list[FlatBuffer]
+    params: list[nn.Parameter]  # in layout-spec order (slot.index)
+    names: list[str]
+    scale: float  # multiplier applied to grads before the sum over ``world`` (and ``replicate``)
+    replicate: World = ONE  # hybrid sharding: shards are all-reduced over this world too

@@ -37,18 +37,15 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
 from flatshard.comm.collectives import CommStats, all_reduce
-from flatshard.comm.world import ONE, World
 from flatshard.engine.bucket_group import BucketGroup, ScratchPool
-from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Backward, Grads, advance
-from flatshard.layout import Layout
 
 MAX_SCRATCH_IN_FLIGHT = 2
 """Stage 2: launched bucket groups whose scratch may be alive at once."""
@@ -68,19 +65,6 @@ class BackwardGathers(Protocol):
     def ranks_ran_the_same_units(self) -> bool: ...
 
     def issue_backward(self) -> None: ...
-
-
-@dataclass
-class BufferSet:
-    """All flat buffers of one world (the main data-parallel group, or an expert group)."""
-
-    world: World  # the shard world: buckets are reduce-scattered and params gathered over it
-    layout: Layout
-    buffers: list[FlatBuffer]
-    params: list[nn.Parameter]  # in layout-spec order (slot.index)
-    names: list[str]
-    scale: float  # multiplier applied to grads before the sum over ``world`` (and ``replicate``)
-    replicate: World = ONE  # hybrid sharding: shards are all-reduced over this world too
 
 
 def build_bucket_groups(

@@ -27,8 +27,7 @@ from functools import partial
 from torch import nn
 
 from flatshard.comm.collectives import CommStats, Handle, all_gather
-from flatshard.comm.world import World
-from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.buffer import BufferSet
 from flatshard.engine.dynamo import eager
 from flatshard.engine.units import find_units
 
@@ -39,14 +38,14 @@ class ParamGather:
     def __init__(
         self,
         module: nn.Module,
-        buffers: Sequence[tuple[FlatBuffer, World, Sequence[nn.Parameter]]],
+        sets: Sequence[BufferSet],
         stats: CommStats,
     ) -> None:
         self.stats = stats
         order = {id(p): i for i, p in enumerate(module.parameters())}
         units = []  # (first use, buffer, bucket, world, its params)
         unit_of: dict[int, list[int]] = {}
-        for buffer, world, params in buffers:
+        for buffer, world, params in ((b, s.world, s.params) for s in sets for b in s.buffers):
             if world.size == 1:
                 continue
             for bucket in buffer.layout.buckets:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 UnitSpec = Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
@@ -68,17 +69,39 @@ def _matcher(root: nn.Module, units: UnitSpec) -> Callable[[str, nn.Module], boo
     return lambda name, m: isinstance(m, classes)
 
 
-def assign_params(module: nn.Module, units: list[Unit]) -> dict[int, int]:
-    """``{id(param): unit index}`` for every param of ``module`` (see [Note: units])."""
+def module_units(units: list[Unit]) -> dict[int, int]:
+    """``{id(module): index of the innermost unit containing it}`` for every module."""
     unit_of_module: dict[int, int] = {}
     for unit in units:  # pre-order: an inner unit comes after its outer one and wins
         for sub in unit.module.modules():
             unit_of_module[id(sub)] = unit.index
+    return unit_of_module
+
+
+def assign_params(module: nn.Module, units: list[Unit]) -> dict[int, int]:
+    """``{id(param): unit index}`` for every param of ``module`` (see [Note: units])."""
+    unit_of_module = module_units(units)
     owners: dict[int, set[int]] = {}
     for sub in module.modules():
         for p in sub.parameters(recurse=False):
             owners.setdefault(id(p), set()).add(unit_of_module[id(sub)])
     return {key: _common_ancestor(units, found) for key, found in owners.items()}
+
+
+def names_by_param(module: nn.Module) -> dict[int, list[str]]:
+    """``{id(param): every name it is registered under}``, the first name first: a param
+    with several names is tied (e.g. embeddings shared with the output layer)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
+def unsharded_tensors(module: nn.Module, *, recurse: bool = True) -> list[torch.Tensor]:
+    """The module's frozen params and buffers (``recurse=False``: its own only): the
+    tensors no flat buffer holds."""
+    frozen = [p for p in module.parameters(recurse=recurse) if not p.requires_grad]
+    return frozen + list(module.buffers(recurse=recurse))
 
 
 def _common_ancestor(units: list[Unit], indices: set[int]) -> int:

@@ -31,8 +31,9 @@ import hashlib
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -77,7 +78,7 @@ ELEMENTWISE = frozenset(
 
 
 @dataclass
-class _BufferShards:
+class BufferShards:
     """One flat buffer as the optimizer sees it: its shards, main params and runs."""
 
     buffer: FlatBuffer
@@ -124,7 +125,7 @@ class _BufferShards:
                 self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
 
 
-def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) -> _BufferShards:
+def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) -> BufferShards:
     runs = plan_runs(buffer.layout, buffer.rank, group_of)
     main_data = None
     if buffer.layout.dtype in HALF_DTYPES:
@@ -141,7 +142,7 @@ def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) ->
         grads = buffer.grad_shard(bucket) if buffer.full_grads else buffer.allocate_grad_shard(bucket)
         tensor.grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
         tensors.append(tensor)
-    shards = _BufferShards(buffer, world, main_data, runs, tensors)
+    shards = BufferShards(buffer, world, main_data, runs, tensors)
     shards.load_main_from_params()
     return shards
 
@@ -191,19 +192,19 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._model = model
         self._sharded: ShardState = state
         groups, group_of = _param_groups(state, params)
-        self._group_of = group_of  # optimized param name -> its param group
-        self._shards = [
+        self._group_names = group_of  # optimized param name -> its param group
+        self._buffer_shards = [
             _build_shards(buffer, bset.world, group_of)
             for bset in state.sets.values()
             for buffer in bset.buffers
         ]
         originals = state.take_originals()
-        for shards in self._shards:
+        for shards in self._buffer_shards:
             shards.load_main_from_originals(originals)
-            if shards.main_data is not None and shards.buffer.param_shard_data is not None:
+            if shards.main_data is not None and shards.buffer.sharded_params:
                 shards.buffer.adopt_main(shards.main_data)  # stage 3: [Note: main-backed shards]
         inner_groups = [{**hyper, "params": []} for hyper in groups]
-        for shards in self._shards:
+        for shards in self._buffer_shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
                 inner_groups[run.group]["params"].append(tensor)
         self.inner = optimizer_class(inner_groups, **defaults)
@@ -216,13 +217,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._found_inf = False
         self._grad_norm = torch.zeros(())  # of the grads as they are now (unscaled)
         self._grad_factor = 1.0  # multiplier not yet applied to the grad shards
-        if loss_scale is None and any(s.buffer.layout.dtype == torch.float16 for s in self._shards):
+        if loss_scale is None and any(s.buffer.layout.dtype == torch.float16 for s in self._buffer_shards):
             warnings.warn(
                 "fp16 params without loss scaling: small grads underflow to zero in fp16; pass "
                 "loss_scale='dynamic' and scale the loss with optimizer.scale_loss(loss)",
                 stacklevel=2,
             )
-        state.optimizer = self
+        state.attach(self)
+
+    @property
+    def shards(self) -> tuple[BufferShards, ...]:
+        """One record per flat buffer: its shards, fp32 main params and the inner optimizer's
+        runs over them (checkpoints read these)."""
+        return tuple(self._buffer_shards)
+
+    @property
+    def group_of(self) -> Mapping[str, int]:
+        """Optimized param name -> the index of its param group (read-only)."""
+        return MappingProxyType(self._group_names)
 
     def _init_base(self) -> None:
         """The parts of ``torch.optim.Optimizer.__init__`` that apply: hook registries and
@@ -272,14 +284,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     # -- grads ---------------------------------------------------------------------------------
     def _grad_shards(self) -> list[torch.Tensor]:
-        return [g for shards in self._shards for g in shards.grad_shards()]
+        return [g for shards in self._buffer_shards for g in shards.grad_shards()]
 
     def _prepare_grads(self) -> None:
         """Global norm and overflow check of the grads of the latest backward (once)."""
         generation = self._sharded.grad_sync.generation
         if self._prepared_at == generation:
             return
-        norm_sq = _global_norm_sq(self._sharded, self._shards)
+        norm_sq = _global_norm_sq(self._sharded, self._buffer_shards)
         finite = math.isfinite(norm_sq.item())
         self._found_inf = not finite
         self._grad_norm = (norm_sq.sqrt() / self.loss_scale).float()
@@ -345,7 +357,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return self._found_inf
 
     def _publish_params(self) -> None:
-        for shards in self._shards:
+        for shards in self._buffer_shards:
             shards.store_main_to_params()
         gather = self._sharded.param_gather
         if gather is not None:
@@ -362,13 +374,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def main_params(self) -> list[torch.Tensor]:
         """The tensors the inner optimizer updates (fp32 main params, or param views)."""
-        return [s.main_data if s.main_data is not None else s.buffer.param_storage() for s in self._shards]
+        return [
+            s.main_data if s.main_data is not None else s.buffer.param_storage() for s in self._buffer_shards
+        ]
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Copy the model's params into the fp32 main params (after loading model weights)."""
         self._sharded.wait_for_params()
-        for shards in self._shards:
+        for shards in self._buffer_shards:
             shards.load_main_from_params()
         self.main_params_changed()
 
@@ -392,7 +406,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "flatshard": "DistributedOptimizer/1",
             "layout": self._describe_layout(),
             "inner": self.inner.state_dict(),
-            "main_params": [s.main_data for s in self._shards],
+            "main_params": [s.main_data for s in self._buffer_shards],
             "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
             "skipped_steps": self.skipped_steps,
         }
@@ -411,7 +425,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if (self.loss_scaler is None) != (state_dict["loss_scaler"] is None):
             raise ValueError("optimizer state and this optimizer disagree on whether the loss is scaled")
         self._sharded.wait_for_params()
-        for shards, main in zip(self._shards, state_dict["main_params"], strict=True):
+        for shards, main in zip(self._buffer_shards, state_dict["main_params"], strict=True):
             if shards.main_data is not None:
                 shards.main_data.copy_(main)
         self.inner.load_state_dict(state_dict["inner"])  # after the main params it may copy
@@ -422,18 +436,18 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _describe_layout(self) -> dict[str, Any]:
         digest = hashlib.sha256()
-        for shards in self._shards:
+        for shards in self._buffer_shards:
             layout = shards.buffer.layout
             digest.update(repr((str(layout.dtype), [b.range for b in layout.buckets], shards.runs)).encode())
         return {
             "stage": self._sharded.stage,
             "world_sizes": {key: bset.world.size for key, bset in self._sharded.sets.items()},
-            "rank": self._shards[0].world.rank if self._shards else 0,
+            "rank": self._buffer_shards[0].world.rank if self._buffer_shards else 0,
             "digest": digest.hexdigest()[:16],
         }
 
     def __repr__(self) -> str:
-        runs = sum(len(s.runs) for s in self._shards)
+        runs = sum(len(s.runs) for s in self._buffer_shards)
         return f"DistributedOptimizer(stage={self._sharded.stage}, {runs} runs, inner={self.inner!r})"
 
 
@@ -442,10 +456,7 @@ def _sharded_state(model: nn.Module) -> ShardState:
         raise TypeError(
             f"DistributedOptimizer takes a module returned by flatshard.shard(), got {type(model).__name__}"
         )
-    state = model.flatshard_state
-    if state.optimizer is not None:
-        raise ValueError("this module already has a DistributedOptimizer; build one per sharded module")
-    return state
+    return model.flatshard_state
 
 
 def _check_optimizer_class(
@@ -506,7 +517,7 @@ def _param_groups(state: ShardState, params: Iterable[Any] | None) -> tuple[list
     return hypers, group_of
 
 
-def _global_norm_sq(state: ShardState, shards: list[_BufferShards]) -> torch.Tensor:
+def _global_norm_sq(state: ShardState, shards: list[BufferShards]) -> torch.Tensor:
     """Squared 2-norm of every grad element of the model, counted once (fp64, 0-d).
 
     Shards are unique within their world; a replicated (stage 0) buffer is held whole by

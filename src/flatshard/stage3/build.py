@@ -22,8 +22,8 @@ from torch import nn
 
 from flatshard.comm.collectives import CommStats, broadcast
 from flatshard.comm.world import World, side_world
-from flatshard.engine.grad_sync import BufferSet
-from flatshard.engine.units import Unit
+from flatshard.engine.buffer import BufferSet
+from flatshard.engine.units import Unit, module_units, unsharded_tensors
 from flatshard.stage import UnitOptions
 from flatshard.stage3.unshard import Part, Unsharder
 
@@ -107,7 +107,7 @@ def initialize_units(
     sync_worlds: Sequence[World] | None,
 ) -> None:
     """[Note: meta init]: initialize ``module`` one unit at a time."""
-    owner = _module_units(unsharder)
+    owner = module_units(unsharder.units)
     for unit in unsharder.units:
         modules = [m for m in unit.module.modules() if owner.get(id(m)) == unit.index]
         with torch.no_grad():
@@ -125,27 +125,15 @@ def initialize_units(
                     for part in unsharder.parts[unit.index]
                     for w in sync_worlds
                 ]
-                pairs += [(t, w) for m in modules for t in _locals(m) for w in sync_worlds]
+                pairs += [
+                    (t, w) for m in modules for t in unsharded_tensors(m, recurse=False) for w in sync_worlds
+                ]
                 broadcast_values(pairs)
             for part in unsharder.parts[unit.index]:
                 buffer, bucket = part.buffer, part.bucket
                 buffer.param_shard(bucket).copy_(buffer.own_part(buffer.full_bucket(bucket), bucket))
                 buffer.point_params(bucket, full=False)
                 unsharder.free(part)
-
-
-def _module_units(unsharder: Unsharder) -> dict[int, int]:
-    owner: dict[int, int] = {}
-    for unit in unsharder.units:  # pre-order: inner units overwrite their outer one
-        for m in unit.module.modules():
-            owner[id(m)] = unit.index
-    return owner
-
-
-def _locals(module: nn.Module) -> list[torch.Tensor]:
-    """The module's own frozen params and buffers (not sharded)."""
-    frozen = [p for p in module.parameters(recurse=False) if not p.requires_grad]
-    return frozen + list(module.buffers(recurse=False))
 
 
 def _materialize_locals(module: nn.Module, device: torch.device) -> None:

@@ -17,17 +17,28 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 import torch
 
 from flatshard.comm.collectives import all_gather
+from flatshard.engine.buffer import BufferSet
 from flatshard.stage3.unshard import Part, Unsharder
 
 
+class Stage3State(Protocol):
+    """What these functions read of a wrapped stage-3 module's state (``ShardState``)."""
+
+    unsharder: Unsharder
+    sets: Mapping[str, BufferSet]
+
+    def param_dtype_shards(self) -> AbstractContextManager[None]: ...
+
+
 @contextmanager
-def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
+def summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
     with (  # writeback writes the 16-bit shards
         state.param_dtype_shards(),
         _summon(state, writeback=writeback, rank0_only=rank0_only, with_grads=with_grads),
@@ -36,8 +47,8 @@ def summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Ite
 
 
 @contextmanager
-def _summon(state, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
-    unsharder: Unsharder = state.unsharder
+def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
+    unsharder = state.unsharder
     if writeback and rank0_only:
         raise ValueError(
             "summon_full_params: writeback=True with rank0_only=True would lose other ranks' writes"
@@ -102,9 +113,11 @@ def _gather_grads(parts: list[Part]) -> None:
             param.grad = grad.to(param.dtype)
 
 
-def full_state_dict(state, plain_state_dict) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    state: Stage3State, plain_state_dict: Callable[..., dict[str, Any]]
+) -> dict[str, torch.Tensor]:
     """Rank 0: every entry of the module's state dict on the CPU; other ranks: ``{}``."""
-    unsharder: Unsharder = state.unsharder
+    unsharder = state.unsharder
     unsharder.settle()
     entries = plain_state_dict(keep_vars=True)
     unit_of = {
@@ -132,11 +145,17 @@ def full_state_dict(state, plain_state_dict) -> dict[str, torch.Tensor]:
     return {k: out[k] for k in entries}
 
 
-def _replicate_rank(state) -> int:
+def _replicate_rank(state: Stage3State) -> int:
     return min((bset.replicate.rank for bset in state.sets.values()), default=0)
 
 
-def load_full_state_dict(state, state_dict, strict: bool, plain_state_dict, plain_load):
+def load_full_state_dict(
+    state: Stage3State,
+    state_dict: Mapping[str, Any],
+    strict: bool,
+    plain_state_dict: Callable[..., dict[str, Any]],
+    plain_load: Callable[..., Any],
+) -> tuple[list[str], list[str]]:
     """Copy this rank's pieces of each sharded param from ``state_dict``; the rest (frozen
     params, buffers) loads as usual. Returns torch's (missing_keys, unexpected_keys)."""
     state.unsharder.settle()

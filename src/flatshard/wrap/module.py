@@ -7,18 +7,29 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
+from typing import Protocol
 
 import torch
 from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from flatshard.comm.collectives import CommStats
-from flatshard.engine.grad_sync import BufferSet, GradSync
+from flatshard.engine.buffer import BufferSet
+from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
 from flatshard.layout import Layout
 from flatshard.stage import StagePolicy
 from flatshard.stage3.full_params import full_state_dict, load_full_state_dict, summon
 from flatshard.stage3.unshard import Unsharder
+
+
+class AttachedOptimizer(Protocol):
+    """What a wrapped module asks of the optimizer built over it (``DistributedOptimizer``):
+    the module never imports the optimizer; the optimizer attaches itself."""
+
+    def main_params_changed(self) -> None:
+        """Params were written outside a step (a load, a writeback): refresh what is derived
+        from them."""
 
 
 @dataclass
@@ -30,7 +41,7 @@ class ShardState:
     grad_sync: GradSync
     stats: CommStats
     param_gather: ParamGather | None = None  # stages 1 and 2
-    optimizer: object | None = None  # the DistributedOptimizer built over this module
+    optimizer: AttachedOptimizer | None = None  # the DistributedOptimizer built over this module
     originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
     unsharder: Unsharder | None = None  # stage 3
     _materialized: int = 0  # depth of param_dtype_shards() blocks
@@ -38,6 +49,12 @@ class ShardState:
     @property
     def stage(self) -> int:
         return self.policy.stage
+
+    def attach(self, optimizer: AttachedOptimizer) -> None:
+        """Record the optimizer built over this module (one per module)."""
+        if self.optimizer is not None:
+            raise ValueError("this module already has a DistributedOptimizer; build one per sharded module")
+        self.optimizer = optimizer
 
     def take_originals(self) -> dict[str, torch.Tensor]:
         """The pre-cast fp32 values (once: they are dropped after)."""
@@ -49,7 +66,7 @@ class ShardState:
         """Stage-3 16-bit shards that exist inside the block, for code that reads or writes
         them; what was written reaches the main params on exit ([Note: main-backed shards]
         in ``engine/buffer.py``). Blocks nest; elsewhere a no-op."""
-        buffers = [b for bset in self.sets.values() for b in bset.buffers if b.main_frame is not None]
+        buffers = [b for bset in self.sets.values() for b in bset.buffers if b.main_backed]
         if self._materialized == 0:
             for buffer in buffers:
                 buffer.materialize_shard()

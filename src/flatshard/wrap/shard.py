@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -16,17 +15,16 @@ from torch.utils._pytree import tree_leaves
 
 from flatshard.comm.collectives import CommStats, broadcast
 from flatshard.comm.world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
-from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import eager
 from flatshard.engine.grad_sync import (
     MAX_SCRATCH_IN_FLIGHT,
     STAGE3_SCRATCH_IN_FLIGHT,
-    BufferSet,
     GradSync,
     build_bucket_groups,
 )
 from flatshard.engine.param_gather import ParamGather
-from flatshard.engine.units import UnitSpec, assign_params, find_units
+from flatshard.engine.units import UnitSpec, assign_params, find_units, names_by_param, unsharded_tensors
 from flatshard.layout import ParamSpec, plan_layout
 from flatshard.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params, input_cast_hook
 from flatshard.stage import StagePolicy
@@ -155,16 +153,16 @@ def shard(
         sync_module_states=sync_module_states,
         pad_for_high_busbw=pad_for_high_busbw,
     )
-    for key, part_world, part_replicate, part, _ in parts:
-        for w in (part_world, part_replicate):
-            check_ranks_agree(w, [*config, *_describe(part, key, unit_of)], f"the {key} params")
+    for part in parts:
+        for w in (part.world, part.replicate):
+            check_ranks_agree(
+                w, [*config, *_describe(part.named, part.key, unit_of)], f"the {part.key} params"
+            )
     if sync_module_states and policy.shards_params and not meta:  # rank 0's values, then bind
         _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
-    for key, part_world, part_replicate, part, scale in parts:
-        sets[key] = _build_set(
-            part_world, part_replicate, part, tied, policy, bucket_size, pad_for_high_busbw, scale, unit_of
-        )
+    for part in parts:
+        sets[part.key] = _build_set(part, tied, policy, bucket_size, pad_for_high_busbw, unit_of)
     if sync_module_states and not policy.shards_params:
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
@@ -222,8 +220,8 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
 
 def _broadcast_before_binding(module: nn.Module, parts, originals, worlds) -> None:
     """Stage 3 ``sync_module_states``: rank 0's full values, before each rank keeps its shards."""
-    pairs = [(p.data, w) for _, pw, pr, part, _ in parts for _, p in part for w in (pw, pr)]
-    pairs += [(t, w) for t in _unsharded_tensors(module) for w in worlds]
+    pairs = [(p.data, w) for part in parts for _, p in part.named for w in (part.world, part.replicate)]
+    pairs += [(t, w) for t in unsharded_tensors(module) for w in worlds]
     pairs += [(t, w) for t in originals.values() for w in worlds]
     broadcast_values(pairs)
 
@@ -267,9 +265,7 @@ def _assemble(
     )
     gather = unsharder = None
     if policy.gathers_buckets_after_step:
-        gather = ParamGather(
-            module, [(b, s.world, s.params) for s in sets.values() for b in s.buffers], stats
-        )
+        gather = ParamGather(module, list(sets.values()), stats)
     if policy.gathers_units:
         unit_list, unit_of = units
         unsharder = build_unsharder(unit_list, unit_of, list(sets.values()), stats, policy.unit_options)
@@ -282,18 +278,30 @@ def _assemble(
     return sharded
 
 
-def _split_worlds(named, world: World, replicate: World, grad_scale, expert: ExpertGroup | None):
-    """(key, shard world, replicate world, named params, grad scale) of the main params and
-    the expert params."""
-    parts: list[tuple[str, World, World, list[tuple[str, nn.Parameter]], float | None]] = []
+@dataclass(frozen=True)
+class ParamPart:
+    """Trainable params that share a world: they become one ``BufferSet``."""
+
+    key: str  # "main" or "expert"
+    world: World  # the shard world
+    replicate: World  # hybrid sharding's replicate world (ONE otherwise)
+    named: list[tuple[str, nn.Parameter]]
+    grad_scale: float | None  # None: 1 / (world size x replicate size)
+
+
+def _split_worlds(
+    named, world: World, replicate: World, grad_scale, expert: ExpertGroup | None
+) -> list[ParamPart]:
+    """The main params and the expert params, each with its worlds and grad scale."""
+    parts: list[ParamPart] = []
     if expert is not None:
         is_expert = [bool(expert.match(n, p)) for n, p in named]
         chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
         named = [np for np, e in zip(named, is_expert, strict=True) if not e]
         if chosen:
-            parts.append(("expert", resolve_world(expert.group), ONE, chosen, expert.grad_scale))
+            parts.append(ParamPart("expert", resolve_world(expert.group), ONE, chosen, expert.grad_scale))
     if named:
-        parts.insert(0, ("main", world, replicate, named, grad_scale))
+        parts.insert(0, ParamPart("main", world, replicate, named, grad_scale))
     return parts
 
 
@@ -345,18 +353,11 @@ def _check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
 
 def _tied_params(module: nn.Module) -> set[int]:
     """Params registered under more than one name (e.g. embeddings tied to the output layer)."""
-    counts = Counter(id(p) for _, p in module.named_parameters(remove_duplicate=False))
-    return {key for key, n in counts.items() if n > 1}
+    return {key for key, names in names_by_param(module).items() if len(names) > 1}
 
 
 def _describe(named: list[tuple[str, nn.Parameter]], key: str, unit_of: dict[int, int]) -> list[str]:
     return [f"{key} {n} {tuple(p.shape)} {p.dtype} unit={unit_of.get(id(p))}" for n, p in named]
-
-
-def _unsharded_tensors(module: nn.Module) -> list[torch.Tensor]:
-    """Frozen params and buffers: full on every rank at every stage."""
-    frozen = [p.data for p in module.parameters() if not p.requires_grad]
-    return frozen + list(module.buffers())
 
 
 def _default_device() -> torch.device:
@@ -407,8 +408,9 @@ def _stage3_units(module: nn.Module, named: list, units: UnitSpec):
 
 
 def _build_set(
-    world, replicate, named, tied, policy: StagePolicy, bucket_size, pad_for_high_busbw, scale, unit_of
+    part: ParamPart, tied, policy: StagePolicy, bucket_size, pad_for_high_busbw, unit_of
 ) -> BufferSet:
+    world, named = part.world, part.named
     specs = param_specs(named, tied, unit_of)
     layout = plan_layout(
         specs,
@@ -435,8 +437,8 @@ def _build_set(
         buffers,
         params,
         [n for n, _ in named],
-        1.0 / (world.size * replicate.size) if scale is None else scale,
-        replicate,
+        1.0 / (world.size * part.replicate.size) if part.grad_scale is None else part.grad_scale,
+        part.replicate,
     )
 
 
