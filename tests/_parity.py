@@ -1,5 +1,24 @@
 """Shared pieces of the parity tests: a small transformer with every awkward feature, and
-a loop that trains it side by side with a torch DDP reference."""
+a loop that trains it side by side with a torch DDP reference.
+
+[Note: parity tolerances]
+
+Losses match torch DDP to 1e-5 relative at every micro-batch. Params match to 1e-5 with SGD
++ momentum at every world size; with AdamW at world sizes 1-2. At 3-4 ranks the bucket
+boundaries change gloo's summation order and Adam turns last-ulp differences in near-
+cancelling grads into updates of order lr (its step is ~sign(grad)); grads themselves agree
+to ~1e-7 there, so those params are held to 1e-2.
+
+The same holds for ``DistributedOptimizer``: with SGD + momentum, params match DDP to 1e-5
+at every stage and world size, with param groups, an LR schedule, clipping and accumulation.
+With AdamW they match to 1e-5 at world sizes 1-2 without clipping; clipping multiplies grads
+by a coefficient computed from a norm summed in a different order (it agrees to ~1e-7), and
+Adam again turns that into differences of order lr for near-cancelling grads; so clipping is
+tested with SGD, and AdamW (param groups, LR schedule, accumulation) is held to 1e-5 at 1-2
+ranks and 1e-2 at 3-4. bf16 params with fp32 main params are held to an fp32 DDP run within
+bf16 rounding (losses 2e-3, all params together 1.5e-2), and closer to it than AdamW on bf16
+params.
+"""
 
 from __future__ import annotations
 

@@ -2,7 +2,7 @@
 
 Every run trains a tied-embedding GPT with a frozen param side by side with a DDP
 reference, with grad accumulation, and compares losses, grad norms and params at every
-step (tolerances: [Parity tolerances] in docs/design.md).
+step (tolerances: [Note: parity tolerances] in tests/_parity.py).
 """
 
 import pytest

@@ -150,3 +150,26 @@ def test_no_module_reads_another_objects_private_attributes():
                 continue
             found.append(f"{p.relative_to(ROOT)}:{node.lineno}: {base}.{node.attr}")
     assert not found, "add a public method or property instead:\n" + "\n".join(found)
+
+
+NOTE = re.compile(r"\[Note: ([^\]]+)\]")
+
+
+def test_design_notes_are_defined_once_and_indexed():
+    """A note is defined where a line starts with it (not followed by " in"), exactly once,
+    in the code; every note named anywhere exists; docs/design.md lists each one."""
+    tests = [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_repo.py"]
+    files = [*(ROOT / "src").rglob("*.py"), *tests, ROOT / "README.md"]
+    defined: dict[str, list[str]] = {}
+    named: set[str] = set()
+    for p in files:
+        for i, line in enumerate(p.read_text().splitlines(), 1):
+            named.update(NOTE.findall(line))
+            m = re.match(r"\s*(?:# )?\[Note: ([^\]]+)\](?! in )", line)
+            if m and p.suffix == ".py":
+                defined.setdefault(m.group(1), []).append(f"{p.relative_to(ROOT)}:{i}")
+    index = set(NOTE.findall((ROOT / "docs" / "design.md").read_text())) - {"name"}
+    assert {k: v for k, v in defined.items() if len(v) > 1} == {}, "defined twice"
+    assert named - set(defined) == set(), "named but never defined"
+    assert set(defined) - index == set(), "defined but not in docs/design.md"
+    assert index - set(defined) == set(), "docs/design.md lists a note the code does not define"

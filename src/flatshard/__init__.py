@@ -3,7 +3,7 @@
 [Note: package layers]
 
 The package is cut into layers; a module imports only from its own layer and the layers
-above it in this list (``tests/test_repo.py`` checks every import):
+listed before it (``tests/test_repo.py`` checks every import):
 
 0. pure planning, no process group and no wrapped module: ``errors``, ``layout`` (the flat
    layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),

@@ -1,6 +1,6 @@
 """``torch.distributed.checkpoint`` planners for flat pieces of 1-D tensors.
 
-See [Note: checkpoints] in docs/design.md. Every tensor a flatshard checkpoint stores is
+See [Note: checkpoints] in ``checkpoint/directory.py``. Every tensor a flatshard checkpoint stores is
 the flattened 1-D view of a param-shaped tensor (a param, a main param, a state entry),
 keyed by the param's name. A rank contributes ``Piece``s: its range ``[offset, offset +
 numel)`` of that 1-D tensor, backed by a view of its own storage (a shard, a run of the

@@ -1,6 +1,6 @@
 """What a rank writes to, and reads from, a checkpoint: model and optimizer as ``Piece``s.
 
-See [Note: checkpoints] in docs/design.md. ``*_to_save`` functions return ``{key: Piece |
+See [Note: checkpoints] in ``checkpoint/directory.py``. ``*_to_save`` functions return ``{key: Piece |
 tensor | object}`` views of this rank's data; ``*_to_load`` functions return the same
 shape of dict with destinations, plus a ``finish`` callable that hands what was read to
 the optimizer once DCP has filled the destinations.

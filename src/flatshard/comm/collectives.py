@@ -12,7 +12,26 @@ tensors of a group this rank belongs to reach them.
 Bytes are recorded two ways: ``payload`` is the size of the full (unsharded) tensor the
 op works on, and ``wire`` is what one rank sends under the bandwidth-optimal ring
 algorithm: all-reduce ``2 (N-1)/N B``, reduce-scatter and all-gather ``(N-1)/N B``,
-broadcast ``B``. [Note: comm bytes] in docs/design.md relates them to the stage formulas.
+broadcast ``B``.
+
+[Note: comm bytes]
+
+Stage 0 moves one all-reduce of the whole grad buffer (padding included) per optimizer step
+and nothing under ``no_sync``; ``tests/test_stage0_behavior.py`` checks both against the
+layout. Stages 1 and 2 move, per step, one reduce-scatter of every grad bucket, one all-
+gather of every param bucket and one 8-byte all-reduce (the grad norm); wire bytes follow
+the formula of the implementation that ran (``CommStats.impls``):
+``tests/test_optimizer_behavior.py``.
+
+[Note: collective choice]
+
+Each backend has the implementation of reduce-scatter and all-gather that measured fastest
+on it (``IMPLS``; the environment variables ``FLATSHARD_REDUCE_SCATTER`` and
+``FLATSHARD_ALL_GATHER`` override it): on gloo, reduce-scatter is an all-to-all of the
+bucket's shards and a local sum up to 16 MiB and an all-reduce above, and all-gather is a
+broadcast per shard. Every implementation of an op leaves the same values; wire bytes
+follow the one that ran (``CommStats.impls``). The measurements behind the choice:
+``benchmarks/README.md``.
 """
 
 from __future__ import annotations

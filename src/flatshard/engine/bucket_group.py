@@ -21,7 +21,11 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
   grad is copied in (not added), unused params are zeroed before the reduction, and
   ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
 
-With a replicate world (hybrid sharding), the shards are then all-reduced across it.
+With a replicate world (hybrid sharding), buckets are laid out and reduce-scattered over
+the shard world, and once a group's reduce-scatter is done its shards are all-reduced
+across the replicate world (every group's all-reduce is launched before any is waited).
+Params are gathered over the shard world only, and the grad norm is summed over it alone,
+since the replicas hold equal shards.
 
 With a ``reduce_dtype`` (``MixedPrecision.reduce_dtype``) that differs from the grad dtype,
 the collectives run on a copy in that dtype, multiplied by ``post`` ([``split_scale``]);

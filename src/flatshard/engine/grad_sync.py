@@ -14,6 +14,8 @@
   waits for every collective, and resets per-backward state. So when ``backward()``
   returns, grads are reduced: nothing can read them early.
 * Under ``no_sync`` nothing is launched; grads keep accumulating in ``main_grad``.
+* A grad that arrives after its group's reduction started is an error naming the param,
+  never a silently dropped grad.
 
 Two kinds of buffers:
 

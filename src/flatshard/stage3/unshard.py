@@ -74,6 +74,17 @@ ProcessGroupNCCL keeps an async collective's tensors alive until ``wait()`` inst
 recording streams, and a full bucket or grad scratch is freed or reused only after that
 wait (tested on gloo: ``tests/test_collective_lifetimes.py``), so the caching allocator
 reuses the memory in stream order and does not grow. None of this is verified on a GPU.
+
+[Note: stage-3 memory]
+
+Memory at the peak (tested on a 4-block GPT at 2 ranks): 16Ψ/N of shards during backward and
+step (bf16 + AdamW: fp32 main params 4, fp32 grad shards 4, AdamW 8, as FSDP2 keeps; ZeRO-3
+as the paper describes it keeps a 16-bit shard next to the fp32 one, 2Ψ/N more), 12Ψ/N from
+``zero_grad()`` through the next forward (the grad shards' storage is freed, as FSDP2 drops
+its sharded grads; stage 2 too), plus at most two of the largest unit in full (params and
+grads: the one running and the one prefetched or reducing) plus the root unit's params,
+which stay full for the whole step. A meta-device model is initialized unit by unit ([Note:
+meta init] in ``stage3/build.py``) and never holds more than one unit in full.
 """
 
 from __future__ import annotations
