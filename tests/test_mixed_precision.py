@@ -46,7 +46,7 @@ def _policy_case(stage: int, steps: int) -> dict:
 def _main_matches(model, opt, fp32_values) -> bool:
     """Every element of this rank's main params equals the fp32 value it was cast from."""
     state = model.flatshard_state
-    for shards in opt._shards:
+    for shards in opt.shards:
         for piece, main in shards.main_pieces():
             if not torch.equal(main, fp32_values[piece.name].reshape(-1)[slice(*piece.in_param)]):
                 return False
@@ -94,7 +94,7 @@ def _sync_case(stage: int) -> dict:
     ours = flatshard.shard(model, stage=stage, sync_module_states=True, mixed_precision=BF16)
     opt = DistributedOptimizer(ours, torch.optim.SGD, lr=0.1)
     pieces = [
-        (piece.name, tuple(piece.in_param), main) for s in opt._shards for piece, main in s.main_pieces()
+        (piece.name, tuple(piece.in_param), main) for s in opt.shards for piece, main in s.main_pieces()
     ]
     return {"values": values, "pieces": pieces}
 
