@@ -345,3 +345,31 @@ def train_against_fsdp2(
             max(max_rel_diff(p, q) for p, q in zip(full_params(ours), ref_full, strict=True))
         )
     return out
+
+
+class LoRALinear(nn.Module):
+    """A frozen linear layer plus a trainable low-rank update ``B @ A`` (LoRA)."""
+
+    def __init__(self, base: nn.Linear, rank: int = 4, scale: float = 2.0) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(rank, base.in_features) / base.in_features**0.5)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, rank) * 0.01)  # (not zero: A gets grads)
+        self.scale = scale
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.base(x) + (x @ self.lora_a.t() @ self.lora_b.t()) * self.scale
+
+
+class LoRAGPT(TiedGPT):
+    """A LoRA fine-tune: every param of the GPT frozen (embeddings, norms, every linear), a
+    trainable low-rank adapter on each linear of each block."""
+
+    def __init__(self, cfg: GPTConfig = CFG) -> None:
+        super().__init__(cfg)
+        self.requires_grad_(False)
+        for block in self.blocks:
+            for owner in (block.attn, block):
+                for name in ("qkv", "proj", "fc", "out"):
+                    if isinstance(getattr(owner, name, None), nn.Linear):
+                        setattr(owner, name, LoRALinear(getattr(owner, name)))

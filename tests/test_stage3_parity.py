@@ -1,7 +1,7 @@
 """Stage 3 follows torch DDP + the same torch optimizer (and torch FSDP2).
 
-Same harness as the stage 0-2 parity tests (tolerances: [Parity tolerances] in
-[Note: parity tolerances] in tests/_parity.py); the units are the transformer blocks and the root.
+Same harness as the stage 0-2 parity tests (tolerances: [Note: parity tolerances] in
+tests/_parity.py); the units are the transformer blocks and the root.
 """
 
 import warnings

@@ -55,8 +55,8 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     state = getattr(model, "flatshard_state", None)
     held = params
     if state is not None:  # the flat buffers, then params outside them (stage 3: placeholders skipped)
-        in_buffers = {id(p) for bset in state.sets.values() for p in bset.params}
-        held = [b.param_storage() for bset in state.sets.values() for b in bset.buffers]
+        in_buffers = {id(p) for bset in state.param_sets() for p in bset.params}
+        held = [b.param_storage() for bset in state.param_sets() for b in bset.buffers]
         held = [t for t in held if t is not None]  # (None: the main params hold them)
         held += [p for p in params if id(p) not in in_buffers]
         if state.unsharder is not None:  # stage-3 units full right now (e.g. prefetched)

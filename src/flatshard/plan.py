@@ -121,10 +121,15 @@ def plan_from_specs(
     optimizer: str = "adamw",
     rank: int = 0,
     stage3_specs: Sequence[ParamSpec] | None = None,
+    frozen_specs: Sequence[ParamSpec] = (),
+    stage3_frozen_specs: Sequence[ParamSpec] | None = None,
 ) -> dict[int, StagePlan]:
     """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
     as flatshard would use them), on the layout ``shard`` would build; stage 3 lays out
-    ``stage3_specs`` (``model_specs(module, stage=3)``: grouped by unit) when given."""
+    ``stage3_specs`` (``model_specs(module, stage=3)``: grouped by unit) when given.
+    ``frozen_specs`` (``model_specs(module, frozen=True)``) are frozen params: whole on every
+    rank at stages 0-2, sharded and gathered with their unit at stage 3 (laid out from
+    ``stage3_frozen_specs`` when given), never with grads or optimizer state."""
     state_bytes, scalar_bytes = _check(world_size, optimizer)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
@@ -152,10 +157,31 @@ def plan_from_specs(
             totals["comm_bytes_per_step"] += sum(
                 _comm(policy, b.numel, world_size, pb, gb, gathers(b)) for b in buffer.buckets
             )
+        frozen = stage3_frozen_specs if policy.gathers_units and stage3_frozen_specs else frozen_specs
+        _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank)
         if world_size == 1:
             totals["comm_bytes_per_step"] = 0
         plans[stage] = StagePlan(**totals)
     return plans
+
+
+def _add_frozen(
+    totals, policy: StagePolicy, specs, trainable, world_size: int, bucket_size, rank: int
+) -> None:
+    """Frozen params ([Note: frozen params] in ``stage3/build.py``): their bytes, whole or
+    (stage 3) this rank's shard, and at stage 3 their gathers."""
+    if not specs:
+        return
+    if not policy.shards_params:
+        totals["params"] += sum(s.numel * s.dtype.itemsize for s in specs)
+        return
+    layout = plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=True)
+    gathers = _gathers_per_bucket([*trainable, *specs])  # (the kept units are the model's)
+    for buffer in layout.buffers:
+        pb = buffer.dtype.itemsize
+        totals["params"] += pb * buffer.shard_numel(rank)
+        ring = (world_size - 1) / world_size
+        totals["comm_bytes_per_step"] += sum(int(ring * b.numel * pb * gathers(b)) for b in buffer.buckets)
 
 
 def _size(nbytes: int) -> str:

@@ -68,6 +68,7 @@ _UNIT_DEFAULTS = UnitOptions()
 # Options of shard() that only stage 3 reads, with the value that means "not given".
 _STAGE3_ONLY: dict[str, Any] = {
     "units": None,
+    "ignored_modules": None,
     "device": None,
     "param_init_fn": None,
     **{name: getattr(_UNIT_DEFAULTS, name) for name in UnitOptions.__dataclass_fields__},
@@ -98,8 +99,9 @@ class StagePolicy:
             for name, value in stage3_options.items():
                 if value != _STAGE3_ONLY[name]:
                     raise ValueError(
-                        f"{name}={_short(value)} applies to stage 3 only (it says how units are gathered "
-                        f"and materialized); got stage {stage}: drop it or use stage=3"
+                        f"{name}={_short(value)} applies to stage 3 only (it says how units are gathered, "
+                        f"materialized or which frozen params they shard); got stage {stage}: "
+                        "drop it or use stage=3"
                     )
             return policy
         fields = {k: v for k, v in stage3_options.items() if k in UnitOptions.__dataclass_fields__}
@@ -163,5 +165,5 @@ class StagePolicy:
 
 def _short(value: object) -> str:
     text = getattr(value, "__name__", None) if callable(value) else None
-    text = text or repr(value)
+    text = " ".join((text or repr(value)).split())  # (one line: a module's repr spans many)
     return text if len(text) <= 60 else text[:57] + "..."

@@ -113,7 +113,7 @@ def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:
     covered: set[int] = set()
     if state is not None:
         state.wait_for_params()
-        for bset in state.sets.values():
+        for bset in state.param_sets():
             covered.update(id(p) for p in bset.params)
             for buffer in bset.buffers:
                 numel = _numels(buffer.layout)

@@ -67,8 +67,10 @@ class FlatBuffer:
         rank: int = 0,
         full_grads: bool = True,
         sharded_params: bool = False,
+        grads: bool = True,
     ) -> None:
         self.layout = layout
+        self.has_grads = grads  # False: frozen params at stage 3 ([Note: frozen params])
         self.rank = rank
         self.device = torch.device(device)
         self.param_data: torch.Tensor | None = None  # 1D, whole buffer (stages 0-2)
@@ -89,11 +91,15 @@ class FlatBuffer:
         self.main_frame: torch.Tensor | None = None  # stage 3, 16-bit: fp32 main params hold the shard
         if sharded_params:
             self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
+            # full buckets hold memory only while their unit is gathered: none yet (made and
+            # released one at a time, so wrapping never holds more than one bucket in full)
             self._full = [torch.empty(b.numel, dtype=layout.dtype, device=device) for b in layout.buckets]
             self.placeholder = torch.full((1,), float("nan"), dtype=layout.dtype, device=device)
         else:
             self.param_data = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
-        if full_grads:
+        if not grads:
+            pass
+        elif full_grads:
             self.grad_data = torch.zeros(layout.numel, dtype=layout.grad_dtype, device=device)
         else:
             self.grad_shards = [
@@ -127,6 +133,8 @@ class FlatBuffer:
                 if param.grad is not None:
                     grad_view.copy_(param.grad)
                 param.main_grad = grad_view
+        for full in self._full:  # (stage 3) a full bucket holds memory only while its unit is gathered
+            _release(full)
 
     def _bind_sharded(self, slot, param: nn.Parameter) -> None:
         """Stage 3: keep this rank's pieces of ``param`` in the shard frame; ``.data`` becomes
@@ -300,7 +308,9 @@ class FlatBuffer:
 
     def has_grad_shard(self, bucket: BucketLayout) -> bool:
         """Whether ``bucket``'s grads exist (not freed by ``zero_grad`` since)."""
-        return self.grad_data is not None or _allocated(self.grad_shards[bucket.index])
+        if self.grad_data is not None:
+            return True
+        return self.has_grads and _allocated(self.grad_shards[bucket.index])
 
     def free_grad_shards(self) -> None:
         """Release every grad shard's storage (``zero_grad(set_to_none=True)``)."""
@@ -320,9 +330,10 @@ def _refill(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def _release(tensor: torch.Tensor) -> None:
+def _release(tensor: torch.Tensor) -> torch.Tensor:
     """Free ``tensor``'s memory, keeping its storage object (and every view's) alive."""
     tensor.untyped_storage().resize_(0)
+    return tensor
 
 
 @dataclass

@@ -11,6 +11,30 @@ in it, rank 0's values are broadcast when ``sync_module_states``, each rank keep
 and the buckets are freed. No rank ever holds more than one unit in full. Frozen params and
 buffers on ``meta`` are materialized (they are not sharded) and initialized the same way.
 Without ``sync_module_states`` every rank must seed its RNG alike.
+
+[Note: frozen params]
+
+At stage 3 a frozen (``requires_grad=False``) floating param is sharded like a trainable
+one, so that a LoRA-style fine-tune holds its frozen base at (frozen elements x bytes) / N
+per rank, as FSDP does. Invariants:
+
+* Frozen params get a buffer set of their own (``ShardState.frozen``), laid out by unit
+  like the trainable ones, in their own dtype (``MixedPrecision`` casts them), with no grad
+  storage and no bucket group: nothing reduces them and no optimizer sees them. Their
+  buckets are parts of their unit, so they are gathered and freed with it, by the same
+  schedule; checkpoints, ``full_state_dict``, ``summon_full_params`` and ``memory_report``
+  read them through ``ShardState.param_sets()``.
+* Freeing in backward. A unit is otherwise freed once each of its params has its grad;
+  that is too early for frozen weights, whose only use in backward may be the grad of the
+  unit's input (``grad_x = grad_y @ W`` of a frozen linear), which autograd can compute
+  after the adapters' grads. So a unit holding frozen params is freed once, in addition,
+  the grads of every forward's floating inputs that require grad are computed (a
+  multi-grad hook on them, counted per forward); with no such input a frozen weight's
+  backward can only lead to the unit's own trainable params, whose grads come last. A unit
+  whose forward was never followed by a backward is freed at the end of the next one.
+* Frozen params of ``ignored_modules``, expert params and non-floating ones stay whole on
+  every rank (as at stages 0-2, where frozen params are never sharded); a meta-device
+  model's sharded frozen params are materialized unit by unit like the trainable ones.
 """
 
 from __future__ import annotations
@@ -85,17 +109,18 @@ def is_meta_model(named: Sequence[tuple[str, nn.Parameter]]) -> bool:
     return bool(meta)
 
 
-def replace_meta_params(module: nn.Module, device: torch.device) -> None:
-    """Give every trainable meta param a placeholder on ``device`` (a new Parameter in each
-    module that registers it, so tied params stay tied)."""
+def replace_meta_params(module: nn.Module, device: torch.device, whole: set[int]) -> None:
+    """Give every meta param that is sharded (trainable, or frozen and not kept ``whole``)
+    a placeholder on ``device`` (a new Parameter in each module that registers it, so tied
+    params stay tied)."""
     new: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
-            if p is None or not p.is_meta or not p.requires_grad:
+            if p is None or not p.is_meta or (not p.requires_grad and id(p) in whole):
                 continue
             if id(p) not in new:
                 nan = torch.full((1,), float("nan"), dtype=p.dtype, device=device)
-                new[id(p)] = nn.Parameter(nan.expand(p.shape), requires_grad=True)
+                new[id(p)] = nn.Parameter(nan.expand(p.shape), requires_grad=p.requires_grad)
             sub._parameters[name] = new[id(p)]
 
 

@@ -36,6 +36,8 @@ class Stage3State(Protocol):
 
     def param_dtype_shards(self) -> AbstractContextManager[None]: ...
 
+    def param_sets(self) -> list[BufferSet]: ...
+
 
 @contextmanager
 def summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
@@ -62,7 +64,7 @@ def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads
     for u in range(len(unsharder.units)):
         unsharder.wait(u)
     if with_grads:
-        _gather_grads(parts)
+        _gather_grads([part for part in parts if part.buffer.has_grads])  # (frozen params have none)
     if rank0_only and _rank(parts) != 0:
         unsharder.settle()
     unsharder.summoned = True
@@ -70,7 +72,7 @@ def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads
         yield
     finally:
         unsharder.summoned = False
-        for part in parts if with_grads else ():
+        for part in [p for p in parts if p.buffer.has_grads] if with_grads else []:
             for slot in part.bucket.params:
                 part.params[slot.index].grad = None
         if writeback:
@@ -160,7 +162,7 @@ def load_full_state_dict(
     params, buffers) loads as usual. Returns torch's (missing_keys, unexpected_keys)."""
     state.unsharder.settle()
     slots = {}
-    for bset in state.sets.values():
+    for bset in state.param_sets():
         for buffer in bset.buffers:
             for slot in buffer.layout.params:
                 slots[id(bset.params[slot.index])] = (buffer, slot, bset.params[slot.index])

@@ -148,8 +148,14 @@ class Unsharder:
         self._ranks_agree: bool | None = None  # their outcome, once waited for in this backward
         self._fwd = self._bwd = _Schedule([])
         self._set_schedule([unit.index for unit, ps in zip(units, parts, strict=True) if ps])
-        self._params = [{id(p.params[s.index]) for p in ps for s in p.bucket.params} for ps in parts]
+        self._params = [
+            {id(p.params[s.index]) for p in ps if p.buffer.has_grads for s in p.bucket.params} for ps in parts
+        ]
         self._waiting: list[set[int]] = [set(s) for s in self._params]  # params without grad yet
+        # [Note: frozen params] in stage3/build.py: a unit holding frozen params is freed in
+        # backward only once the grads of its forward's inputs are computed too
+        self._holds_frozen = [any(not p.buffer.has_grads for p in ps) for ps in parts]
+        self._inputs_pending = [0] * len(units)  # forwards whose inputs' grads are still to come
         self._in_backward = False
         self.summoned = False
         self.full_bytes = 0  # bytes of full buckets alive now
@@ -158,13 +164,18 @@ class Unsharder:
         for unit, unit_parts in zip(units, parts, strict=True):
             if unit_parts or unit.index == 0:  # the root's hooks also end each forward
                 self._hooks.append(
-                    unit.module.register_forward_pre_hook(eager(self._pre_forward_hook(unit.index)))
+                    unit.module.register_forward_pre_hook(
+                        eager(self._pre_forward_hook(unit.index)), with_kwargs=True
+                    )
                 )
                 self._hooks.append(
                     unit.module.register_forward_hook(eager(self._post_forward_hook(unit.index)))
                 )
                 for p in {
-                    id(q.params[s.index]): q.params[s.index] for q in unit_parts for s in q.bucket.params
+                    id(q.params[s.index]): q.params[s.index]
+                    for q in unit_parts
+                    if q.buffer.has_grads
+                    for s in q.bucket.params
                 }.values():
                     self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit.index)))
 
@@ -337,10 +348,12 @@ class Unsharder:
 
     # -- hooks ---------------------------------------------------------------------------------
     def _pre_forward_hook(self, u: int):
-        def hook(module: nn.Module, args: object) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
             if _in_backward():  # activation checkpointing recomputes the unit's forward
                 self.wait(u)
                 return
+            if self._holds_frozen[u] and torch.is_grad_enabled():
+                self._watch_inputs(u, (args, kwargs))
             if self._recording is not None and u not in self._recording:
                 self._recording.append(u)
             self._ran.add(u)
@@ -378,19 +391,37 @@ class Unsharder:
 
     def _grad_hook(self, u: int):
         def hook(param: nn.Parameter) -> None:
-            waiting = self._waiting[u]
-            waiting.discard(id(param))
-            if not waiting and not self.summoned:
-                self.reshard(u)
-                if self.options.backward_prefetch == "post":
-                    self._prefetch(self._bwd, 1)
+            self._waiting[u].discard(id(param))
+            self._release_after_backward(u)
 
         return hook
+
+    def _watch_inputs(self, u: int, inputs: object) -> None:
+        """Count this forward of ``u`` until the grads of its inputs are computed (its frozen
+        params serve those grads: [Note: frozen params] in ``stage3/build.py``)."""
+        tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if tensors:
+            self._inputs_pending[u] += 1
+            register_multi_grad_hook(tensors, lambda grads: self._inputs_done(u), mode="all")
+
+    def _inputs_done(self, u: int) -> None:
+        self._inputs_pending[u] -= 1
+        self._release_after_backward(u)
+
+    def _release_after_backward(self, u: int) -> None:
+        """Free ``u`` once backward is done with it: every param of it has its grad and every
+        forward's inputs theirs."""
+        if self._waiting[u] or self._inputs_pending[u] > 0 or self.summoned:
+            return
+        self.reshard(u)
+        if self.options.backward_prefetch == "post":
+            self._prefetch(self._bwd, 1)
 
     def _end_backward(self) -> None:
         self.issue_backward()
         self._in_backward = False
         self._waiting = [set(s) for s in self._params]
+        self._inputs_pending = [0] * len(self.units)
         self._bwd.restart()
         self._ran = set()
         self.ranks_ran_the_same_units()  # (waits for the check if nobody has)

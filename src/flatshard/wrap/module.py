@@ -44,11 +44,17 @@ class ShardState:
     optimizer: AttachedOptimizer | None = None  # the DistributedOptimizer built over this module
     originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
     unsharder: Unsharder | None = None  # stage 3
+    frozen: BufferSet | None = None  # stage 3: the frozen params' shards ([Note: frozen params])
     _materialized: int = 0  # depth of param_dtype_shards() blocks
 
     @property
     def stage(self) -> int:
         return self.policy.stage
+
+    def param_sets(self) -> list[BufferSet]:
+        """Every buffer set holding params: the trainable ones (``sets``), then the frozen
+        one at stage 3 (no grads, no optimizer)."""
+        return [*self.sets.values(), *([self.frozen] if self.frozen is not None else [])]
 
     def attach(self, optimizer: AttachedOptimizer) -> None:
         """Record the optimizer built over this module (one per module)."""

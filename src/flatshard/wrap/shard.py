@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,6 +38,8 @@ from flatshard.stage3.build import (
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 
 DEFAULT_BUCKET_SIZE = 2**22
+FROZEN = "frozen"
+"""The key of stage 3's frozen params' ``ParamPart`` (a buffer set without grads)."""
 """Elements per bucket by default (16 MiB of fp32 grads)."""
 
 
@@ -74,6 +76,7 @@ def shard(
     limit_all_gathers: int = 2,
     device: torch.device | str | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
+    ignored_modules: Iterable[nn.Module] | None = None,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -117,10 +120,15 @@ def shard(
             current CUDA device if there is one, else the CPU), unit by unit.
         param_init_fn: initializes each module of a meta model (default: its own
             ``reset_parameters()``).
+        ignored_modules: modules whose frozen params stay whole on every rank; every other
+            frozen (``requires_grad=False``) floating param is sharded and gathered with its
+            unit, without grads or optimizer state ([Note: frozen params] in
+            ``stage3/build.py``). Trainable params are sharded wherever they are.
     """
     policy = StagePolicy.build(
         stage,
         units=units,
+        ignored_modules=ignored_modules,
         device=device,
         param_init_fn=param_init_fn,
         reshard_after_forward=reshard_after_forward,
@@ -136,10 +144,14 @@ def shard(
             f"got {policy} (pass the flattened group for plain data parallelism)"
         )
     mp = mixed_precision or MixedPrecision()
-    named, meta, device, originals = _prepare_params(module, policy, mp, device)
+    whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
+    named, meta, device, originals = _prepare_params(module, policy, mp, device, whole)
     tied = _tied_params(module)
     unit_list, unit_of = _stage3_units(module, named, units) if policy.gathers_units else ([], {})
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
+    if policy.shards_params:  # (frozen params sorted by unit, as the trainable ones)
+        frozen = sorted(_sharded_frozen(module, whole), key=lambda item: unit_of[id(item[1])])
+        parts += [ParamPart(FROZEN, world, replicate, frozen, None)] if frozen else []
     config = _agreement_lines(
         module,
         policy,
@@ -199,9 +211,39 @@ def _agreement_lines(module: nn.Module, policy: StagePolicy, mp: MixedPrecision,
     ]
 
 
-def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device):
+def _frozen_kept_whole(module: nn.Module, policy: StagePolicy, expert, ignored_modules) -> set[int]:
+    """Ids of the frozen params that stay whole on every rank: all of them below stage 3;
+    at stage 3 those of ``ignored_modules``, expert params and non-floating ones."""
+    frozen = {id(p): (n, p) for n, p in module.named_parameters() if not p.requires_grad}
+    if not policy.shards_params:
+        return set(frozen)
+    ignored = {id(p) for m in (ignored_modules or ()) for p in _checked_ignored(module, m).parameters()}
+    return {
+        key
+        for key, (n, p) in frozen.items()
+        if key in ignored or not p.is_floating_point() or (expert is not None and expert.match(n, p))
+    }
+
+
+def _checked_ignored(module: nn.Module, sub: object) -> nn.Module:
+    if not isinstance(sub, nn.Module) or not any(sub is m for m in module.modules()):
+        raise ValueError(f"ignored_modules: {_short_repr(sub)} is not a submodule of the model")
+    return sub
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value).splitlines()[0]
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _sharded_frozen(module: nn.Module, whole: set[int]) -> list[tuple[str, nn.Parameter]]:
+    return [(n, p) for n, p in module.named_parameters() if not p.requires_grad and id(p) not in whole]
+
+
+def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device, whole: set[int]):
     """(trainable named params, whether the model is on meta, the device, fp32 originals):
-    a meta model gets placeholders on ``device``; params are cast to ``mp.param_dtype``."""
+    a meta model gets placeholders on ``device`` (its frozen params too, unless kept
+    ``whole``); params are cast to ``mp.param_dtype``."""
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     if not named:
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
@@ -212,7 +254,7 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
     if meta:  # placeholders on the device (cast first: meta tensors cost nothing)
         originals = {}  # the main params start from the initialized values
         device = _default_device() if device is None else torch.device(device)
-        replace_meta_params(module, device)
+        replace_meta_params(module, device, whole)
     named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
     _check_devices(named)
     return named, meta, device, originals
@@ -221,7 +263,8 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
 def _broadcast_before_binding(module: nn.Module, parts, originals, worlds) -> None:
     """Stage 3 ``sync_module_states``: rank 0's full values, before each rank keeps its shards."""
     pairs = [(p.data, w) for part in parts for _, p in part.named for w in (part.world, part.replicate)]
-    pairs += [(t, w) for t in unsharded_tensors(module) for w in worlds]
+    in_parts = {id(p) for part in parts for _, p in part.named}
+    pairs += [(t, w) for t in unsharded_tensors(module) if id(t) not in in_parts for w in worlds]
     pairs += [(t, w) for t in originals.values() for w in worlds]
     broadcast_values(pairs)
 
@@ -253,7 +296,8 @@ def _assemble(
     module, policy: StagePolicy, sets, buckets_per_group, find_unused_parameters, reduce_dtype, units
 ) -> ShardedModule:
     """Bucket groups, the grad-sync state machine, and the param gathers (stages 1-2) or
-    the unsharder (stage 3)."""
+    the unsharder (stage 3, over the frozen params' set too)."""
+    frozen = sets.pop(FROZEN, None)
     stats = CommStats()
     groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats, reduce_dtype)
     sync = GradSync(
@@ -268,9 +312,10 @@ def _assemble(
         gather = ParamGather(module, list(sets.values()), stats)
     if policy.gathers_units:
         unit_list, unit_of = units
-        unsharder = build_unsharder(unit_list, unit_of, list(sets.values()), stats, policy.unit_options)
+        every = [*sets.values(), *([frozen] if frozen is not None else [])]
+        unsharder = build_unsharder(unit_list, unit_of, every, stats, policy.unit_options)
         sync.gathers = unsharder
-    state = ShardState(policy, sets, sync, stats, gather, unsharder=unsharder)
+    state = ShardState(policy, sets, sync, stats, gather, unsharder=unsharder, frozen=frozen)
     if policy.shards_optimizer:
         sync.on_synced = partial(_require_optimizer, state)
     sharded = make_sharded(module, state)
@@ -390,10 +435,16 @@ def param_specs(
     ]
 
 
-def model_specs(module: nn.Module, *, stage: int = 0, units: UnitSpec = None) -> list[ParamSpec]:
-    """``param_specs`` of a module's trainable params as ``shard(module, stage=stage)`` lays
-    them out (works on the meta device)."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+def model_specs(
+    module: nn.Module, *, stage: int = 0, units: UnitSpec = None, frozen: bool = False
+) -> list[ParamSpec]:
+    """``param_specs`` of a module's trainable params (``frozen``: of its frozen floating
+    params) as ``shard(module, stage=stage)`` lays them out (works on the meta device)."""
+    named = [
+        (n, p)
+        for n, p in module.named_parameters()
+        if (p.requires_grad if not frozen else not p.requires_grad and p.is_floating_point())
+    ]
     unit_of = _stage3_units(module, named, units)[1] if StagePolicy(stage).gathers_units else {}
     return param_specs(named, _tied_params(module), unit_of)
 
@@ -428,6 +479,7 @@ def _build_set(
             rank=world.rank,
             full_grads=not policy.shards_grads,
             sharded_params=policy.shards_params,
+            grads=part.key != FROZEN,
         )
         buffer.bind(params)
         buffers.append(buffer)

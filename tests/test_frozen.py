@@ -1,0 +1,118 @@
+"""Frozen params at stage 3 ([Note: frozen params] in stage3/build.py): a LoRA fine-tune
+shards its frozen base, follows DDP, and every rank holds (frozen elements x bytes) / N of it,
+as memory_report measures and plan predicts."""
+
+import pytest
+import torch
+from torch import nn
+
+import flatshard
+from _parity import SGD, LoRAGPT, check_parity, train_optimizer_side_by_side
+from flatshard.plan import plan_from_specs
+from flatshard.testing import run_distributed
+from flatshard.wrap.shard import model_specs
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_a_lora_fine_tune_at_stage_3_follows_ddp(world_size):
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side, world_size, {"stage": 3, "bucket_size": 3000}, **SGD, model_cls=LoRAGPT
+    )
+    check_parity(result, params=1e-5)
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_frozen_params_stay_whole_below_stage_3_and_train_alike(stage):
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side, 2, {"stage": stage, "bucket_size": 3000}, **SGD, model_cls=LoRAGPT
+    )
+    check_parity(result, params=1e-5)
+
+
+def _memory(ignore_blocks: bool) -> dict:
+    torch.manual_seed(0)
+    model = LoRAGPT()
+    frozen = [p for p in model.parameters() if not p.requires_grad]
+    ignored = [model.blocks[0]] if ignore_blocks else None
+    whole = {id(p) for p in model.blocks[0].parameters() if not p.requires_grad} if ignore_blocks else set()
+    whole_names = {n for n, p in model.named_parameters() if id(p) in whole}
+    specs = model_specs(model), model_specs(model, stage=3)
+    frozen_specs = [  # (plan the ones that are sharded; the whole ones are added below)
+        [s for s in model_specs(model, stage=stage, frozen=True) if s.name not in whole_names]
+        for stage in (0, 3)
+    ]
+    model = flatshard.shard(model, stage=3, bucket_size=3000, ignored_modules=ignored)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    model.wait_for_params()  # (no unit full)
+    report = flatshard.memory_report(model, opt)
+    plans = plan_from_specs(
+        specs[0],
+        world_size=torch.distributed.get_world_size(),
+        bucket_size=3000,
+        optimizer="sgd",
+        rank=torch.distributed.get_rank(),
+        stage3_specs=specs[1],
+        frozen_specs=frozen_specs[0],
+        stage3_frozen_specs=frozen_specs[1],
+    )
+    frozen_set = model.flatshard_state.frozen
+    return {
+        "frozen_bytes": sum(p.numel() * p.element_size() for p in frozen),
+        "whole_frozen_bytes": sum(p.numel() * p.element_size() for p in frozen if id(p) in whole),
+        "frozen_shard_bytes": sum(b.param_shard_data.numel() * 4 for b in frozen_set.buffers),
+        "placeholders": sum(1 for p in frozen if p.data.untyped_storage().nbytes() <= 8),
+        "params": report.params,
+        "planned": plans[3].params,
+        "planned_stage0": plans[0].params,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_each_rank_holds_its_share_of_the_frozen_params(world_size):
+    for r in run_distributed(_memory, world_size, False):
+        share = r["frozen_bytes"] / world_size
+        assert share <= r["frozen_shard_bytes"] <= share * 1.02 + 4 * 64 * 8  # (padding: a few per bucket)
+        # what memory_report counts is what plan predicts, up to the placeholders' bytes
+        assert 0 <= r["params"] - r["planned"] <= 64, r
+        assert r["planned_stage0"] - r["planned"] > r["frozen_bytes"] / 2
+        assert r["placeholders"] > 0
+
+
+def test_ignored_modules_keep_their_frozen_params_whole():
+    r = run_distributed(_memory, 2, True)[0]
+    assert r["whole_frozen_bytes"] > 0
+    sharded = r["frozen_bytes"] - r["whole_frozen_bytes"]
+    assert sharded / 2 <= r["frozen_shard_bytes"] <= sharded / 2 * 1.02 + 4 * 64 * 8
+    assert 0 <= r["params"] - (r["planned"] + r["whole_frozen_bytes"]) <= 64, r
+
+
+def test_ignored_modules_is_checked():
+    model = LoRAGPT()
+    with pytest.raises(ValueError, match="not a submodule"):
+        flatshard.shard(model, stage=3, ignored_modules=[nn.Linear(2, 2)])
+    with pytest.raises(ValueError, match=r"ignored_modules=.* applies to stage 3 only"):
+        flatshard.shard(LoRAGPT(), stage=2, ignored_modules=[model.blocks[0]])
+
+
+def _save_sharded(path: str) -> None:
+    torch.manual_seed(0)
+    model = flatshard.shard(LoRAGPT(), stage=3, bucket_size=3000)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    flatshard.save_checkpoint(path, model, opt)
+
+
+def test_a_checkpoint_with_sharded_frozen_params_loads_whole(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_distributed(_save_sharded, 2, path)
+    torch.manual_seed(0)
+    expected = LoRAGPT().state_dict()
+    model = flatshard.shard(LoRAGPT(), stage=0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()
+    flatshard.load_checkpoint(path, model)
+    got = model.state_dict()
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert len(frozen) > 10
+    for name in frozen:
+        assert torch.equal(got[name], expected[name]), name
