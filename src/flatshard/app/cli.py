@@ -11,6 +11,8 @@ from flatshard.app import launch
 from flatshard.stage import STAGES, StagePolicy
 from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
 
+MODEL_HELP = "a GPT preset, hf:<model_type> (a tiny transformers model) or module:factory (an nn.Module)"
+
 
 def _positive_int(text: str) -> int:
     try:
@@ -70,8 +72,9 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--model",
         default="small",
-        help=f"a GPT preset ({', '.join(PRESETS)}; default small) or module:factory, a function "
-        "returning an nn.Module whose forward(tokens, targets) returns the loss",
+        help=f"a GPT preset ({', '.join(PRESETS)}; default small), hf:<model_type> (a tiny "
+        "transformers causal LM of that type, random init) or module:factory, a function returning an "
+        "nn.Module whose forward(tokens, targets) returns the loss",
     )
     train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
     train.add_argument(
@@ -193,7 +196,9 @@ def _add_layout(sub) -> None:
         "with --out, also draw it as a PNG (needs matplotlib).",
     )
     layout.add_argument(
-        "--model", required=True, help="a GPT preset, or module:factory returning an nn.Module"
+        "--model",
+        required=True,
+        help=MODEL_HELP,
     )
     layout.add_argument("--stage", type=int, choices=STAGES, default=2, help="default 2")
     _add_layout_options(layout, world_size=2, bucket_help="")
@@ -233,7 +238,10 @@ def _add_plan(sub) -> None:
     )
     source = plan.add_mutually_exclusive_group(required=True)
     source.add_argument("--params", type=_positive_int, help="number of parameters, e.g. 7.5e9")
-    source.add_argument("--model", help="a GPT preset, or module:factory returning an nn.Module")
+    source.add_argument(
+        "--model",
+        help=MODEL_HELP,
+    )
     _add_layout_options(plan, world_size=8, bucket_help="with --model ")
     plan.add_argument(
         "--grad-dtype",

@@ -21,7 +21,7 @@ from flatshard.app.train_report import Metrics, Progress, format_summary, plot_l
 from flatshard.checkpoint.directory import MANIFEST
 from flatshard.data import ByteCorpus, SyntheticCorpus
 from flatshard.memory import memory_report
-from flatshard.models import model_factory
+from flatshard.models import lm_loss, model_dims, model_factory
 
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints kept under --checkpoint-dir
 
@@ -96,11 +96,10 @@ def build(cfg: TrainConfig, device: torch.device):
     """The sharded model, its data and the sequence length; errors name the bad option."""
     torch.manual_seed(cfg.seed)  # same init on every rank
     module = model_factory(cfg.model)().to(device)
-    model_cfg = getattr(module, "cfg", None)
-    seq_len = cfg.seq_len or getattr(model_cfg, "seq_len", None)
+    vocab, model_seq_len = model_dims(module)
+    seq_len = cfg.seq_len or model_seq_len
     if seq_len is None:
         raise ValueError(f"--model {cfg.model} has no cfg.seq_len: pass --seq-len")
-    vocab = getattr(model_cfg, "vocab_size", None)
     if cfg.data is not None:
         corpus = ByteCorpus(cfg.data, seq_len, seed=1234)
         if vocab is not None and vocab < ByteCorpus.vocab_size:
@@ -247,7 +246,7 @@ def _accumulate(cfg: TrainConfig, model, corpus, step: int, rank: int, device) -
         x, y = (t.to(device) for t in corpus.batch(step * cfg.micro_batches + micro, rank, cfg.batch_size))
         last = micro == cfg.micro_batches - 1
         model.set_requires_gradient_sync(last)
-        loss = model(x, y) / cfg.micro_batches
+        loss = lm_loss(model, x, y) / cfg.micro_batches
         loss.backward()
         total += loss.detach().float()
     return total

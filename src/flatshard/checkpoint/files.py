@@ -284,7 +284,9 @@ class Source(NamedTuple):
 def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Source:
     if isinstance(source, Mapping):
         return _tensor_source(source, "the state dict")
-    path = os.fspath(source)
+    path = _weights_path(os.fspath(source))
+    if path.endswith(".index.json"):
+        return _indexed_source(path)
     if not os.path.isfile(path):
         raise FileNotFoundError(f"no weights file at {path}")
     if file_format(path) == "safetensors":
@@ -303,6 +305,40 @@ def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Sourc
     if not isinstance(loaded, Mapping):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
     return _tensor_source(loaded, path)
+
+
+HF_FILES = ("model.safetensors", "model.safetensors.index.json")
+"""What a directory written by Hugging Face's ``save_pretrained`` holds its weights in (one
+file, or shards listed by an index)."""
+
+
+def _weights_path(path: str) -> str:
+    """``path``, or for a directory the weights file (or index) in it."""
+    if not os.path.isdir(path):
+        return path
+    for name in HF_FILES:
+        if os.path.isfile(os.path.join(path, name)):
+            return os.path.join(path, name)
+    raise FileNotFoundError(f"{path} is a directory with neither {' nor '.join(HF_FILES)}")
+
+
+def _indexed_source(path: str) -> Source:
+    """Sharded ``.safetensors`` files listed by an index (``{"weight_map": {name: file}}``),
+    read as one source; every shard is opened (and checked) once."""
+    try:
+        with open(path) as f:
+            weight_map = json.load(f)["weight_map"]
+    except FileNotFoundError:
+        raise FileNotFoundError(f"no weights index at {path}") from None
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(f"{path} is not a safetensors index ({type(e).__name__}: {e})") from None
+    directory = os.path.dirname(path)
+    files = {name: _safetensors_source(os.path.join(directory, name)) for name in set(weight_map.values())}
+    for name, file in weight_map.items():
+        if name not in files[file].shapes:
+            raise CheckpointError(f"{path} puts {name!r} in {file}, which does not hold it")
+    shapes = {name: files[file].shapes[name] for name, file in weight_map.items()}
+    return Source(shapes, lambda name, lo, hi: files[weight_map[name]].read(name, lo, hi), path)
 
 
 def _tensor_source(tensors: Mapping[str, torch.Tensor], description: str) -> Source:

@@ -114,8 +114,10 @@ def load_weights(
     strict: bool = True,
 ) -> tuple[list[str], list[str]]:
     """Seed ``model`` (sharded at any stage, or plain) from a plain state dict: a
-    ``.safetensors`` or ``.pt`` file, or a dict of tensors. Every rank calls it and reads
-    only the parts of each tensor it holds.
+    ``.safetensors`` or ``.pt`` file, sharded ``.safetensors`` files by their
+    ``*.index.json``, a directory written by Hugging Face's ``save_pretrained`` (its
+    ``model.safetensors`` or index), or a dict of tensors. Every rank calls it and reads only
+    the parts of each tensor it holds.
 
     The optimizer's fp32 main params (``optimizer``, else the model's
     ``DistributedOptimizer``) take the source's values at the source's precision, not

@@ -4,7 +4,9 @@
 
 ``find_units(module, units)`` picks the unit modules: those of the given classes, or those
 for which the predicate ``(qualified_name, module) -> bool`` holds; by default the children
-of every ``nn.ModuleList`` (the usual list of transformer blocks). The root module is always
+of every ``nn.ModuleList`` (the usual list of transformer blocks), or, for a Hugging Face
+model, the modules whose class its ``_no_split_modules`` names (its decoder layers) where
+there are any. The root module is always
 a unit too: it owns every param outside the others. Units may nest.
 
 A param belongs to exactly one unit: the innermost unit that contains *every* module
@@ -56,6 +58,9 @@ def find_units(module: nn.Module, units: UnitSpec = None) -> list[Unit]:
 
 def _matcher(root: nn.Module, units: UnitSpec) -> Callable[[str, nn.Module], bool]:
     if units is None:
+        layers = _no_split_names(root)
+        if any(type(m).__name__ in layers for m in root.modules()):
+            return lambda name, m: type(m).__name__ in layers
         children = {id(c) for m in root.modules() if isinstance(m, nn.ModuleList) for c in m}
         return lambda name, m: id(m) in children
     if callable(units) and not isinstance(units, type):
@@ -76,6 +81,16 @@ def module_units(units: list[Unit]) -> dict[int, int]:
         for sub in unit.module.modules():
             unit_of_module[id(sub)] = unit.index
     return unit_of_module
+
+
+def _no_split_names(root: nn.Module) -> set[str]:
+    """The class names a Hugging Face model (the root or the first module inside it that is
+    one) says must not be split across devices: its transformer layers."""
+    for m in root.modules():
+        names = getattr(m, "_no_split_modules", None)
+        if names:
+            return set(names)
+    return set()
 
 
 def assign_params(module: nn.Module, units: list[Unit]) -> dict[int, int]:

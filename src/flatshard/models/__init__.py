@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Callable
+from functools import partial
 
 from torch import nn
 
 from flatshard.models.gpt import GPT, PRESETS, GPTConfig
+from flatshard.models.hf import lm_loss, model_dims, tiny_model
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "model_factory"]
+__all__ = ["GPT", "PRESETS", "GPTConfig", "lm_loss", "model_dims", "model_factory", "tiny_model"]
 
 
 def model_factory(spec: str) -> Callable[[], nn.Module]:
-    """What builds the model named ``spec``: a GPT preset, or ``module:factory`` (a function
+    """What builds the model named ``spec``: a GPT preset, ``hf:<model_type>`` (a tiny
+    ``transformers`` causal LM of that type, ``models.hf``), or ``module:factory`` (a function
     of no arguments returning an ``nn.Module``, imported from ``module``)."""
+    if spec.startswith("hf:"):
+        return partial(tiny_model, spec.removeprefix("hf:"))
     if ":" in spec:
         module_name, name = spec.split(":", 1)
         try:
@@ -26,7 +31,9 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
         return lambda: _checked(factory(), spec)
     if spec in PRESETS:
         return lambda: GPT(PRESETS[spec])
-    raise ValueError(f"--model {spec!r} is neither a GPT preset {sorted(PRESETS)} nor module:factory")
+    raise ValueError(
+        f"--model {spec!r} is neither a GPT preset {sorted(PRESETS)}, hf:<model_type> nor module:factory"
+    )
 
 
 def _checked(module: object, spec: str) -> nn.Module:

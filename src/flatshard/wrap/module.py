@@ -206,7 +206,10 @@ def make_sharded(module: nn.Module, state: ShardState) -> ShardedModule:
     cls = module.__class__
     new_cls = _CLASS_CACHE.get(cls)
     if new_cls is None:
-        new_cls = type(f"Sharded{cls.__name__}", (ShardedModule, cls), {"__module__": cls.__module__})
+        # the user's class name, as code that records it expects (Hugging Face's save_pretrained
+        # writes it into config.json's "architectures"); isinstance(m, ShardedModule) tells them apart
+        names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
+        new_cls = type(cls.__name__, (ShardedModule, cls), names)
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls
     module._flatshard = state

@@ -108,8 +108,9 @@ def shard(
 
     Stage 3 only (see [Note: unsharding] in ``stage3/unshard.py``):
         units: module classes, or a predicate ``(qualified_name, module) -> bool``, that pick
-            the units gathered and freed together; default: the children of every
-            ``nn.ModuleList``. The root is a unit too and owns every other param.
+            the units gathered and freed together; default: the layers a Hugging Face model's
+            ``_no_split_modules`` names, else the children of every ``nn.ModuleList``. The
+            root is a unit too and owns every other param.
         reshard_after_forward: free a unit's params after its forward (False: keep them
             until its backward is done, trading memory for one gather per unit).
         forward_prefetch: units whose gathers start ahead of the forward (0: none).
