@@ -150,9 +150,7 @@ def shard(
     tied = _tied_params(module)
     unit_list, unit_of = _stage3_units(module, named, units) if policy.gathers_units else ([], {})
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
-    if policy.shards_params:  # (frozen params sorted by unit, as the trainable ones)
-        frozen = sorted(_sharded_frozen(module, whole), key=lambda item: unit_of[id(item[1])])
-        parts += [ParamPart(FROZEN, world, replicate, frozen, None)] if frozen else []
+    parts += _frozen_part(module, whole, unit_of, world, replicate) if policy.shards_params else []
     config = _agreement_lines(
         module,
         policy,
@@ -166,11 +164,7 @@ def shard(
         sync_module_states=sync_module_states,
         pad_for_high_busbw=pad_for_high_busbw,
     )
-    for part in parts:
-        for w in (part.world, part.replicate):
-            check_ranks_agree(
-                w, [*config, *_describe(part.named, part.key, unit_of)], f"the {part.key} params"
-            )
+    _check_agreement(parts, config, unit_of)
     if sync_module_states and policy.shards_params and not meta:  # rank 0's values, then bind
         _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
@@ -237,8 +231,21 @@ def _short_repr(value: object) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _sharded_frozen(module: nn.Module, whole: set[int]) -> list[tuple[str, nn.Parameter]]:
-    return [(n, p) for n, p in module.named_parameters() if not p.requires_grad and id(p) not in whole]
+def _frozen_part(
+    module: nn.Module, whole: set[int], unit_of, world: World, replicate: World
+) -> list[ParamPart]:
+    """Stage 3: the frozen params not kept ``whole``, sorted by unit as the trainable ones."""
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and id(p) not in whole]
+    frozen.sort(key=lambda item: unit_of[id(item[1])])
+    return [ParamPart(FROZEN, world, replicate, frozen, None)] if frozen else []
+
+
+def _check_agreement(parts: list[ParamPart], config: list[str], unit_of) -> None:
+    """Every rank passed the same options and params (each part over its worlds)."""
+    for part in parts:
+        lines = [*config, *_describe(part.named, part.key, unit_of)]
+        for w in (part.world, part.replicate):
+            check_ranks_agree(w, lines, f"the {part.key} params")
 
 
 def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device, whole: set[int]):
