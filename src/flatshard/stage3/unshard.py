@@ -17,7 +17,8 @@ each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *g
 * **backward**: that hook makes the unit full again and (``backward_prefetch="pre"``)
   prefetches the unit backward reaches next. Once every param of the unit has its grad
   (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the unit is freed
-  (``"post"`` prefetches at this point instead). At the end of backward every unit is freed.
+  (``"post"`` prefetches at this point instead); a unit holding frozen params waits for its
+  inputs' grads too ([Note: frozen params] in ``stage3/build.py``). At the end of backward every unit is freed.
 * **bounded memory**: prefetches start only while fewer than ``limit`` gathers are in
   flight; a unit's full buckets exist only from its gather to its release, and their storage
   is resized to zero on release. Saved activations that reference a param's storage see
@@ -83,8 +84,8 @@ as the paper describes it keeps a 16-bit shard next to the fp32 one, 2Ψ/N more)
 ``zero_grad()`` through the next forward (the grad shards' storage is freed, as FSDP2 drops
 its sharded grads; stage 2 too), plus at most two of the largest unit in full (params and
 grads: the one running and the one prefetched or reducing) plus the root unit's params,
-which stay full for the whole step. A meta-device model is initialized unit by unit ([Note:
-meta init] in ``stage3/build.py``) and never holds more than one unit in full.
+which stay full for the whole step. A meta-device model is initialized unit by unit
+([Note: meta init] in ``stage3/build.py``) and never holds more than one unit in full.
 """
 
 from __future__ import annotations
