@@ -18,7 +18,8 @@ each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *g
   prefetches the unit backward reaches next. Once every param of the unit has its grad
   (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the unit is freed
   (``"post"`` prefetches at this point instead); a unit holding frozen params waits for its
-  inputs' grads too ([Note: frozen params] in ``stage3/build.py``). At the end of backward every unit is freed.
+  inputs' grads too ([Note: frozen params] in ``stage3/build.py``). At the end of backward
+  every unit is freed.
 * **bounded memory**: prefetches start only while fewer than ``limit`` gathers are in
   flight; a unit's full buckets exist only from its gather to its release, and their storage
   is resized to zero on release. Saved activations that reference a param's storage see
