@@ -194,6 +194,18 @@ def deepspeed_installed() -> bool:
     return importlib.util.find_spec("deepspeed") is not None
 
 
+def _block_compiled(peer: Peer) -> Peer:
+    """``peer`` with each block compiled (inductor) before it wraps the model: torchtitan's
+    recipe for FSDP2, and the one flatshard's hooks keep graph-break free at every stage."""
+
+    def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
+        for block in model.blocks:
+            block.compile()
+        return peer(model, bucket_size, compute)
+
+    return wrap
+
+
 DEEPSPEED_PEERS: dict[str, Peer] = {f"deepspeed-{s}": _deepspeed(s) for s in (1, 2, 3)}
 STAGE_PEERS: dict[str, Peer] = {
     "ddp": _ddp,
@@ -212,7 +224,11 @@ OPTIMIZER_PEERS: dict[str, Peer] = {
     "hybrid-1.0": _hybrid(1.0, overlap=True),
     "hybrid-1.0-sync": _hybrid(1.0, overlap=False),
 }
-PEERS: dict[str, Peer] = {**STAGE_PEERS, **DEEPSPEED_PEERS, **OPTIMIZER_PEERS}
+COMPILED_PEERS: dict[str, Peer] = {  # (not run by default: inductor compiles in every peer process)
+    f"{name}+compile": _block_compiled(STAGE_PEERS[name])
+    for name in ("ddp", "fsdp2", "flatshard-0", "flatshard-1", "flatshard-2", "flatshard-3")
+}
+PEERS: dict[str, Peer] = {**STAGE_PEERS, **DEEPSPEED_PEERS, **OPTIMIZER_PEERS, **COMPILED_PEERS}
 
 
 def default_peers() -> list[str]:
