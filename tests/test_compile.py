@@ -29,8 +29,10 @@ def test_compiled_follows_ddp(stage, compiled, world_size):
     """Against DDP compiled the same way. A whole compiled model at stage 3 runs the root's
     own layers (embeddings, head, loss) outside graphs ([Note: hooks and torch.compile]),
     where DDP's graph fuses them: that rounds differently, which AdamW's normalised update
-    magnifies for params whose grads are near zero, so that case trains with SGD."""
+    magnifies for params whose grads are near zero, so that case trains with SGD. AdamW at
+    3-4 ranks is held to 1e-2, as everywhere ([Note: parity tolerances] in ``_parity.py``)."""
     optimizer = SGD if compiled == "model" else {}
+    tolerance = 1e-5 if optimizer or world_size <= 2 else 1e-2
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
@@ -39,7 +41,7 @@ def test_compiled_follows_ddp(stage, compiled, world_size):
         **optimizer,
         timeout=300,
     )
-    check_parity(result, params=1e-5)
+    check_parity(result, params=tolerance)
 
 
 def _graphs_per_block(stage: int, mixed_precision: bool) -> dict:
