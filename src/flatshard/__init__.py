@@ -28,7 +28,7 @@ and ``testing``, and the CLI. Everything else may move between releases.
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
 from flatshard.checkpoint.weights import export_checkpoint, load_weights
 from flatshard.comm.collectives import CommStats
-from flatshard.errors import CheckpointError, ChecksumError
+from flatshard.errors import CheckpointError, ChecksumError, DesyncError
 from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.mixed_precision import MixedPrecision
@@ -38,11 +38,13 @@ from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import ExpertGroup, shard
+from flatshard.wrap.uneven import even_batches
 
 __all__ = [
     "CheckpointError",
     "ChecksumError",
     "CommStats",
+    "DesyncError",
     "DistributedOptimizer",
     "DynamicLossScaler",
     "ExpertGroup",
@@ -54,6 +56,7 @@ __all__ = [
     "ParamSpec",
     "ShardedModule",
     "StaticLossScaler",
+    "even_batches",
     "export_checkpoint",
     "load_checkpoint",
     "load_weights",

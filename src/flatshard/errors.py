@@ -17,3 +17,10 @@ class CheckpointError(ValueError):
 class ChecksumError(CheckpointError):
     """Bytes read back from a checkpoint or weights file differ from the bytes written: the
     message names the file and the tensor (or param) whose checksum does not match."""
+
+
+class DesyncError(RuntimeError):
+    """A collective flatshard issued did not complete within its deadline (``shard(timeout=
+    ...)``), or failed because a peer stopped: the ranks are not at the same collective. The
+    message names every rank's step, phase and last collective ([Note: deadlines] in
+    ``comm/deadline.py``)."""

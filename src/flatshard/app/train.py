@@ -49,6 +49,7 @@ class TrainConfig:
     init_from: str | None = None  # plain weights (.safetensors / .pt) to start from
     metrics: str | None = None  # JSONL file, one record per step
     plot: str | None = None  # loss-curve PNG
+    timeout: float = 600.0  # seconds: the deadline of each collective ([Note: deadlines])
 
 
 def run(cfg: TrainConfig) -> dict:
@@ -113,7 +114,9 @@ def build(cfg: TrainConfig, device: torch.device):
     kwargs = {}
     if cfg.dtype != "fp32":
         kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
-    model = flatshard.shard(module, stage=cfg.stage, bucket_size=cfg.bucket_size, **kwargs)
+    model = flatshard.shard(
+        module, stage=cfg.stage, bucket_size=cfg.bucket_size, timeout=cfg.timeout, **kwargs
+    )
     return model, corpus
 
 

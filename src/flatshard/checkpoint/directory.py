@@ -67,14 +67,15 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint import state as cs
 from flatshard.checkpoint.files import verify_state_file
-from flatshard.comm.world import World, resolve_world
+from flatshard.comm.collectives import barrier
+from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase
+from flatshard.comm.world import World, all_gather_bytes, resolve_world
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optim.distributed import DistributedOptimizer
@@ -84,14 +85,11 @@ MANIFEST = "flatshard.json"
 EXTRA = "extra"
 
 
-def _world() -> World:
-    """The default process group (checkpoints are collective over every rank)."""
-    return resolve_world(None)
-
-
-def _barrier() -> None:
-    if _world().group is not None:
-        dist.barrier()
+def _world(model: nn.Module) -> World:
+    """The default process group (checkpoints are collective over every rank), with the
+    deadline of ``model``'s collectives ([Note: deadlines])."""
+    state = getattr(model, "flatshard_state", None)
+    return resolve_world(None, DEFAULT_TIMEOUT if state is None else state.timeout)
 
 
 def _stage(model: nn.Module) -> int | None:
@@ -159,7 +157,12 @@ def save_checkpoint(
     the checkpoint is complete; a checkpoint already there is replaced only then.
     """
     path, model = os.fspath(path), uncompiled(model)
-    world = _world()
+    with HERE.during(Phase.SAVE):
+        _save(path, model, optimizer, extra)
+
+
+def _save(path: str, model: nn.Module, optimizer, extra) -> None:
+    world = _world(model)
     rank, size = world.rank, world.size
     partial = path + ".partial"
     _agree_on_destination(world, path)
@@ -168,7 +171,7 @@ def save_checkpoint(
             shutil.rmtree(partial)
         os.makedirs(partial)
         open(os.path.join(partial, PARTIAL_MARK), "w").close()
-    _barrier()
+    barrier(world)
     with cs.param_dtype_shards(model):
         state = cs.model_pieces(model, load=False)
         optimizer_entries, _ = _optimizer_entries(model, optimizer, load=False)
@@ -180,7 +183,7 @@ def save_checkpoint(
         os.remove(os.path.join(partial, PARTIAL_MARK))
         _write_manifest(partial, model, optimizer, size)
         _publish(partial, path)
-    _barrier()
+    barrier(world)
 
 
 # [Note: save destinations]
@@ -230,11 +233,11 @@ def destination_problem(path: str) -> str | None:
 
 
 def _agree_on_destination(world: World, path: str) -> None:
-    problem = [destination_problem(path) if world.rank == 0 else None]
+    problem = (destination_problem(path) or "") if world.rank == 0 else ""
     if world.group is not None:
-        dist.broadcast_object_list(problem, src=dist.get_global_rank(world.group, 0), group=world.group)
-    if problem[0] is not None:
-        raise FileExistsError(problem[0])
+        problem = all_gather_bytes(problem.encode(), world)[0].decode()
+    if problem:
+        raise FileExistsError(problem)
 
 
 def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int) -> None:
@@ -373,9 +376,15 @@ def load_checkpoint(
     written by as many ranks as there are now (``restore_rng=False``: never).
     """
     path, model = resolve_checkpoint(path), uncompiled(model)
+    with HERE.during(Phase.LOAD):
+        return _load(path, model, optimizer, extra, restore_rng)
+
+
+def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> dict[str, Any]:
     manifest = read_manifest(path)
     cs.check_shapes(model, {n: shape for n, (shape, _) in manifest["params"].items()}, f"checkpoint {path}")
-    world = _world()
+    world = _world(model)
+    barrier(world)  # every rank is loading (within the deadline) before DCP's own collectives
     rank, size = world.rank, world.size
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     same_world = manifest["world_size"] == size

@@ -1,8 +1,10 @@
 """Stateless collectives over flat tensors, with per-op byte accounting.
 
 Every function takes a ``World`` and an optional ``CommStats`` and returns a handle with
-``wait()``. A world of one skips the collective and returns a completed handle, so callers
-run the same code at every world size.
+``wait()``, watched by the world's deadline ([Note: deadlines] in ``comm/deadline.py``: a
+wait that fails raises ``DesyncError`` naming where every rank is). A world of one skips
+the collective and returns a completed handle, so callers run the same code at every world
+size.
 
 Collectives are issued through the ``ProcessGroup``'s own methods rather than
 ``torch.distributed``'s wrappers, whose argument checks cost 20-30 us of host time a call
@@ -47,7 +49,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from flatshard.comm.world import World
+from flatshard.comm.world import AllgatherOptions, World
 
 
 class Handle(Protocol):
@@ -122,14 +124,14 @@ def _nbytes(tensor: torch.Tensor) -> int:
 def all_reduce(
     tensor: torch.Tensor, world: World, *, stats: CommStats | None = None, op: str = "sum"
 ) -> Handle:
-    """Sum (or max) ``tensor`` in place across ``world``; asynchronous."""
+    """Sum (or max, or min) ``tensor`` in place across ``world``; asynchronous."""
     if world.group is None:
         return DONE
-    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op]
+    reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     if stats is not None:
         b = _nbytes(tensor)
         stats.record("all_reduce", b, 2 * (world.size - 1) * b // world.size)
-    return _all_reduce(tensor, world.group, reduce_op)
+    return world.watch(_all_reduce(tensor, world, reduce_op), "all_reduce")
 
 
 def broadcast(tensor: torch.Tensor, world: World, *, src: int = 0, stats: CommStats | None = None) -> Handle:
@@ -139,20 +141,33 @@ def broadcast(tensor: torch.Tensor, world: World, *, src: int = 0, stats: CommSt
     if stats is not None:
         b = _nbytes(tensor)
         stats.record("broadcast", b, b if world.rank == src else 0)
-    return _broadcast(tensor, world.group, src)
+    return world.watch(_broadcast(tensor, world, src), "broadcast")
 
 
-def _all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, op=dist.ReduceOp.SUM) -> Handle:
-    opts = dist.AllreduceOptions()
+def barrier(world: World) -> None:
+    """Wait until every rank of ``world`` is here (within its deadline)."""
+    if world.group is not None:
+        world.watch(world.group.barrier(world.options(dist.BarrierOptions)), "barrier").wait()
+
+
+def _all_reduce(tensor: torch.Tensor, world: World, op=dist.ReduceOp.SUM) -> Handle:
+    opts = world.options(dist.AllreduceOptions)
     opts.reduceOp = op
-    return group.allreduce([tensor], opts)
+    return world.group.allreduce([tensor], opts)
 
 
-def _broadcast(tensor: torch.Tensor, group: dist.ProcessGroup, root: int) -> Handle:
-    """From ``root``, a rank within ``group``."""
-    opts = dist.BroadcastOptions()
+def _broadcast(tensor: torch.Tensor, world: World, root: int) -> Handle:
+    """From ``root``, a rank within ``world``."""
+    opts = world.options(dist.BroadcastOptions)
     opts.rootRank, opts.rootTensor = root, 0
-    return group.broadcast([tensor], opts)
+    return world.group.broadcast([tensor], opts)
+
+
+def _reduce(tensor: torch.Tensor, world: World, root: int) -> Handle:
+    """Sum into ``root``'s ``tensor`` (a rank within ``world``)."""
+    opts = world.options(dist.ReduceOptions)
+    opts.rootRank, opts.rootTensor = root, 0
+    return world.group.reduce([tensor], opts)
 
 
 class _Group:
@@ -202,7 +217,8 @@ def wait_until(handle: Handle, deadline: float) -> bool:
     return True
 
 
-# torch 2.13 renamed the single-tensor collectives; 2.9 has only the old names
+# torch 2.13 renamed the single-tensor collectives; 2.9 has only the old names. Neither takes
+# a per-op timeout: these two implementations (NCCL's defaults) wait as long as the group's.
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
@@ -278,18 +294,12 @@ def reduce_scatter(
     impl = _prepare("reduce_scatter", tensor, shard, world, impl)
     group, n = world.group, world.size
     if impl == "all_reduce":
-        handle = _all_reduce(tensor, group)
+        handle = _all_reduce(tensor, world)
     elif impl == "reduce":
-        chunks = tensor.chunk(n)
-        handle = _Group(
-            [
-                dist.reduce(c, dst=dist.get_global_rank(group, r), group=group, async_op=True)
-                for r, c in enumerate(chunks)
-            ]
-        )
+        handle = _Group([_reduce(c, world, r) for r, c in enumerate(tensor.chunk(n))])
     elif impl == "all_to_all":
         received = torch.empty_like(tensor)  # row r: rank r's part of this rank's shard
-        work = group.alltoall_base(received, tensor, [], [], dist.AllToAllOptions())
+        work = group.alltoall_base(received, tensor, [], [], world.options(dist.AllToAllOptions))
         handle = _Group([work], lambda: sum_rows(received.view(n, -1), shard))
     elif impl == "reduce_scatter_tensor":
         out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
@@ -298,7 +308,7 @@ def reduce_scatter(
     else:
         raise ValueError(f"unknown reduce-scatter implementation {impl!r}; known: {SCATTER_IMPLS}")
     _record(stats, "reduce_scatter", tensor, world, impl)
-    return handle
+    return world.watch(handle, "reduce_scatter")
 
 
 def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -330,15 +340,15 @@ def all_gather(
     if impl == "all_gather_into_tensor":
         works = [_all_gather_single(tensor, shard.clone(), group=group, async_op=True)]
     elif impl == "all_gather":
-        works = [dist.all_gather(list(tensor.chunk(n)), shard.clone(), group=group, async_op=True)]
+        works = [group.allgather([list(tensor.chunk(n))], [shard.clone()], world.options(AllgatherOptions))]
     elif impl == "all_reduce":
         size = shard.numel()
         tensor[: world.rank * size].zero_()
         tensor[(world.rank + 1) * size :].zero_()
-        works = [_all_reduce(tensor, group)]
+        works = [_all_reduce(tensor, world)]
     elif impl == "broadcast":
-        works = [_broadcast(chunk, group, r) for r, chunk in enumerate(tensor.chunk(n))]
+        works = [_broadcast(chunk, world, r) for r, chunk in enumerate(tensor.chunk(n))]
     else:
         raise ValueError(f"unknown all-gather implementation {impl!r}; known: {GATHER_IMPLS}")
     _record(stats, "all_gather", tensor, world, impl)
-    return _Group(works)
+    return world.watch(_Group(works), "all_gather")

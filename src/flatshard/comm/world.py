@@ -3,20 +3,42 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
 
+from flatshard.comm.deadline import Watched
+
+# torch.distributed does not export it; the backend's options classes all live here
+AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
+
 
 @dataclass(frozen=True)
 class World:
-    """A process group with its rank and size; ``group is None`` means a world of one."""
+    """A process group with its rank and size; ``group is None`` means a world of one.
+    ``timeout`` is the deadline of each collective issued on it ([Note: deadlines] in
+    ``comm/deadline.py``; None: the process group's own)."""
 
     group: ProcessGroup | None
     rank: int
     size: int
+    timeout: timedelta | None = field(default=None, compare=False)
+
+    def options(self, kind: type) -> object:
+        """A fresh options object of the backend's ``kind`` (``dist.AllreduceOptions``, ...),
+        carrying this world's deadline."""
+        opts = kind()
+        if self.timeout is not None:
+            opts.timeout = self.timeout
+        return opts
+
+    def watch(self, handle: object, op: str) -> Watched:
+        """``handle`` of ``op`` (just issued on this world), whose failed wait raises
+        ``DesyncError`` naming every rank's position."""
+        return Watched(handle, self.group, self.timeout, op)
 
     @property
     def backend(self) -> str:
@@ -54,23 +76,24 @@ class World:
 ONE = World(None, 0, 1)
 
 
-def resolve_worlds(group: object = None) -> tuple[World, World]:
+def resolve_worlds(group: object = None, timeout: timedelta | None = None) -> tuple[World, World]:
     """``(shard world, replicate world)`` of ``group``: a 2-D DeviceMesh is (replicate,
     shard), as in FSDP2's hybrid sharding; anything else shards over ``resolve_world(group)``
     and replicates over a world of one."""
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(group, mesh_type) and group.ndim == 2:
-        return _of_group(group.get_group(1)), _of_group(group.get_group(0))
-    return resolve_world(group), ONE
+        return _of_group(group.get_group(1), timeout), _of_group(group.get_group(0), timeout)
+    return resolve_world(group, timeout), ONE
 
 
-def _of_group(group: ProcessGroup) -> World:
+def _of_group(group: ProcessGroup, timeout: timedelta | None) -> World:
     size = dist.get_world_size(group)
-    return ONE if size == 1 else World(group, dist.get_rank(group), size)
+    return ONE if size == 1 else World(group, dist.get_rank(group), size, timeout)
 
 
-def resolve_world(group: object = None) -> World:
-    """Turn ``group`` (a ProcessGroup, a 1-D DeviceMesh or None) into a ``World``.
+def resolve_world(group: object = None, timeout: timedelta | None = None) -> World:
+    """Turn ``group`` (a ProcessGroup, a 1-D DeviceMesh or None) into a ``World`` whose
+    collectives have the deadline ``timeout``.
 
     ``None`` means the default process group when one is initialized, else a world of one.
     """
@@ -88,7 +111,7 @@ def resolve_world(group: object = None) -> World:
         group = group.get_group()
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
-    return _of_group(group)
+    return _of_group(group, timeout)
 
 
 _SIDE_GROUPS: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
@@ -105,7 +128,7 @@ def side_world(world: World) -> World:
     key = (world.backend, ranks)
     if key not in _SIDE_GROUPS:
         _SIDE_GROUPS[key] = dist.new_group(list(ranks), backend=world.backend, use_local_synchronization=True)
-    return World(_SIDE_GROUPS[key], world.rank, world.size)
+    return World(_SIDE_GROUPS[key], world.rank, world.size, world.timeout)
 
 
 def _device_mesh_type() -> type | None:
@@ -128,8 +151,7 @@ def check_ranks_agree(world: World, description: list[str], what: str) -> None:
     mine = torch.tensor(
         [int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=world.control_device
     )
-    everyone = [torch.empty_like(mine) for _ in range(world.size)]
-    dist.all_gather(everyone, mine, group=world.group)
+    everyone = _all_gather(mine, world)
     if all(int(t) == int(mine) for t in everyone):
         return
     lines = [blob.decode().split("\n") for blob in all_gather_bytes("\n".join(description).encode(), world)]
@@ -148,13 +170,18 @@ def check_ranks_agree(world: World, description: list[str], what: str) -> None:
 def all_gather_bytes(data: bytes, world: World) -> list[bytes]:
     """Every rank's ``data``, in rank order (``all_gather_object`` without its numpy need)."""
     device = world.control_device
-    size = torch.tensor([len(data)], dtype=torch.int64, device=device)
-    sizes = [torch.empty_like(size) for _ in range(world.size)]
-    dist.all_gather(sizes, size, group=world.group)
+    sizes = _all_gather(torch.tensor([len(data)], dtype=torch.int64, device=device), world)
     longest = max(int(s) for s in sizes)
     mine = torch.zeros(longest, dtype=torch.uint8, device=device)
     if data:
         mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    everyone = [torch.empty_like(mine) for _ in range(world.size)]
-    dist.all_gather(everyone, mine, group=world.group)
+    everyone = _all_gather(mine, world)
     return [bytes(t[: int(n)].tolist()) for t, n in zip(everyone, sizes, strict=True)]
+
+
+def _all_gather(tensor: torch.Tensor, world: World) -> list[torch.Tensor]:
+    """Every rank's ``tensor`` (same shape on all), within ``world``'s deadline."""
+    everyone = [torch.empty_like(tensor) for _ in range(world.size)]
+    work = world.group.allgather([everyone], [tensor], world.options(AllgatherOptions))
+    world.watch(work, "all_gather (control)").wait()
+    return everyone

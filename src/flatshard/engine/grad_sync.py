@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from flatshard.comm.collectives import CommStats, all_reduce
+from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.bucket_group import BucketGroup, ScratchPool
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Backward, Grads, advance
@@ -119,6 +120,7 @@ class GradSync:
         self.backward = Backward.IDLE
         self.generation = 0  # counts backwards that changed grads
         self.on_synced = None  # called after each synced backward (the optimizer's check)
+        self.counts_steps = True  # a synced backward ends a step: no flatshard optimizer counts them
         self.gathers: BackwardGathers | None = None  # stage 3: the param gathers of backward
         self._group_of: dict[int, BucketGroup] = {}
         self._exposed: set[int] = set()
@@ -152,6 +154,7 @@ class GradSync:
         """Queue the end-of-backward callback once per backward (called from autograd)."""
         if self.backward is Backward.IDLE:
             self._move(Backward.RUNNING)
+            HERE.enter(Phase.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def _on_grad(self, param: nn.Parameter) -> None:
@@ -298,6 +301,10 @@ class GradSync:
             self._move(Backward.IDLE)
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
+        if self.sync_enabled and self.counts_steps:
+            HERE.step_done()
+        else:
+            HERE.enter(Phase.AFTER_BACKWARD)
         if self.sync_enabled and self.on_synced is not None:
             self.on_synced()
 

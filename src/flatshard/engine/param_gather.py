@@ -27,6 +27,7 @@ from functools import partial
 from torch import nn
 
 from flatshard.comm.collectives import CommStats, Handle, all_gather
+from flatshard.comm.deadline import HERE
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.dynamo import eager
 from flatshard.engine.units import find_units
@@ -90,6 +91,7 @@ class ParamGather:
 
     def _pre_forward(self, units: Sequence[int], module: nn.Module, args: object) -> None:
         if self._pending:
+            HERE.forward()
             self.wait(units)
 
 

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.comm.collectives import CommStats, Handle, broadcast
+from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase, publish_positions
 from flatshard.comm.world import World, check_ranks_agree, resolve_world
 from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
 
@@ -107,7 +108,9 @@ class OwnerShardedOptimizer(CompositeOptimizer):
             raise ValueError(f"assignment must be one of {ASSIGNMENTS}, got {assignment!r}")
         if int(bucket_cap_bytes) < 0:
             raise ValueError(f"bucket_cap_bytes must be >= 0, got {bucket_cap_bytes!r}")
-        self.world = resolve_world(group)
+        self.world = resolve_world(group, DEFAULT_TIMEOUT)
+        if self.world.group is not None:
+            publish_positions()
         self.assignment = assignment
         self.bucket_cap_bytes = int(bucket_cap_bytes)
         self.overlap = overlap
@@ -196,6 +199,11 @@ class OwnerShardedOptimizer(CompositeOptimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """Update this rank's params, then broadcast every bucket from its owner."""
         loss = run_closure(closure)
+        with HERE.during(Phase.STEP):
+            self._step_and_broadcast()
+        return loss
+
+    def _step_and_broadcast(self) -> None:
         self.push_hyperparameters()
         if not self.overlap:
             for bucket in self._buckets[self.world.rank]:
@@ -209,7 +217,6 @@ class OwnerShardedOptimizer(CompositeOptimizer):
             handle.wait()
             after()
         self.link_state()
-        return loss
 
     # -- state dicts --------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -102,6 +102,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from flatshard.comm.collectives import CommStats, Handle, all_gather, all_reduce
+from flatshard.comm.deadline import HERE
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
@@ -354,6 +355,7 @@ class Unsharder:
             if _in_backward():  # activation checkpointing recomputes the unit's forward
                 self.wait(u)
                 return
+            HERE.forward()
             if self._holds_frozen[u] and torch.is_grad_enabled():
                 self._watch_inputs(u, (args, kwargs))
             if self._recording is not None and u not in self._recording:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 from typing import Protocol
 
@@ -14,6 +15,7 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from flatshard.comm.collectives import CommStats
+from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
@@ -51,6 +53,11 @@ class ShardState:
     def stage(self) -> int:
         return self.policy.stage
 
+    @property
+    def timeout(self) -> timedelta | None:
+        """The deadline of this module's collectives ([Note: deadlines] in ``comm/deadline.py``)."""
+        return next((bset.world.timeout for bset in self.param_sets()), None)
+
     def param_sets(self) -> list[BufferSet]:
         """Every buffer set holding params: the trainable ones (``sets``), then the frozen
         one at stage 3 (no grads, no optimizer)."""
@@ -61,6 +68,7 @@ class ShardState:
         if self.optimizer is not None:
             raise ValueError("this module already has a DistributedOptimizer; build one per sharded module")
         self.optimizer = optimizer
+        self.grad_sync.counts_steps = False  # the optimizer's steps are the steps ([Note: deadlines])
 
     def take_originals(self) -> dict[str, torch.Tensor]:
         """The pre-cast fp32 values (once: they are dropped after)."""
@@ -178,7 +186,8 @@ class ShardedModule(nn.Module):
                 if rank == 0
                 else {}
             )
-        return full_state_dict(self._flatshard, partial(nn.Module.state_dict, self))
+        with HERE.during(Phase.GATHER):
+            return full_state_dict(self._flatshard, partial(nn.Module.state_dict, self))
 
     @contextmanager
     def summon_full_params(
@@ -190,7 +199,10 @@ class ShardedModule(nn.Module):
             self._flatshard.wait_for_params()
             yield
             return
-        with summon(self._flatshard, writeback=writeback, rank0_only=rank0_only, with_grads=with_grads):
+        with (
+            HERE.during(Phase.GATHER),
+            summon(self._flatshard, writeback=writeback, rank0_only=rank0_only, with_grads=with_grads),
+        ):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:

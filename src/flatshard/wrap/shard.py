@@ -6,6 +6,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from functools import partial
 
 import torch
@@ -14,6 +15,7 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
 from flatshard.comm.collectives import CommStats, broadcast
+from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase, as_timeout, publish_positions
 from flatshard.comm.world import ONE, World, check_ranks_agree, resolve_world, resolve_worlds
 from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import eager
@@ -38,9 +40,9 @@ from flatshard.stage3.build import (
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 
 DEFAULT_BUCKET_SIZE = 2**22
+"""Elements per bucket by default (16 MiB of fp32 grads)."""
 FROZEN = "frozen"
 """The key of stage 3's frozen params' ``ParamPart`` (a buffer set without grads)."""
-"""Elements per bucket by default (16 MiB of fp32 grads)."""
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,7 @@ def shard(
     device: torch.device | str | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     ignored_modules: Iterable[nn.Module] | None = None,
+    timeout: float | timedelta | None = DEFAULT_TIMEOUT,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -105,6 +108,10 @@ def shard(
         sync_module_states: start from rank 0's params and buffers.
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
         mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
+        timeout: the deadline of each collective flatshard issues (seconds or a timedelta;
+            default 10 minutes; None: the process group's own). One that has not completed
+            by then raises ``flatshard.DesyncError`` on every rank, naming each rank's step,
+            phase and collective ([Note: deadlines] in ``comm/deadline.py``).
 
     Stage 3 only (see [Note: unsharding] in ``stage3/unshard.py``):
         units: module classes, or a predicate ``(qualified_name, module) -> bool``, that pick
@@ -138,12 +145,7 @@ def shard(
         limit_all_gathers=limit_all_gathers,
     )
     _check_arguments(module, bucket_size, buckets_per_group, grad_scale)
-    world, replicate = resolve_worlds(group)
-    if replicate.size > 1 and not policy.allows_hybrid_mesh:
-        raise ValueError(
-            f"group: a 2-D (replicate x shard) mesh is hybrid sharding, which needs stage >= 1; "
-            f"got {policy} (pass the flattened group for plain data parallelism)"
-        )
+    world, replicate = _worlds(group, policy, timeout)
     mp = mixed_precision or MixedPrecision()
     whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
     named, meta, device, originals = _prepare_params(module, policy, mp, device, whole)
@@ -352,10 +354,29 @@ def _split_worlds(
         chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
         named = [np for np, e in zip(named, is_expert, strict=True) if not e]
         if chosen:
-            parts.append(ParamPart("expert", resolve_world(expert.group), ONE, chosen, expert.grad_scale))
+            parts.append(
+                ParamPart(
+                    "expert", resolve_world(expert.group, world.timeout), ONE, chosen, expert.grad_scale
+                )
+            )
     if named:
         parts.insert(0, ParamPart("main", world, replicate, named, grad_scale))
     return parts
+
+
+def _worlds(group: object, policy: StagePolicy, timeout: float | timedelta | None) -> tuple[World, World]:
+    """(shard world, replicate world) of ``group`` with the collectives' deadline; this rank
+    starts publishing its position ([Note: deadlines])."""
+    world, replicate = resolve_worlds(group, as_timeout(timeout))
+    if replicate.size > 1 and not policy.allows_hybrid_mesh:
+        raise ValueError(
+            f"group: a 2-D (replicate x shard) mesh is hybrid sharding, which needs stage >= 1; "
+            f"got {policy} (pass the flattened group for plain data parallelism)"
+        )
+    if world.group is not None:
+        publish_positions()
+        HERE.enter(Phase.WRAP)
+    return world, replicate
 
 
 def _check_arguments(module, bucket_size, buckets_per_group, grad_scale) -> None:

@@ -1,0 +1,97 @@
+"""Ranks out of step end in a ``DesyncError`` naming where each rank is, within the deadline
+([Note: deadlines] in ``comm/deadline.py``). Each case used to hang until the process
+group's timeout (here the harness's 60 s, which would fail the run as a timeout)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flatshard
+from _parity import CFG
+from flatshard.data import SyntheticCorpus
+from flatshard.models import GPT
+from flatshard.testing import run_distributed
+
+DEADLINE = 2.0
+
+
+def _out_of_step(stage: int, case: str, path: str) -> dict:
+    """Three steps, except: ``extra_step`` rank 1 runs two (uneven inputs); ``skip_backward``
+    rank 1 skips step 2's backward; ``save`` each rank saves at another step. Returns what
+    happened on this rank."""
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    model = flatshard.shard(GPT(CFG), stage=stage, bucket_size=3000, timeout=DEADLINE)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    steps = 2 if case == "extra_step" and rank == 1 else 3
+    start = time.monotonic()
+    try:
+        for step in range(steps):
+            loss = model(*corpus.batch(step, rank, 4))
+            if not (case == "skip_backward" and rank == 1 and step == 1):
+                loss.backward()
+            if case == "save" and step == rank:
+                flatshard.save_checkpoint(path, model, opt)
+            opt.step()
+            opt.zero_grad()
+    except flatshard.DesyncError as e:
+        return {"error": str(e), "after": time.monotonic() - start}
+    return {"error": None, "after": time.monotonic() - start}
+
+
+@pytest.mark.parametrize("case", ["extra_step", "skip_backward", "save"])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_ranks_out_of_step_raise_a_desync_error_naming_every_rank(stage, case, tmp_path):
+    results = run_distributed(_out_of_step, 2, stage, case, str(tmp_path / "ckpt"), timeout=60)
+    errors = [r["error"] for r in results if r["error"] is not None]
+    assert errors, results  # no rank trains on as if nothing happened
+    for r in results:
+        assert r["after"] < DEADLINE + 3, results  # the deadline, plus reading the positions
+    for error in errors:
+        assert "did not complete" in error and "Where each rank is" in error, error
+        assert "rank 0: step" in error and "rank 1: " in error, error
+    if case == "extra_step":  # rank 1 left the loop: rank 0 is told so
+        assert results[1]["error"] is None
+        assert "rank 1: exited after 2 steps" in results[0]["error"], results[0]["error"]
+        assert "rank 0: step 3, " in results[0]["error"]
+    if case == "save":  # rank 0 saves in step 1 while rank 1 is still training in it
+        assert all(r["error"] is not None for r in results), results
+        assert "rank 0: step 1, save_checkpoint, waiting" in errors[1], errors[1]
+        assert not (tmp_path / "ckpt").exists()
+
+
+def _uneven(stage: int, batches: list[int]) -> dict:
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(CFG), stage=stage, bucket_size=3000, timeout=DEADLINE)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    mine = [corpus.batch(step, rank, 4) for step in range(batches[rank])]
+    steps = 0
+    for x, y in flatshard.even_batches(mine, model):
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        steps += 1
+    with model.summon_full_params() if stage == 3 else torch.no_grad():
+        params = [p.detach().clone() for p in model.parameters()]
+    return {"steps": steps, "params": params}
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_even_batches_stops_every_rank_at_the_shortest_ranks_end(stage):
+    out = run_distributed(_uneven, 3, stage, [5, 3, 4], timeout=60)
+    assert [r["steps"] for r in out] == [3, 3, 3]
+    for r in out[1:]:  # and the ranks still agree on the params they trained
+        assert all(torch.equal(a, b) for a, b in zip(r["params"], out[0]["params"], strict=True))
+
+
+@pytest.mark.parametrize("bad", [0, -1, float("nan"), "10", True])
+def test_a_timeout_that_is_not_a_positive_duration_is_refused(bad):
+    with pytest.raises(ValueError, match=rf"timeout must be a positive .* got {bad!r}"):
+        flatshard.shard(torch.nn.Linear(2, 2), timeout=bad)
