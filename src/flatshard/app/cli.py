@@ -133,6 +133,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--plot", help="draw the loss curve to this PNG at the end (needs matplotlib)")
     train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    train.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=600.0,
+        help="seconds a collective may take before every rank stops with a DesyncError naming "
+        "where each rank is (default 600)",
+    )
     _add_plan(sub)
     _add_layout(sub)
     _add_export(sub)
@@ -292,12 +299,12 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     except ValueError as e:
         print(f"flatshard train: {e}", file=sys.stderr)
         return 2
-    if not launch.launched() and args.world_size > 1:
-        return launch.launch_local(argv, args.world_size, cpu=device == "cpu")
-    reason = _check_train_args(args)
+    reason = _check_train_args(args)  # once, before any rank starts
     if reason is not None:
         print(f"flatshard train: {reason}", file=sys.stderr)
         return 2
+    if not launch.launched() and args.world_size > 1:
+        return launch.launch_local(argv, args.world_size, cpu=device == "cpu")
     cfg = TrainConfig(
         model=args.model,
         stage=args.stage,
@@ -309,6 +316,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         device=device,
         offload_fraction=args.offload_fraction,
         micro_batches=args.micro_batches,
+        timeout=args.timeout,
         dtype=args.dtype,
         data=args.data,
         seq_len=args.seq_len,

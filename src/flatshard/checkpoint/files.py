@@ -33,7 +33,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import pickle
 import struct
 import zipfile
 import zlib
@@ -299,9 +298,9 @@ def open_source(source: str | os.PathLike | Mapping[str, torch.Tensor]) -> Sourc
             loaded = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
         else:  # the legacy (non-zip) format cannot be memory-mapped
             loaded = torch.load(path, map_location="cpu", weights_only=True)
-    except (RuntimeError, pickle.UnpicklingError, EOFError, ValueError) as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a readable .pt state dict: {first}") from None
+    except Exception as e:  # an unpickler fed bytes that are no pickle fails in any way at all
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        raise CheckpointError(f"{path} is not a readable .pt state dict: {type(e).__name__} {first}") from e
     if not isinstance(loaded, Mapping):
         raise ValueError(f"{path} holds a {type(loaded).__name__}, not a state dict")
     return _tensor_source(loaded, path)

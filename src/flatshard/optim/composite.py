@@ -65,14 +65,49 @@ def run_closure(closure) -> Any:
         return closure()
 
 
-def class_defaults(optimizer_class: type, defaults: dict[str, Any]) -> dict[str, Any]:
-    """Every hyperparameter ``optimizer_class(params, **defaults)`` puts in a group (the
-    class validates ``defaults`` here, so a bad value fails at construction)."""
+def class_defaults(
+    optimizer_class: type, defaults: dict[str, Any], groups: Sequence[dict[str, Any]] = ()
+) -> dict[str, Any]:
+    """Every hyperparameter ``optimizer_class(params, **defaults)`` puts in a group. The
+    class validates ``defaults`` (and each of ``groups``' own hyperparameters) here, on a
+    probe, so a bad value fails before anything is built, as a ``TypeError`` or
+    ``ValueError`` naming the class and the values."""
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(f"expected a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-    # A 2-D probe: matrix optimizers (Muon) refuse other shapes, and every other takes it.
-    probe = optimizer_class([torch.zeros(1, 1, requires_grad=True)], **defaults)
-    return {k: v for k, v in probe.param_groups[0].items() if k != "params"}
+    # 2-D probes: matrix optimizers (Muon) refuse other shapes, and every other takes them.
+    probes = [{**g, "params": [torch.zeros(1, 1, requires_grad=True)]} for g in (groups or [{}])]
+    name = optimizer_class.__name__
+    try:
+        probe = optimizer_class(probes, **defaults)
+    except (TypeError, ValueError, IndexError) as e:
+        given = {**defaults, **({"param groups": list(groups)} if any(groups) else {})}
+        kind = TypeError if isinstance(e, TypeError) else ValueError
+        raise kind(f"{name} refused the hyperparameters {given}: {e}") from None
+    filled = {k: v for k, v in probe.defaults.items() if k != "params"}
+    for index, group in enumerate(groups):  # torch checks only the constructor's values
+        for key, value in group.items():
+            if not _same_kind(value, filled.get(key)):
+                raise TypeError(
+                    f"param group {index}: {key}={value!r} for {name}, whose {key} is like {filled[key]!r}"
+                )
+    return filled
+
+
+def _same_kind(value: Any, default: Any) -> bool:
+    """Whether a group's ``value`` can stand where the class's ``default`` does: a number for
+    a number, a tuple of numbers as long for a tuple (anything for other defaults)."""
+    number = (int, float, torch.Tensor)
+    if isinstance(default, bool) or default is None:
+        return True
+    if isinstance(default, (int, float)):
+        return isinstance(value, number) and not isinstance(value, bool)
+    if isinstance(default, tuple):
+        return (
+            isinstance(value, (tuple, list))
+            and len(value) == len(default)
+            and all(_same_kind(v, d) for v, d in zip(value, default, strict=True))
+        )
+    return True
 
 
 class CompositeOptimizer(torch.optim.Optimizer):

@@ -40,13 +40,14 @@ import torch
 from torch import nn
 
 from flatshard.comm.collectives import all_reduce
+from flatshard.comm.deadline import HERE, Phase
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
 from flatshard.layout import ShardRanges
 from flatshard.mixed_precision import HALF_DTYPES
-from flatshard.optim.composite import run_closure
+from flatshard.optim.composite import class_defaults, run_closure
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.shard_map import Run, plan_runs
 from flatshard.wrap.module import ShardedModule, ShardState
@@ -188,10 +189,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         model = uncompiled(model)
         state = _sharded_state(model)
-        _check_optimizer_class(optimizer_class, defaults, elementwise=elementwise)
+        groups, group_of = _param_groups(state, params)
+        _check_optimizer_class(optimizer_class, defaults, elementwise=elementwise, groups=groups)
         self._model = model
         self._sharded: ShardState = state
-        groups, group_of = _param_groups(state, params)
         self._group_names = group_of  # optimized param name -> its param group
         self._buffer_shards = [
             _build_shards(buffer, bset.world, group_of)
@@ -336,20 +337,27 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_grads_synced()
         if self._sharded.grad_sync.grads is Grads.EMPTY:
             return loss  # no backward since zero_grad: nothing to step, as in torch
+        HERE.enter(Phase.STEP)
+        self._update()
+        HERE.step_done()
+        return loss
+
+    def _update(self) -> None:
+        """The step proper: skipped where grads overflowed, else the inner optimizer's update
+        of the shards and the gathers that publish the new params."""
         if self.skip_nonfinite or self.loss_scaler is not None:
             self._prepare_grads()
             if self._found_inf:
                 self.skipped_steps += 1
                 if self.loss_scaler is not None:
                     self.loss_scaler.update(True)
-                return loss
+                return
         self._apply_grad_factor()
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
         self.inner.step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
         self._publish_params()
-        return loss
 
     @property
     def last_step_skipped(self) -> bool:
@@ -460,9 +468,14 @@ def _sharded_state(model: nn.Module) -> ShardState:
 
 
 def _check_optimizer_class(
-    optimizer_class: type, defaults: dict[str, Any] | None = None, *, elementwise: bool = False
+    optimizer_class: type,
+    defaults: dict[str, Any] | None = None,
+    *,
+    elementwise: bool = False,
+    groups: list[dict[str, Any]] | None = None,
 ) -> None:
-    """Refuse what cannot step flat shards; a ``HybridDeviceOptimizer``'s classes are
+    """Refuse what cannot step flat shards, and (given the param groups) hyperparameters the
+    class refuses, before anything is built; a ``HybridDeviceOptimizer``'s classes are
     checked in its place."""
     from flatshard.optim.hybrid import HybridDeviceOptimizer
 
@@ -483,6 +496,8 @@ def _check_optimizer_class(
             f"{optimizer_class.__name__} updates each element from its own grad and state alone; for "
             "per-tensor optimizers use flatshard.OwnerShardedOptimizer over a stage-0 model"
         )
+    if groups is not None:
+        class_defaults(optimizer_class, defaults, groups)
 
 
 def _param_groups(state: ShardState, params: Iterable[Any] | None) -> tuple[list[dict], dict[str, int]]:

@@ -1,0 +1,350 @@
+"""The bad-input catalog: each case is refused with a documented ``Exception`` type whose
+message names the bad value (the option, the file, the param), before anything is written
+or stepped. Single-process cases run in a world of one; the ones that need ranks out of step
+are in ``test_desync.py``, the ones about ranks that disagree at wrap time in
+``test_stage0_behavior.py``."""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+import flatshard
+from flatshard.app.cli import main as cli_main
+from flatshard.checkpoint.directory import MANIFEST
+
+
+@dataclass
+class Case:
+    name: str
+    run: Callable[[Path], object]  # given a fresh directory
+    error: type[Exception]
+    names: str  # a regex the message must match: the value, option, file or param
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+
+
+def _sharded(stage: int = 1) -> flatshard.ShardedModule:
+    return flatshard.shard(_model(), stage=stage)
+
+
+def _opt(model=None, cls=torch.optim.AdamW, **kw):
+    return flatshard.DistributedOptimizer(model if model is not None else _sharded(), cls, **kw)
+
+
+def _saved(tmp: Path) -> Path:
+    """A checkpoint of a stage-1 model with AdamW state, at ``tmp/ckpt``."""
+    model = _sharded()
+    opt = _opt(model, lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    flatshard.save_checkpoint(tmp / "ckpt", model, opt)
+    return tmp / "ckpt"
+
+
+def _load(path: Path, model=None) -> None:
+    model = model if model is not None else _sharded()
+    flatshard.load_checkpoint(path, model, _opt(model))
+
+
+def _with_manifest(tmp: Path, text: str) -> Path:
+    path = _saved(tmp)
+    (path / MANIFEST).write_text(text)
+    return path
+
+
+def _flip_a_data_byte(tmp: Path) -> Path:
+    """One bit flipped in the middle of the exp_avg of ``0.weight``, a piece every load reads
+    (a flip in a piece no load reads, such as the step counters of a run's later params,
+    is found by ``flatshard verify``)."""
+    path = _saved(tmp)
+    stored = dcp.FileSystemReader(str(path)).read_metadata().storage_data
+    where = next(v for k, v in stored.items() if k.fqn == "state/exp_avg/0.weight")
+    data = path / where.relative_path
+    raw = bytearray(data.read_bytes())
+    raw[where.offset + where.length // 2] ^= 0x40
+    data.write_bytes(bytes(raw))
+    return path
+
+
+def _user_dir(tmp: Path) -> Path:
+    (tmp / "mine").mkdir()
+    (tmp / "mine" / "notes.txt").write_text("precious")
+    return tmp / "mine"
+
+
+def _snapshot(tmp: Path) -> dict[str, bytes | None]:
+    return {str(p.relative_to(tmp)): p.read_bytes() if p.is_file() else None for p in tmp.rglob("*")}
+
+
+def _save_over(make: Callable[[Path], Path]) -> Callable[[Path], None]:
+    """Save onto what ``make`` puts there; nothing in the directory may change."""
+
+    def run(tmp: Path) -> None:
+        target, model = make(tmp), _sharded()
+        before = _snapshot(tmp)
+        try:
+            flatshard.save_checkpoint(target, model)
+        finally:
+            assert _snapshot(tmp) == before, "save_checkpoint changed files it did not write"
+
+    return run
+
+
+def _garbage(tmp: Path, name: str) -> Path:
+    (tmp / name).write_bytes(random.Random(name).randbytes(4096))
+    return tmp / name
+
+
+def _step_without_optimizer(tmp: Path) -> None:
+    model = _sharded(stage=2)
+    model(torch.randn(3, 4)).sum().backward()
+
+
+def _cli(*argv: str) -> Callable[[Path], object]:
+    """``flatshard ARGV`` in this process; a refusal is exit status 2 (argparse's too)."""
+
+    def run(tmp: Path) -> object:
+        args = [a.replace("TMP", str(tmp)) for a in argv]
+        code = cli_main(args)
+        raise SystemExit(code)
+
+    return run
+
+
+def _file(tmp: Path) -> Path:
+    (tmp / "a-file").write_text("x")
+    return tmp / "a-file"
+
+
+CASES = [
+    # -- shard() ------------------------------------------------------------------------------
+    Case("shard a str", lambda t: flatshard.shard("model"), TypeError, "got str"),
+    Case("shard twice", lambda t: flatshard.shard(_sharded()), ValueError, "already sharded"),
+    Case("stage 5", lambda t: flatshard.shard(_model(), stage=5), ValueError, "5"),
+    Case("stage '1'", lambda t: flatshard.shard(_model(), stage="1"), (TypeError, ValueError), "'1'"),
+    Case("bucket_size 0", lambda t: flatshard.shard(_model(), bucket_size=0), ValueError, "bucket_size.*0"),
+    Case("bucket_size 1.5", lambda t: flatshard.shard(_model(), bucket_size=1.5), ValueError, "1.5"),
+    Case("buckets_per_group 0", lambda t: flatshard.shard(_model(), buckets_per_group=0), ValueError, "0"),
+    Case("grad_scale inf", lambda t: flatshard.shard(_model(), grad_scale=float("inf")), ValueError, "inf"),
+    Case("grad_scale nan", lambda t: flatshard.shard(_model(), grad_scale=float("nan")), ValueError, "nan"),
+    Case("grad_scale 0", lambda t: flatshard.shard(_model(), grad_scale=0), ValueError, "grad_scale.* 0"),
+    Case("timeout -5", lambda t: flatshard.shard(_model(), timeout=-5), ValueError, "timeout.*-5"),
+    Case("group 'abc'", lambda t: flatshard.shard(_model(), group="abc"), TypeError, "group.*str"),
+    Case(
+        "stage-3 option at stage 2",
+        lambda t: flatshard.shard(_model(), stage=2, backward_prefetch="post"),
+        ValueError,
+        "backward_prefetch.*stage 2",
+    ),
+    Case(
+        "units at stage 1",
+        lambda t: flatshard.shard(_model(), stage=1, units=[nn.Linear]),
+        ValueError,
+        "units.*stage 1",
+    ),
+    Case(
+        "backward_prefetch 'later'",
+        lambda t: flatshard.shard(_model(), stage=3, backward_prefetch="later"),
+        ValueError,
+        "'later'",
+    ),
+    Case(
+        "ignored_modules at stage 2",
+        lambda t: flatshard.shard(_model(), stage=2, ignored_modules=[nn.Linear(2, 2)]),
+        ValueError,
+        "ignored_modules.*stage 2",
+    ),
+    Case(
+        "a DataParallel module",
+        lambda t: flatshard.shard(nn.DataParallel(_model())),
+        (TypeError, ValueError),
+        "DataParallel",
+    ),
+    Case(
+        "param_dtype int8",
+        lambda t: flatshard.shard(_model(), mixed_precision=flatshard.MixedPrecision(param_dtype=torch.int8)),
+        (TypeError, ValueError),
+        "int8",
+    ),
+    # -- DistributedOptimizer -------------------------------------------------------------------
+    Case("optimizer over a plain module", lambda t: _opt(_model()), (TypeError, ValueError), "Sequential"),
+    Case("optimizer_class a str", lambda t: _opt(cls="AdamW"), TypeError, "'AdamW'"),
+    Case("LBFGS (not elementwise)", lambda t: _opt(cls=torch.optim.LBFGS), ValueError, "LBFGS"),
+    Case("lr 'abc'", lambda t: _opt(lr="abc"), TypeError, "'abc'"),
+    Case("lr -1", lambda t: _opt(lr=-1), ValueError, "-1"),
+    Case("betas of one", lambda t: _opt(betas=(0.9,)), ValueError, r"\(0\.9,\)"),
+    Case("unknown hyperparameter", lambda t: _opt(lrr=1e-3), TypeError, "lrr"),
+    Case(
+        "a group's lr 'x'",
+        lambda t: (m := _sharded()) and _opt(m, params=[{"params": [m[0].weight], "lr": "x"}]),
+        TypeError,
+        "param group 0: lr='x'",
+    ),
+    Case("params []", lambda t: _opt(params=[]), ValueError, "empty"),
+    Case(
+        "a foreign tensor in params",
+        lambda t: _opt(params=[nn.Parameter(torch.zeros(3, 5))]),
+        ValueError,
+        r"\(3, 5\)",
+    ),
+    Case(
+        "a param in two groups",
+        lambda t: (
+            (m := _sharded()) and _opt(m, params=[{"params": [m[0].weight]}, {"params": [m[0].weight]}])
+        ),
+        ValueError,
+        "0.weight",
+    ),
+    Case("two optimizers", lambda t: (m := _sharded()) and (_opt(m), _opt(m)), ValueError, "already has"),
+    Case("loss_scale 'huge'", lambda t: _opt(loss_scale="huge"), ValueError, "'huge'"),
+    Case(
+        "a stage-2 backward with no optimizer", _step_without_optimizer, RuntimeError, "DistributedOptimizer"
+    ),
+    Case(
+        "owner assignment 'x'",
+        lambda t: flatshard.OwnerShardedOptimizer(
+            _model().parameters(), torch.optim.SGD, assignment="x", lr=1
+        ),
+        ValueError,
+        "'x'",
+    ),
+    Case(
+        "owner bucket_cap_bytes -1",
+        lambda t: flatshard.OwnerShardedOptimizer(
+            _model().parameters(), torch.optim.SGD, bucket_cap_bytes=-1, lr=1
+        ),
+        ValueError,
+        "-1",
+    ),
+    # -- checkpoints and weights ----------------------------------------------------------------
+    Case("save over a user's directory", _save_over(_user_dir), FileExistsError, "mine"),
+    Case("save over a user's file", _save_over(_file), FileExistsError, "a-file"),
+    Case(
+        "save where PATH.old is a user's",
+        _save_over(lambda t: (t / "x.old").mkdir() or t / "x"),
+        FileExistsError,
+        r"x\.old",
+    ),
+    Case("load from nowhere", lambda t: _load(t / "nowhere"), FileNotFoundError, "nowhere"),
+    Case(
+        "load a directory without a manifest",
+        lambda t: _load(_user_dir(t)),
+        flatshard.CheckpointError,
+        "mine.*flatshard.json",
+    ),
+    Case(
+        "a manifest that is not JSON",
+        lambda t: _load(_with_manifest(t, "{not json")),
+        flatshard.CheckpointError,
+        "flatshard.json is not JSON",
+    ),
+    Case(
+        "a manifest of another format",
+        lambda t: _load(_with_manifest(t, json.dumps({"format": "other/9"}))),
+        flatshard.CheckpointError,
+        "other/9",
+    ),
+    Case("a flipped byte", lambda t: _load(_flip_a_data_byte(t)), flatshard.ChecksumError, r"\.distcp"),
+    Case(
+        "a model of other shapes",
+        lambda t: _load(_saved(t), flatshard.shard(nn.Sequential(nn.Linear(4, 5), nn.Linear(5, 2)), stage=1)),
+        ValueError,
+        r"0\.weight",
+    ),
+    Case(
+        "an extra key the checkpoint lacks",
+        lambda t: flatshard.load_checkpoint(_saved(t), _sharded(), extra={"sched": object()}),
+        KeyError,
+        "sched",
+    ),
+    Case(
+        "random bytes as .safetensors",
+        lambda t: flatshard.load_weights(_sharded(), _garbage(t, "w.safetensors")),
+        flatshard.CheckpointError,
+        r"w\.safetensors",
+    ),
+    Case(
+        "random bytes as .pt",
+        lambda t: flatshard.load_weights(_sharded(), _garbage(t, "w.pt")),
+        flatshard.CheckpointError,
+        r"w\.pt",
+    ),
+    Case(
+        "weights from nowhere",
+        lambda t: flatshard.load_weights(_sharded(), t / "none.safetensors"),
+        FileNotFoundError,
+        "none.safetensors",
+    ),
+    Case(
+        "export to an unknown suffix",
+        lambda t: flatshard.export_checkpoint(_saved(t), t / "out.txt"),
+        ValueError,
+        r"out\.txt",
+    ),
+    Case(
+        "verify a user's directory",
+        lambda t: flatshard.verify_checkpoint(_user_dir(t)),
+        flatshard.CheckpointError,
+        "mine",
+    ),
+    # -- the CLI (exit status 2, the reason on stderr) -----------------------------------------
+    Case("train --stage 7", _cli("train", "-n", "1", "--stage", "7"), SystemExit, "--stage.*7"),
+    Case("train --lr abc", _cli("train", "-n", "1", "--lr", "abc"), SystemExit, "--lr.*abc"),
+    Case("train --steps 0", _cli("train", "-n", "1", "--steps", "0"), SystemExit, "--steps.*0"),
+    Case("train --timeout -1", _cli("train", "-n", "1", "--timeout", "-1"), SystemExit, "--timeout.*-1"),
+    Case("train --model nosuch", _cli("train", "-n", "1", "--model", "nosuch"), SystemExit, "nosuch"),
+    Case(
+        "train --checkpoint-dir a file",
+        lambda t: _file(t) and _cli("train", "-n", "1", "--checkpoint-dir", "TMP/a-file")(t),
+        SystemExit,
+        "a-file is a file",
+    ),
+    Case(
+        "train --resume alone",
+        _cli("train", "-n", "1", "--resume"),
+        SystemExit,
+        "--resume needs --checkpoint-dir",
+    ),
+    Case(
+        "train --data nowhere",
+        _cli("train", "-n", "1", "--data", "TMP/nowhere.txt"),
+        SystemExit,
+        "nowhere.txt",
+    ),
+    Case("plan --params -5", _cli("plan", "--params", "-5"), SystemExit, "--params.*-5"),
+    Case("layout --stage 9", _cli("layout", "--stage", "9"), SystemExit, "--stage.*9"),
+    Case("verify nowhere", _cli("verify", "TMP/nowhere"), SystemExit, "nowhere"),
+]
+
+
+def test_the_catalog_is_at_least_forty_cases_and_each_is_named_once():
+    assert len(CASES) >= 40
+    assert len({c.name for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_bad_input_is_refused_with_a_clear_error(case, tmp_path, capsys):
+    with pytest.raises(case.error) as caught:
+        case.run(tmp_path)
+    if isinstance(caught.value, SystemExit):
+        assert caught.value.code not in (0, None), "a refusal must exit non-zero"
+        message = capsys.readouterr().err
+    else:
+        message = str(caught.value)
+        assert isinstance(caught.value, Exception)  # (not a BaseException: except Exception sees it)
+    assert re.search(case.names, message, re.S), (
+        f"{case.name}: the message does not name the value:\n{message}"
+    )
