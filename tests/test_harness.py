@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.app.launch import rank_env
-from flatshard.app.malloc import cpu_malloc_env
+from flatshard.malloc import cpu_malloc_env
 from flatshard.testing import RankError, run_distributed
 
 

@@ -56,7 +56,10 @@ def test_only_the_stage_policy_compares_the_stage_number():
 # [Note: package layers] in flatshard/__init__.py, lowest first. A module's layer is that of
 # the longest prefix of its dotted name listed here.
 LAYERS = [
-    [f"flatshard.{m}" for m in ("errors", "layout", "stage", "shard_map", "plan", "mixed_precision")],
+    [
+        f"flatshard.{m}"
+        for m in ("errors", "layout", "stage", "shard_map", "plan", "mixed_precision", "malloc")
+    ],
     ["flatshard.comm"],
     ["flatshard.engine"],
     ["flatshard.stage3"],

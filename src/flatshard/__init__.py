@@ -8,8 +8,9 @@ listed before it (``tests/test_repo.py`` checks every import):
 0. pure planning, no process group and no wrapped module: ``errors``, ``layout`` (the flat
    layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),
    ``shard_map`` (which parts of a shard an optimizer run covers), ``plan`` (memory and
-   bytes per rank before running anything), ``mixed_precision``;
-1. ``comm/``: worlds and collectives;
+   bytes per rank before running anything), ``mixed_precision``, ``malloc`` (glibc malloc
+   settings for ranks on CPU);
+1. ``comm/``: worlds, collectives, deadlines;
 2. ``engine/``: flat buffers, bucket groups, grad sync, param gathers, units, hook wrappers;
 3. ``stage3/``: unsharding units, meta init, full params;
 4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;
@@ -17,8 +18,8 @@ listed before it (``tests/test_repo.py`` checks every import):
 6. ``checkpoint/``: checkpoint directories, pieces, checksums, weights files;
 7. the public surface: this module (``flatshard.__all__``) and ``memory``
    (``memory_report``, which reads a wrapped module and its optimizer);
-8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings,
-   malloc settings) and the toolkit modules ``models`` (the demo GPT), ``data`` (the
+8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings)
+   and the toolkit modules ``models`` (the demo GPT), ``data`` (the
    synthetic corpus) and ``testing`` (the multi-process test harness).
 
 Public: the names in ``__all__``, the modules of layer 0, ``memory``, ``models``, ``data``

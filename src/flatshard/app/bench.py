@@ -30,9 +30,9 @@ import torch
 import torch.distributed as dist
 
 from flatshard import plan
-from flatshard.app.malloc import retain_freed_cpu_memory
 from flatshard.app.peers import PEERS, Peer, default_peers, prepare
 from flatshard.data import SyntheticCorpus
+from flatshard.malloc import retain_freed_cpu_memory
 from flatshard.memory import mib
 from flatshard.models import GPT, PRESETS
 from flatshard.testing import run_distributed

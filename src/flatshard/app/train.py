@@ -16,10 +16,10 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import plan
-from flatshard.app.malloc import retain_freed_cpu_memory
 from flatshard.app.train_report import Metrics, Progress, format_summary, plot_losses
 from flatshard.checkpoint.directory import MANIFEST
 from flatshard.data import ByteCorpus, SyntheticCorpus
+from flatshard.malloc import retain_freed_cpu_memory
 from flatshard.memory import memory_report
 from flatshard.models import lm_loss, model_dims, model_factory
 

@@ -28,6 +28,7 @@ from flatshard.engine.grad_sync import (
 from flatshard.engine.param_gather import ParamGather
 from flatshard.engine.units import UnitSpec, assign_params, find_units, names_by_param, unsharded_tensors
 from flatshard.layout import ParamSpec, plan_layout
+from flatshard.malloc import warn_once_without_tunables
 from flatshard.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params, input_cast_hook
 from flatshard.stage import StagePolicy
 from flatshard.stage3.build import (
@@ -325,6 +326,8 @@ def _assemble(
         every = [*sets.values(), *([frozen] if frozen is not None else [])]
         unsharder = build_unsharder(unit_list, unit_of, every, stats, policy.unit_options)
         sync.gathers = unsharder
+        if any(b.world.size > 1 and b.params and b.params[0].device.type == "cpu" for b in every):
+            warn_once_without_tunables()  # gathers and frees fragment glibc's heap otherwise
     state = ShardState(policy, sets, sync, stats, gather, unsharder=unsharder, frozen=frozen)
     if policy.shards_optimizer:
         sync.on_synced = partial(_require_optimizer, state)
