@@ -238,6 +238,12 @@ CASES = [
         FileExistsError,
         r"x\.old",
     ),
+    Case(
+        "an unpicklable extra",
+        lambda t: flatshard.save_checkpoint(t / "c", _sharded(), extra={"fn": lambda: 0}),
+        flatshard.CheckpointError,
+        "lambda",
+    ),
     Case("load from nowhere", lambda t: _load(t / "nowhere"), FileNotFoundError, "nowhere"),
     Case(
         "load a directory without a manifest",

@@ -150,6 +150,10 @@ def _rank_dependent_option(stage: int, option: str, values: tuple) -> None:
             model.add_module("extra", nn.Linear(2, 2).requires_grad_(False))
         flatshard.shard(model, stage=stage)
         return
+    if option == "ignored_modules":  # a frozen layer kept whole on one rank, sharded on the other
+        model[0].requires_grad_(False)
+        flatshard.shard(model, stage=stage, ignored_modules=[model[0]] if dist.get_rank() == 1 else None)
+        return
     flatshard.shard(model, stage=stage, **{option: values[dist.get_rank()]})
 
 
@@ -161,6 +165,7 @@ def _rank_dependent_option(stage: int, option: str, values: tuple) -> None:
         (3, "backward_prefetch", ("pre", "post"), "backward_prefetch=post"),
         (3, "forward_prefetch", (1, 2), "forward_prefetch=2"),
         (0, "frozen", None, r"frozen extra\.weight \(2, 2\) torch\.float32"),
+        (3, "ignored_modules", None, r"frozen 0\.weight \(4, 4\) torch\.float32 kept whole"),
     ],
 )
 def test_ranks_that_differ_in_an_option_that_changes_the_collectives_fail_at_wrap_time(

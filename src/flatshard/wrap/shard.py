@@ -159,6 +159,7 @@ def shard(
         policy,
         mp,
         [u.name for u in unit_list],
+        whole,
         meta=meta,
         bucket_size=bucket_size,
         buckets_per_group=buckets_per_group,
@@ -191,10 +192,14 @@ def shard(
     return sharded
 
 
-def _agreement_lines(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, units: list[str], **options):
+def _agreement_lines(
+    module: nn.Module, policy: StagePolicy, mp: MixedPrecision, units: list[str], whole: set[int], **options
+):
     """What every rank must agree on before wrapping, one option per line so that a
     difference is named: everything that changes the sequence of collectives (the stage, the
-    unit schedule, bucketing, syncing, padding, mixed precision, units) and the frozen params."""
+    unit schedule, bucketing, syncing, padding, mixed precision, units) and the frozen params,
+    with which of them stay whole at stage 3 (``ignored_modules``)."""
+    kept = " kept whole" if policy.shards_params else ""
     return [
         f"stage={policy.stage}",
         *(f"{k}={v}" for k, v in vars(policy.unit_options).items()),
@@ -202,7 +207,7 @@ def _agreement_lines(module: nn.Module, policy: StagePolicy, mp: MixedPrecision,
         f"mixed_precision={mp}",
         f"units={units}",
         *(
-            f"frozen {n} {tuple(p.shape)} {p.dtype}"
+            f"frozen {n} {tuple(p.shape)} {p.dtype}{kept if id(p) in whole else ''}"
             for n, p in module.named_parameters()
             if not p.requires_grad
         ),
