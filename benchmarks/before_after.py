@@ -41,7 +41,10 @@ def _bench(tree: str, bench_args: list[str], out: str) -> dict:
 
 
 def _summary(runs: dict[str, dict]) -> dict:
-    peers = next(iter(runs.values()))["peers"]
+    """Per peer: the median ratio to DDP before and after, their quotient, and whether bytes
+    sent, model state and final loss are the same in every run. ``runs``: name -> the
+    ``peers`` table of one bench run."""
+    peers = next(iter(runs.values()))
     out = {}
     for peer in peers:
         ratios = {
@@ -82,21 +85,26 @@ def main() -> None:
         try:
             for i in range(1, args.runs + 1):
                 for side in ("before", "after"):
-                    runs[f"{side}-{i}"] = _bench(trees[side], args.bench_args, os.path.join(tmp, "run.json"))
+                    runs[f"{side}-{i}"] = _bench(trees[side], args.bench_args, f"{args.out}.{side}-{i}.json")[
+                        "peers"
+                    ]
         finally:
             for tree in trees.values():
                 subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", tree], check=False)
-    machine = next(iter(runs.values()))["machine"]
+    with open(f"{args.out}.after-1.json") as f:
+        machine = json.load(f)["machine"]
     summary = _summary(runs)
     result = {
         "what": f"flatshard bench {' '.join(args.bench_args)}, alternating {args.before} (before) and "
         f"{args.after} (after) {args.runs} times each; ratios are each round's step time over DDP's",
         "machine": machine,
         "summary": summary,
-        "runs": {name: run["peers"] for name, run in runs.items()},
+        "runs": runs,
     }
     with open(args.out, "w") as f:
         json.dump(result, f, indent=1)
+    for name in runs:
+        os.remove(f"{args.out}.{name}.json")
     for peer, s in summary.items():
         print(
             f"{peer:16s} before {s['before_median_ratio_to_ddp']:.3f}  after "
