@@ -69,11 +69,11 @@ def warn_once_without_tunables(env: Mapping[str, str] = os.environ) -> bool:
     _WARNED = True
     warnings.warn(
         "flatshard: this rank runs on CPU with glibc's per-thread malloc caches on, and stage 3's "
-        "heap keeps growing under them (RSS +11.8% over 2,000 steps of the small GPT under torchrun, "
-        "still rising; +0.24% with them off). glibc reads the setting only at process start: "
+        "heap grows under them (small GPT, 2 ranks under torchrun: RSS +24% over 2,000 steps, against "
+        "+0.27% with them off; benchmarks/soak.py). glibc reads the setting only at process start: "
         f"export GLIBC_TUNABLES={':'.join(missing)} before starting the ranks (flatshard train does it).",
-        ResourceWarning,
-        stacklevel=3,
+        RuntimeWarning,  # (a ResourceWarning is hidden by Python's default filters)
+        stacklevel=4,  # (shard's caller)
     )
     return True
 
