@@ -247,18 +247,22 @@ def positions(ranks: list[int], wait: float = 3 * PUBLISH_EVERY) -> dict[int, di
     return found
 
 
-def desync(watched: Watched, err: Exception) -> DesyncError:
-    """The error for the collective ``watched`` that failed with ``err``, naming every rank's
-    position as it was when the failure came."""
+def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
+    """The error for the collective ``watched``, waited on from ``since`` (``time.time()``),
+    that failed with ``err``, naming every rank's position as it was when the failure came."""
     now = time.time()
     found = positions(dist.get_process_group_ranks(watched.group))
     if _PUBLISHER is not None:  # the others keep reading where this rank failed, not its exit
         _PUBLISHER.stopped.set()
     lines = [f"  rank {r}: {describe(where, now)}" for r, where in found.items()]
-    limit = f" within its deadline of {watched.timeout.total_seconds():g} s" if watched.timeout else ""
+    limit = watched.timeout.total_seconds() if watched.timeout else None
+    if limit is not None and now - since >= 0.9 * limit:
+        what = f"did not complete within its deadline of {limit:g} s"
+    else:  # before the deadline: the backend gave up (a peer closed its connection, ...)
+        what = f"failed after {now - since:.1f} s"
     cause = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     return DesyncError(
-        f"{watched.op} #{watched.seq} of step {watched.step} did not complete{limit} on rank "
+        f"{watched.op} #{watched.seq} of step {watched.step} {what} on rank "
         f"{dist.get_rank()}: the ranks are not at the same collective, or one has stopped. "
         f"Where each rank is:\n" + "\n".join(lines) + f"\n(the backend said: {cause})"
     )
@@ -279,14 +283,15 @@ class Watched:
     def wait(self, timeout: timedelta | None = None) -> object:
         """Finish the collective; with ``timeout``, a poll: ``RuntimeError`` if it is still in
         flight by then (and it stays valid to wait again)."""
-        HERE.waiting, HERE.waiting_since = self, time.time()
+        since = time.time()
+        HERE.waiting, HERE.waiting_since = self, since
         HERE.version += 1
         try:
             return self.handle.wait() if timeout is None else self.handle.wait(timeout=timeout)
         except RuntimeError as err:
             if timeout is not None and not self.handle.is_completed():
                 raise  # a poll that ran out: still in flight
-            raise desync(self, err) from err
+            raise desync(self, err, since) from err
         finally:
             HERE.waiting = None
             HERE.version += 1
