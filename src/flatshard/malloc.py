@@ -52,7 +52,7 @@ def missing_tunables(env: Mapping[str, str]) -> list[str]:
         name in env.get("LD_PRELOAD", "") for name in ("jemalloc", "tcmalloc", "mimalloc")
     ):
         return []
-    have = set(env.get("GLIBC_TUNABLES", "").split(":"))
+    have = set(_tunables(env))
     return [t for t in CPU_MALLOC_TUNABLES if t not in have]
 
 
@@ -81,7 +81,12 @@ def warn_once_without_tunables(env: Mapping[str, str] = os.environ) -> bool:
 def cpu_malloc_env(env: Mapping[str, str]) -> dict[str, str]:
     """``env`` with ``CPU_MALLOC_TUNABLES`` added to its ``GLIBC_TUNABLES`` (a tunable the
     environment already sets keeps its value)."""
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
+    tunables = _tunables(env)
     names = {t.partition("=")[0] for t in tunables}
     tunables += [t for t in CPU_MALLOC_TUNABLES if t.partition("=")[0] not in names]
     return {**env, "GLIBC_TUNABLES": ":".join(tunables)}
+
+
+def _tunables(env: Mapping[str, str]) -> list[str]:
+    """The ``name=value`` settings of ``env``'s ``GLIBC_TUNABLES``."""
+    return [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]

@@ -74,22 +74,16 @@ from flatshard.checkpoint import pieces
 from flatshard.checkpoint import state as cs
 from flatshard.checkpoint.files import verify_state_file
 from flatshard.comm.collectives import barrier
-from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase
-from flatshard.comm.world import World, all_gather_bytes, resolve_world
+from flatshard.comm.deadline import HERE, Phase
+from flatshard.comm.world import World, all_gather_bytes
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optim.distributed import DistributedOptimizer
+from flatshard.wrap.module import job_world
 
 FORMAT = "flatshard-checkpoint/1"
 MANIFEST = "flatshard.json"
 EXTRA = "extra"
-
-
-def _world(model: nn.Module) -> World:
-    """The default process group (checkpoints are collective over every rank), with the
-    deadline of ``model``'s collectives ([Note: deadlines])."""
-    state = getattr(model, "flatshard_state", None)
-    return resolve_world(None, DEFAULT_TIMEOUT if state is None else state.timeout)
 
 
 def _stage(model: nn.Module) -> int | None:
@@ -162,7 +156,7 @@ def save_checkpoint(
 
 
 def _save(path: str, model: nn.Module, optimizer, extra) -> None:
-    world = _world(model)
+    world = job_world(model)  # (checkpoints are collective over every rank)
     rank, size = world.rank, world.size
     partial = path + ".partial"
     _agree_on_destination(world, path)
@@ -383,7 +377,7 @@ def load_checkpoint(
 def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> dict[str, Any]:
     manifest = read_manifest(path)
     cs.check_shapes(model, {n: shape for n, (shape, _) in manifest["params"].items()}, f"checkpoint {path}")
-    world = _world(model)
+    world = job_world(model)  # (checkpoints are collective over every rank)
     barrier(world)  # every rank is loading (within the deadline) before DCP's own collectives
     rank, size = world.rank, world.size
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata

@@ -15,8 +15,10 @@ from torch import nn
 from torch.nn.modules.module import _IncompatibleKeys
 
 from flatshard.comm.collectives import CommStats
-from flatshard.comm.deadline import HERE, Phase
+from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase
+from flatshard.comm.world import World, resolve_world
 from flatshard.engine.buffer import BufferSet
+from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
 from flatshard.layout import Layout
@@ -211,6 +213,14 @@ class ShardedModule(nn.Module):
 
 
 _CLASS_CACHE: dict[type, type] = {}
+
+
+def job_world(model: nn.Module | None) -> World:
+    """Every rank of the job (the default process group), for collectives outside a step
+    (checkpoints, ``even_batches``), with the deadline of ``model``'s collectives; the
+    default deadline for a model flatshard did not wrap, or none."""
+    state = None if model is None else getattr(uncompiled(model), "flatshard_state", None)
+    return resolve_world(None, DEFAULT_TIMEOUT if state is None else state.timeout)
 
 
 def make_sharded(module: nn.Module, state: ShardState) -> ShardedModule:

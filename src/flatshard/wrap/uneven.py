@@ -18,9 +18,7 @@ import torch
 from torch import nn
 
 from flatshard.comm.collectives import all_reduce
-from flatshard.comm.deadline import DEFAULT_TIMEOUT
-from flatshard.comm.world import resolve_world
-from flatshard.engine.dynamo import uncompiled
+from flatshard.wrap.module import job_world
 
 T = TypeVar("T")
 
@@ -37,8 +35,7 @@ def even_batches(batches: Iterable[T], model: nn.Module | None = None) -> Iterat
             opt.step()
             opt.zero_grad()
     """
-    state = getattr(uncompiled(model), "flatshard_state", None) if model is not None else None
-    world = resolve_world(None, DEFAULT_TIMEOUT if state is None else state.timeout)
+    world = job_world(model)
     device = world.control_device
     source = iter(batches)
     while True:
