@@ -211,6 +211,31 @@ class CheckpointedGPT(TiedGPT):
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def is_matrix(name: str, param: nn.Parameter) -> bool:
+    """Muon's params in the usual recipe: the blocks' 2-D weights (not embeddings, head)."""
+    return param.ndim == 2 and name.startswith("blocks.")
+
+
+class NormalizedSGD(torch.optim.Optimizer):
+    """Steps each param along its (momentum-averaged) grad over that grad's norm: a
+    whole-tensor rule in fp32, with per-param state when ``momentum`` is set."""
+
+    def __init__(self, params, lr: float = 0.01, momentum: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "momentum": momentum})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                direction = p.grad
+                if group["momentum"]:
+                    buf = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
+                    direction = buf.mul_(group["momentum"]).add_(p.grad)
+                p.add_(direction / direction.norm().clamp_min(1e-12), alpha=-group["lr"])
+
+
 def decay_groups(model: nn.Module, lr_no_decay: float = 3e-3) -> list[dict]:
     """Two param groups as users write them: no weight decay (and another lr) for 1-D params."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]

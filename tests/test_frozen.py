@@ -10,7 +10,7 @@ import flatshard
 from _parity import SGD, LoRAGPT, check_parity, train_optimizer_side_by_side
 from flatshard.plan import plan_from_specs
 from flatshard.testing import run_distributed
-from flatshard.wrap.shard import model_specs
+from flatshard.wrap.specs import model_specs
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -1,5 +1,6 @@
 """Invariants of the pure layout planner ([Note: layout] in flatshard/layout.py)."""
 
+import dataclasses
 import math
 
 import pytest
@@ -8,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatshard import ParamSpec, plan_layout
-from flatshard.layout import PARAM_ALIGN
+from flatshard.layout import PARAM_ALIGN, balance
 
 DTYPES = [
     (torch.float32, torch.float32),
@@ -31,6 +32,7 @@ def layouts(draw):
                 grad_dtype,
                 own_bucket=draw(st.booleans()) and draw(st.booleans()),
                 unit=draw(st.sampled_from([None, None, "u0", "u1"])),
+                whole=draw(st.booleans()) and draw(st.booleans()),
             )
         )
     world = draw(st.integers(1, 8))
@@ -71,8 +73,14 @@ def test_buckets_tile_buffer_and_respect_dtype_and_order(case):
         assert buf.buckets[0].start == 0 and buf.buckets[-1].end == buf.numel
         for a, b in zip(buf.buckets, buf.buckets[1:], strict=False):
             assert a.end == b.start
-        indices = [slot.index for slot in buf.params]
-        assert indices == sorted(indices, reverse=True), "params must be in reverse registration order"
+        for a, b in zip(buf.buckets, buf.buckets[1:], strict=False):
+            assert min(s.index for s in a.params) > max(s.index for s in b.params)
+        for bucket in buf.buckets:
+            indices = [slot.index for slot in bucket.params]
+            if not _is_whole_bucket(specs, layout, bucket):
+                assert indices == sorted(indices, reverse=True), (
+                    "params must be in reverse registration order"
+                )
         for slot in buf.params:
             spec = specs[slot.index]
             assert (spec.dtype, spec.grad_dtype) == (buf.dtype, buf.grad_dtype)
@@ -89,13 +97,14 @@ def test_bucket_closing_rules(case):
             if any(specs[s.index].own_bucket for s in slots):
                 assert len(slots) == 1
             assert len({specs[s.index].unit for s in slots}) == 1
+            in_order = _sizes_in_order(specs, slots, layout.sharded)
             if size is not None and len(slots) > 1:
                 # still open before its last param: it held fewer than bucket_size elements
-                assert slots[-2].end - bucket.start < size
+                assert in_order[-2] < size
             if following is not None:  # it closed for a reason
-                nxt = specs[following.params[0].index]
+                nxt = specs[max(s.index for s in following.params)]
                 assert (
-                    (size is not None and bucket.numel_unpadded >= size)
+                    (size is not None and in_order[-1] >= size)
                     or nxt.own_bucket
                     or specs[slots[0].index].own_bucket
                     or nxt.unit != specs[slots[0].index].unit
@@ -144,6 +153,71 @@ def test_every_element_owned_once_and_ranges_consistent(case):
             expected = 1 if layout.sharded else layout.world_size
             for name, counts in owners.items():
                 assert set(counts) == {expected}, f"{name}: elements owned {set(counts)} times"
+
+
+def _is_whole_bucket(specs, layout, bucket) -> bool:
+    return layout.sharded and layout.world_size > 1 and any(specs[s.index].whole for s in bucket.params)
+
+
+def _sizes_in_order(specs, slots, sharded: bool) -> list[int]:
+    """The bucket's size after each of its params, laid out one after another in buffer
+    order (what the closing rule counts, whatever the placement)."""
+    cursor, out = 0, []
+    for slot in sorted(slots, key=lambda s: -s.index):
+        cursor = (-(-cursor // PARAM_ALIGN) * PARAM_ALIGN if sharded else cursor) + specs[slot.index].numel
+        out.append(cursor)
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts())
+def test_whole_param_buckets_keep_each_param_on_one_rank(case):
+    specs, layout = case
+    for buf in layout.buffers:
+        for bucket in buf.buckets:
+            if not _is_whole_bucket(specs, layout, bucket):
+                continue
+            loads = [0] * layout.world_size
+            for slot in bucket.params:
+                ranks = [r for r in range(layout.world_size) if layout.param_ranges(slot.name, r) is not None]
+                assert len(ranks) == 1, f"{slot.name} is split over ranks {ranks}"
+                ranges = layout.param_ranges(slot.name, ranks[0])
+                assert ranges.in_param == (0, slot.numel)
+                loads[ranks[0]] += -(-slot.numel // PARAM_ALIGN) * PARAM_ALIGN
+            # balanced: the fullest rank holds at most the mean plus the largest param
+            largest = max(-(-s.numel // PARAM_ALIGN) * PARAM_ALIGN for s in bucket.params)
+            assert max(loads) <= sum(loads) / len(loads) + largest
+            assert bucket.shard_size >= max(loads)
+
+
+def test_balance_is_largest_first_to_the_least_loaded():
+    assert balance([5, 1, 4, 3, 3], 2) == [0, 1, 1, 1, 0]  # 5, 4, 3, 3, 1: loads 5/4, 5/7, 8/7, 8/8
+    loads = [10, 0]
+    assert balance([3, 3], 2, loads) == [1, 1] and loads == [10, 6]
+
+
+def test_whole_bucket_by_hand():
+    """Four matrices and two biases over two ranks: owners by size, shards padded to the fuller."""
+    specs = [
+        _spec("w0", 1000, whole=True),
+        _spec("b0", 10),
+        _spec("w1", 3000, whole=True),
+        _spec("w2", 2000, whole=True),
+        _spec("b1", 10),
+        _spec("w3", 500, whole=True),
+    ]
+    layout = plan_layout(specs, world_size=2)
+    (bucket,) = layout.buffers[0].buckets
+    owner = {s.name: next(r for r in range(2) if layout.param_ranges(s.name, r)) for s in bucket.params}
+    # largest first: w1 (3008) r0, w2 (2048) r1, w0 (1024) r1, w3 (512) r0, the biases r1
+    assert owner["w1"] == 0 and owner["w2"] == 1 and owner["w0"] == 1
+    loads = [sum(-(-s.numel // 64) * 64 for s in bucket.params if owner[s.name] == r) for r in range(2)]
+    assert bucket.shard_size == max(loads) and bucket.numel == 2 * bucket.shard_size
+    flat = plan_layout([dataclasses.replace(s, whole=False) for s in specs], world_size=2)
+    assert flat.buffers[0].numel < layout.buffers[0].numel  # the price: padding to the fuller shard
+    assert owner["w3"] == 0 and owner["b0"] == owner["b1"] == 1
+    unsharded = [dataclasses.replace(s, whole=False) for s in specs]
+    assert plan_layout(specs, world_size=1) == plan_layout(unsharded, world_size=1)  # one rank holds all
 
 
 def _spec(name, numel, dtype=torch.float32, **kw):

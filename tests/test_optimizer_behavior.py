@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from _parity import CFG, TiedGPT, full_params
+from _parity import CFG, NormalizedSGD, TiedGPT, full_params
 from flatshard import DistributedOptimizer, DynamicLossScaler, memory_report
 from flatshard.data import SyntheticCorpus
 from flatshard.engine.grad_sync import MAX_SCRATCH_IN_FLIGHT
@@ -362,25 +362,15 @@ def test_loading_state_of_another_layout_is_refused():
 
 
 # -- bad input -----------------------------------------------------------------------------------
-class NormalizedSGD(torch.optim.SGD):
-    """Steps each param along its grad over that grad's norm: a per-tensor rule that a
-    refusal list let through, and that flat shards silently change."""
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    p.add_(p.grad / p.grad.norm().clamp_min(1e-12), alpha=-group["lr"])
-
-
 def test_an_optimizer_declared_elementwise_is_taken_at_its_word():
     model = flatshard.shard(TiedGPT(), stage=1)
     opt = DistributedOptimizer(model, NormalizedSGD, elementwise=True, lr=0.1)
     assert type(opt.inner) is NormalizedSGD
     sub = type("MyAdamW", (torch.optim.AdamW,), {})  # a subclass may override step: not assumed
-    with pytest.raises(ValueError, match="MyAdamW is not known to be elementwise"):
-        DistributedOptimizer(flatshard.shard(TiedGPT(), stage=1), sub, lr=0.1)
+    model = flatshard.shard(TiedGPT(), stage=1)
+    opt = DistributedOptimizer(model, sub, lr=0.1)  # so it steps each param whole, in its shape
+    inner = [tuple(t.shape) for g in opt.inner.param_groups for t in g["params"]]
+    assert sorted(inner) == sorted(tuple(p.shape) for p in model.parameters() if p.requires_grad)
 
 
 def test_stage1_backward_without_the_distributed_optimizer_raises():
@@ -394,16 +384,32 @@ def test_stage1_backward_without_the_distributed_optimizer_raises():
     ("make", "error", "message"),
     [
         (lambda m: DistributedOptimizer(TiedGPT(), torch.optim.SGD, lr=1), TypeError, "flatshard.shard"),
-        (lambda m: DistributedOptimizer(m, torch.optim.LBFGS), ValueError, "LBFGS .* elementwise"),
+        (
+            lambda m: DistributedOptimizer(m, torch.optim.LBFGS),
+            ValueError,
+            "LBFGS cannot step a rank's shards",
+        ),
         (
             lambda m: DistributedOptimizer(m, torch.optim.Muon),
             ValueError,
-            "Muon is not known to be elementwise",
+            r"Muon \(param group 0\) refused param 'ln_f.bias' of shape \(32,\): Muon only supports 2D",
         ),
         (
-            lambda m: DistributedOptimizer(m, NormalizedSGD, lr=1),
-            ValueError,
-            "NormalizedSGD is not known to be",
+            lambda m: DistributedOptimizer(
+                m,
+                torch.optim.AdamW,
+                params=[{"params": [m.wte.weight], "optimizer_class": torch.optim.Muon}],
+                nope=1,
+            ),
+            TypeError,
+            r"no optimizer class of the param groups \(Muon\) takes \['nope'\]",
+        ),
+        (
+            lambda m: DistributedOptimizer(
+                m, torch.optim.AdamW, params=[{"params": [m.wte.weight], "optimizer_class": dict}]
+            ),
+            TypeError,
+            "must be a torch.optim.Optimizer subclass, got <class 'dict'>",
         ),
         (lambda m: DistributedOptimizer(m, object), TypeError, "torch.optim.Optimizer subclass"),
         (

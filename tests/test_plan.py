@@ -13,7 +13,7 @@ from flatshard.data import SyntheticCorpus
 from flatshard.models import GPT, GPTConfig
 from flatshard.plan import plan_from_count, plan_from_specs
 from flatshard.testing import run_distributed
-from flatshard.wrap.shard import model_specs
+from flatshard.wrap.specs import model_specs
 from test_cli import _flatshard
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, tie_embeddings=True)

@@ -1,7 +1,9 @@
 """Rules of the optimizer's runs ([Note: optimizer runs] in flatshard/_shard_map.py)."""
 
 import itertools
+import math
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,15 +23,26 @@ def runs_cases(draw):
         if group >= 0:
             group_of[spec.name] = group
     rank = draw(st.integers(0, layout.world_size - 1))
-    return layout, rank, group_of
+    shapes = {}  # some optimized params that lie whole in this rank's shard: whole-param runs
+    for buffer in layout.buffers:
+        for bucket in buffer.buckets:
+            for piece in bucket.local_ranges(rank):
+                numel = piece.in_param.size
+                if (
+                    piece.name in group_of
+                    and piece.in_param.start == 0
+                    and numel == layout.slot(piece.name)[1].numel
+                ) and draw(st.booleans()):
+                    shapes[piece.name] = (2, numel // 2) if numel % 2 == 0 else (numel,)
+    return layout, rank, group_of, shapes
 
 
 @settings(max_examples=300, deadline=None)
 @given(runs_cases())
 def test_runs_cover_optimized_params_once_and_nothing_else(case):
-    layout, rank, group_of = case
+    layout, rank, group_of, shapes = case
     for buffer in layout.buffers:
-        runs = plan_runs(buffer, rank, group_of)
+        runs = plan_runs(buffer, rank, group_of, shapes)
         for bucket in buffer.buckets:
             mine = [r for r in runs if r.bucket == bucket.index]
             size = bucket.shard_range(rank).size
@@ -48,6 +61,10 @@ def test_runs_cover_optimized_params_once_and_nothing_else(case):
                     assert run.group == group
                     assert run.in_shard.start <= piece.in_shard.start
                     assert piece.in_shard.end <= run.in_shard.end
+                    if piece.name in shapes:  # rule 4: a run of its own, exactly the param
+                        assert run.in_shard == piece.in_shard and run.shape == shapes[piece.name]
+                    else:
+                        assert run.shape is None
 
 
 @settings(max_examples=200, deadline=None)
@@ -77,3 +94,26 @@ def test_runs_split_where_the_group_changes_and_skip_params_in_no_group():
         (1, (offsets["c"].end, offsets["a"].start)),  # the gap after c, b, and the gap after b
         (0, (offsets["a"].start, shard_end)),  # a and the end padding
     ]
+
+
+def test_a_param_cut_across_shards_is_refused_as_a_whole_run():
+    specs = [
+        ParamSpec("a", 300, torch.float32, torch.float32),
+        ParamSpec("b", 100, torch.float32, torch.float32),
+    ]
+    layout = plan_layout(specs, world_size=2, bucket_size=None)
+    with pytest.raises(ValueError, match=r"param 'a' of shape \(300,\) is not whole in this shard"):
+        for rank in range(2):
+            plan_runs(layout.buffers[0], rank, {"a": 0, "b": 0}, {"a": (300,)})
+
+
+def test_whole_param_buckets_give_each_matrix_one_shaped_run():
+    specs = [
+        ParamSpec(f"w{i}", 64 * n, torch.float32, torch.float32, whole=True)
+        for i, n in enumerate([4, 3, 2, 1])
+    ]
+    layout = plan_layout(specs, world_size=2, bucket_size=None)
+    shapes = {f"w{i}": (64, n) for i, n in enumerate([4, 3, 2, 1])}
+    runs = [plan_runs(layout.buffers[0], r, {n: 0 for n in shapes}, shapes) for r in range(2)]
+    assert sorted(s for rank in runs for s in (r.shape for r in rank)) == sorted(shapes.values())
+    assert [sum(math.prod(r.shape) for r in rank) for rank in runs] == [320, 320]  # balanced: 4+1, 3+2

@@ -28,7 +28,25 @@ Invariants (tested property-based in ``tests/test_layout.py``):
 3. when ``shard``: param starts are multiples of 64 and bucket sizes of ``pad_multiple``;
 4. when ``shard``: every param element lies in exactly one rank's shard, and the four ranges
    of a param in a shard describe the same elements (their sizes are equal and they map
-   into each other by the bucket start, the shard start and the param start).
+   into each other by the bucket start, the shard start and the param start);
+5. when ``shard`` over more than one rank: in a bucket that holds a ``whole`` param, every
+   param lies whole in one rank's shard (see [Note: whole-param buckets]).
+
+[Note: whole-param buckets]
+
+A rule that updates a param as one matrix (Muon's orthogonalization, a factored second
+moment) needs all of it on one rank. A spec with ``whole=True`` makes its bucket a *whole-
+param bucket*: each of its params (the others too: they fill the gaps) gets an owner rank
+by ``balance`` (largest first to the rank holding the fewest elements), and each rank's
+shard is its params, in buffer order, each at a multiple of ``PARAM_ALIGN``. Every shard
+has the size of the fullest one, rounded so that the bucket still splits into equal,
+aligned shards; the rest of each shard is padding. The collectives are unchanged (one
+reduce-scatter and one all-gather of equal shards), so the bytes a bucket sends grow only
+by that padding: ``max(load) / mean(load)`` over the ranks, which falls as a bucket holds
+more params (a bucket of one param sends it ``world_size`` times). Buckets close by the same
+rules as flat ones, so where they break is unchanged. Inside the bucket params are no
+longer in reverse registration order (a bucket is reduced once all its grads are in, so the
+order inside it does not matter); ``bucket.params`` is still in buffer order.
 
 The four ranges of a param in one rank's shard (all half-open ``[start, end)``):
 
@@ -81,7 +99,8 @@ class ParamSpec:
     """What the planner needs to know of one parameter (no tensor).
 
     ``unit`` names the stage-3 gather unit the param belongs to (``None``: no unit
-    boundary is imposed).
+    boundary is imposed). ``whole``: a sharded layout keeps the param whole in one rank's
+    shard ([Note: whole-param buckets]).
     """
 
     name: str
@@ -90,6 +109,7 @@ class ParamSpec:
     grad_dtype: torch.dtype
     own_bucket: bool = False
     unit: str | None = None
+    whole: bool = False
 
     def __post_init__(self) -> None:
         if self.numel <= 0:
@@ -276,6 +296,24 @@ def plan_layout(
     return Layout(world_size, shard, bucket_size, multiple if shard else 1, tuple(buffers))
 
 
+def balance(sizes: Sequence[int], ranks: int, loads: list[int] | None = None) -> list[int]:
+    """An owner rank for each of ``sizes``: the largest first, each to the rank whose load is
+    smallest (the lowest rank on a tie). ``loads`` (one per rank, default zeros) is the
+    load each rank starts with, and is updated in place. The same on every rank: the
+    ownership planner of whole-param buckets and of ``OwnerShardedOptimizer``."""
+    loads = [0] * ranks if loads is None else loads
+    owners = [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        owners[i] = min(range(ranks), key=lambda r: (loads[r], r))
+        loads[owners[i]] += sizes[i]
+    return owners
+
+
+class _Pending(NamedTuple):
+    spec: ParamSpec
+    index: int
+
+
 def _plan_buckets(
     specs: list[ParamSpec],
     indices: list[int],
@@ -286,30 +324,57 @@ def _plan_buckets(
 ) -> list[BucketLayout]:
     """Lay ``specs`` (already in buffer order) into consecutive buckets."""
     buckets: list[BucketLayout] = []
-    pending: list[ParamSlot] = []
-    start = cursor = 0
-    specs_unit: str | None = None
+    pending: list[_Pending] = []
+    cursor = 0  # elements of the open bucket, laid out in order with alignment gaps
 
     def close() -> None:
-        nonlocal start, cursor, pending
-        end = _round_up(cursor, multiple) if shard else cursor
-        unpadded = pending[-1].end - start
-        buckets.append(BucketLayout(len(buckets), start, end, unpadded, tuple(pending), world_size, shard))
-        start = cursor = end
-        pending = []
+        nonlocal cursor, pending
+        start = buckets[-1].end if buckets else 0
+        place = _place_by_owner if shard and world_size > 1 and any(p.spec.whole for p in pending) else _place
+        buckets.append(place(pending, len(buckets), start, shard, multiple, world_size))
+        pending, cursor = [], 0
 
     for spec, index in zip(specs, indices, strict=True):
-        if pending and (spec.own_bucket or spec.unit != specs_unit):
+        if pending and (spec.own_bucket or spec.unit != pending[-1].spec.unit):
             close()
-        specs_unit = spec.unit
-        param_start = _round_up(cursor, PARAM_ALIGN) if shard else cursor
-        pending.append(ParamSlot(spec.name, index, param_start, param_start + spec.numel, len(buckets)))
-        cursor = param_start + spec.numel
-        if spec.own_bucket or (bucket_size is not None and cursor - start >= bucket_size):
+        pending.append(_Pending(spec, index))
+        cursor = (_round_up(cursor, PARAM_ALIGN) if shard else cursor) + spec.numel
+        if spec.own_bucket or (bucket_size is not None and cursor >= bucket_size):
             close()
     if pending:
         close()
     return buckets
+
+
+def _place(
+    pending: list[_Pending], index: int, start: int, shard: bool, multiple: int, world_size: int
+) -> BucketLayout:
+    """A bucket of ``pending`` params one after another, as flat shards cut it."""
+    slots, cursor = [], start
+    for p in pending:
+        param_start = _round_up(cursor, PARAM_ALIGN) if shard else cursor
+        slots.append(ParamSlot(p.spec.name, p.index, param_start, param_start + p.spec.numel, index))
+        cursor = param_start + p.spec.numel
+    end = _round_up(cursor, multiple) if shard else cursor
+    return BucketLayout(index, start, end, cursor - start, tuple(slots), world_size, shard)
+
+
+def _place_by_owner(
+    pending: list[_Pending], index: int, start: int, shard: bool, multiple: int, world_size: int
+) -> BucketLayout:
+    """A whole-param bucket: each param in its owner's shard ([Note: whole-param buckets])."""
+    sizes = [_round_up(p.spec.numel, PARAM_ALIGN) for p in pending]
+    loads = [0] * world_size
+    owners = balance(sizes, world_size, loads)
+    shard_size = _round_up(max(loads), math.lcm(PARAM_ALIGN, multiple // world_size))
+    cursors = [start + r * shard_size for r in range(world_size)]
+    slots = []
+    for p, size, owner in zip(pending, sizes, owners, strict=True):
+        slots.append(ParamSlot(p.spec.name, p.index, cursors[owner], cursors[owner] + p.spec.numel, index))
+        cursors[owner] += size
+    slots.sort(key=lambda slot: slot.start)
+    end = start + world_size * shard_size
+    return BucketLayout(index, start, end, slots[-1].end - start, tuple(slots), world_size, shard)
 
 
 def format_layout(layout: Layout) -> str:

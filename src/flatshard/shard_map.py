@@ -12,7 +12,9 @@ This is exact for *elementwise* update rules (SGD, Adam, AdamW, Adagrad, RMSprop
 each element's update depends only on that element's param, grad and state. Padding and
 gaps hold zero params and zero grads, which these rules keep at zero, and nothing reads
 them as data. Rules that look at a whole tensor (Adafactor's factored moments, Muon's
-orthogonalization, L-BFGS) would see flat pieces of params and are refused.
+orthogonalization) would see flat pieces of params: their params are *whole-param runs*
+instead, one per param, shaped as the param (it must lie whole in the shard: [Note:
+whole-param buckets] in ``layout.py``), so the inner optimizer sees real matrices.
 
 Rules (``plan_runs``, tested in ``tests/test_shard_map.py``):
 
@@ -21,15 +23,18 @@ Rules (``plan_runs``, tested in ``tests/test_shard_map.py``):
    its param's group; no element of a param outside every group lies in a run;
 3. a run starts at the shard's start or at the start of its first param's piece (or where
    the previous piece of an unoptimized param ended), and ends at the start of the next
-   run, at the start of an unoptimized piece, or at the shard's end.
+   run, at the start of an unoptimized piece, or at the shard's end;
+4. a param given a shape is a run of its own, exactly its elements (no gap or padding),
+   with that shape; the flat runs stop at its start and go on after its end.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from flatshard.layout import BufferLayout, Range
+from flatshard.layout import BufferLayout, Range, ShardRanges
 
 
 class Run(NamedTuple):
@@ -38,11 +43,23 @@ class Run(NamedTuple):
     bucket: int
     group: int  # index of the param group
     in_shard: Range  # offsets relative to the start of the bucket's shard
+    shape: tuple[int, ...] | None = None  # a whole-param run's param shape; None: a flat run
+
+    def __repr__(self) -> str:  # a flat run's as before whole-param runs (state-dict digests)
+        shape = "" if self.shape is None else f", shape={self.shape}"
+        return f"Run(bucket={self.bucket}, group={self.group}, in_shard={self.in_shard!r}{shape})"
 
 
-def plan_runs(buffer: BufferLayout, rank: int, group_of: Mapping[str, int]) -> list[Run]:
+def plan_runs(
+    buffer: BufferLayout,
+    rank: int,
+    group_of: Mapping[str, int],
+    shapes: Mapping[str, tuple[int, ...]] | None = None,
+) -> list[Run]:
     """The runs of ``rank``'s shards of ``buffer``; ``group_of`` maps an optimized param's
-    name to its param group (a param not in it is not optimized)."""
+    name to its param group (a param not in it is not optimized); a param in ``shapes`` is
+    a whole-param run of that shape (a ``ValueError`` if the shard holds only part of it)."""
+    shapes = shapes or {}
     runs: list[Run] = []
     for bucket in buffer.buckets:
         shard_size = bucket.shard_range(rank).size
@@ -50,16 +67,29 @@ def plan_runs(buffer: BufferLayout, rank: int, group_of: Mapping[str, int]) -> l
         current: tuple[int, int] | None = None  # (group, start) of the open run
         for piece in bucket.local_ranges(rank):
             group = group_of.get(piece.name)
-            if current is not None and group == current[0]:
+            shape = shapes.get(piece.name) if group is not None else None
+            if current is not None and group == current[0] and shape is None:
                 continue
             if current is not None:  # close it where this piece starts
                 runs.append(Run(bucket.index, current[0], Range(current[1], piece.in_shard.start)))
                 cursor = piece.in_shard.start
                 current = None
-            if group is None:
+            if shape is not None:
+                runs.append(_whole_run(bucket.index, group, piece, shape))
+                cursor = piece.in_shard.end
+            elif group is None:
                 cursor = piece.in_shard.end
             else:
                 current = (group, cursor)
         if current is not None:
             runs.append(Run(bucket.index, current[0], Range(current[1], shard_size)))
     return runs
+
+
+def _whole_run(bucket: int, group: int, piece: ShardRanges, shape: tuple[int, ...]) -> Run:
+    if piece.in_param != (0, math.prod(shape)):
+        raise ValueError(
+            f"param {piece.name!r} of shape {shape} is not whole in this shard (it holds elements "
+            f"{piece.in_param.start}-{piece.in_param.end}): its bucket is not a whole-param bucket"
+        )
+    return Run(bucket, group, piece.in_shard, tuple(shape))

@@ -467,7 +467,7 @@ def _model_specs(model: str, dtype):
     import torch
 
     from flatshard.models import model_factory
-    from flatshard.wrap.shard import model_specs
+    from flatshard.wrap.specs import model_specs
 
     build = model_factory(model)
     with torch.device("meta"):

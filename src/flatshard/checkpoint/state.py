@@ -231,7 +231,7 @@ def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, An
                         out[f"{STATE}{key}/{name}"] = entries[key]
                     continue
                 dest = entries.setdefault(key, torch.zeros_like(tensor))
-                out[f"{STATE}{key}/{name}"] = Piece(numel, offset, dest[lo:hi])
+                out[f"{STATE}{key}/{name}"] = Piece(numel, offset, dest.view(-1)[lo:hi])
         if entries:
             inner_state[index] = entries
     out[GROUPS] = None

@@ -19,6 +19,12 @@ small collective) per bucket shard, never a loop over params:
 3. **gather**: each bucket's params are all-gathered from the shards ([Note: param
    gather]), overlapped with the next forward unless ``overlap_param_gather=False``.
 
+A param group may name its own class (``{"params": matrices, "optimizer_class":
+torch.optim.Muon}``); groups of several classes step through one ``GroupedOptimizer``. A
+class not known to be elementwise steps *whole-param runs* ([Note: optimizer runs]): real
+tensors of their params' shapes, which the layout must hold whole on one rank (``shard(...,
+whole_params=...)``, [Note: whole-param buckets]).
+
 ``param_groups`` and ``state`` are the inner optimizer's own objects, so LR schedulers,
 ``optimizer.param_groups[i]["lr"] = ...`` and per-group hyperparameters work unchanged.
 At stage 0 the "shard" of a bucket is the whole bucket: the same class is an unsharded
@@ -47,35 +53,11 @@ from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
 from flatshard.layout import ShardRanges
 from flatshard.mixed_precision import HALF_DTYPES
-from flatshard.optim.composite import class_defaults, run_closure
+from flatshard.optim.composite import run_closure
+from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.shard_map import Run, plan_runs
 from flatshard.wrap.module import ShardedModule, ShardState
-
-# [Note: elementwise optimizers] Flat shards cut params anywhere, so the inner optimizer sees
-# pieces of params glued together: exact only for rules that update every element from
-# that element's own grad and state (plus per-group scalars such as the step count). These
-# torch classes are known to be such rules; any other class (a subclass too: it may
-# override ``step``) is refused unless the caller declares ``elementwise=True``. A refusal
-# list let a per-tensor rule through silently (a normalised SGD stepped fragments as if
-# they were tensors).
-ELEMENTWISE = frozenset(
-    getattr(torch.optim, name)
-    for name in (
-        "SGD",
-        "Adam",
-        "AdamW",
-        "Adamax",
-        "NAdam",
-        "RAdam",
-        "Adagrad",
-        "Adadelta",
-        "RMSprop",
-        "Rprop",
-        "ASGD",
-    )
-    if hasattr(torch.optim, name)
-)
 
 
 @dataclass
@@ -87,6 +69,7 @@ class BufferShards:
     main_data: torch.Tensor | None  # 1D fp32 shard frame; None unless params are 16-bit
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
+    labels: list[str]  # one per run: its param's name (whole-param runs) or its bucket
 
     @property
     def buckets(self):
@@ -126,12 +109,14 @@ class BufferShards:
                 self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
 
 
-def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) -> BufferShards:
-    runs = plan_runs(buffer.layout, buffer.rank, group_of)
+def _build_shards(
+    buffer: FlatBuffer, world: World, group_of: dict[str, int], shapes: dict[str, tuple[int, ...]]
+) -> BufferShards:
+    runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes)
     main_data = None
     if buffer.layout.dtype in HALF_DTYPES:
         main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
-    tensors = []
+    tensors, labels = [], []
     for run in runs:
         bucket = buffer.layout.buckets[run.bucket]
         lo, hi = run.in_shard
@@ -141,11 +126,22 @@ def _build_shards(buffer: FlatBuffer, world: World, group_of: dict[str, int]) ->
             frame = buffer.frame_range(bucket)
             tensor = main_data[frame.start + lo : frame.start + hi]
         grads = buffer.grad_shard(bucket) if buffer.full_grads else buffer.allocate_grad_shard(bucket)
-        tensor.grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
+        grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
+        if run.shape is not None:  # a whole-param run: the param's own shape
+            tensor, grad = tensor.view(run.shape), grad.view(run.shape)
+        tensor.grad = grad
         tensors.append(tensor)
-    shards = BufferShards(buffer, world, main_data, runs, tensors)
+        labels.append(_run_label(bucket, buffer.rank, run))
+    shards = BufferShards(buffer, world, main_data, runs, tensors, labels)
     shards.load_main_from_params()
     return shards
+
+
+def _run_label(bucket, rank: int, run: Run) -> str:
+    if run.shape is None:
+        return f"a flat run of bucket {bucket.index}"
+    name = next(p.name for p in bucket.local_ranges(rank) if p.in_shard == run.in_shard)
+    return f"param {name!r}"
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -154,11 +150,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     Args:
         model: the sharded module. Build the optimizer before its first backward.
-        optimizer_class: an elementwise ``torch.optim`` class (SGD, Adam, AdamW, Adagrad, ...;
-            ``ELEMENTWISE`` lists them); any other is refused unless ``elementwise=True``.
+        optimizer_class: a ``torch.optim`` class. An elementwise one (SGD, Adam, AdamW, ...:
+            ``flatshard.optim.inner.ELEMENTWISE``) steps flat shards; any other (Muon) steps
+            its params whole, which the model's layout must keep whole on one rank
+            (``shard(..., whole_params=...)``; [Note: elementwise optimizers]).
         params: param groups over the model's own params, as for any torch optimizer
             (e.g. ``[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}]``);
             None: every trainable param in one group. A param in no group is not updated.
+            A group's ``"optimizer_class"`` entry steps it with that class instead (e.g.
+            Muon for the matrices, AdamW for the rest); ``defaults`` reach each class that
+            takes them.
         overlap_param_gather: wait for each bucket's all-gather in the forward pre-hook of
             the modules that use it (True) or at the end of ``step`` (False). At stage 3,
             True starts gathering the root and first unit for the next forward at the end
@@ -167,8 +168,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``flatshard.optim.loss_scale``): scale the loss with ``scale_loss`` before backward.
         skip_nonfinite: skip a step whose grads hold inf or NaN on any rank.
         elementwise: declare that ``optimizer_class`` updates each element from its own
-            grad and state alone, so flat shards step it exactly; needed for a class that is
-            not in ``ELEMENTWISE`` (see [Note: elementwise optimizers]).
+            grad and state alone, so that it steps flat shards although it is not in
+            ``ELEMENTWISE`` (see [Note: elementwise optimizers]).
         **defaults: the inner optimizer's keyword arguments (``lr``, ``weight_decay``, ...).
 
     A param that got no grad in any backward still takes a step with a zero grad (torch
@@ -189,13 +190,17 @@ class DistributedOptimizer(torch.optim.Optimizer):
     ) -> None:
         model = uncompiled(model)
         state = _sharded_state(model)
-        groups, group_of = _param_groups(state, params)
-        _check_optimizer_class(optimizer_class, defaults, elementwise=elementwise, groups=groups)
+        groups, group_of, classes = param_groups(state, params, optimizer_class)
+        check_optimizer_class(
+            optimizer_class, defaults, elementwise=elementwise, groups=groups, classes=classes
+        )
+        whole = [not steps_flat(cls, optimizer_class, elementwise) for cls in classes]
+        shapes = whole_shapes(state, group_of, classes, whole)
         self._model = model
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group
         self._buffer_shards = [
-            _build_shards(buffer, bset.world, group_of)
+            _build_shards(buffer, bset.world, group_of, shapes)
             for bset in state.sets.values()
             for buffer in bset.buffers
         ]
@@ -205,10 +210,12 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if shards.main_data is not None and shards.buffer.sharded_params:
                 shards.buffer.adopt_main(shards.main_data)  # stage 3: [Note: main-backed shards]
         inner_groups = [{**hyper, "params": []} for hyper in groups]
+        labels = [[] for _ in groups]
         for shards in self._buffer_shards:
-            for run, tensor in zip(shards.runs, shards.tensors, strict=True):
+            for run, tensor, label in zip(shards.runs, shards.tensors, shards.labels, strict=True):
                 inner_groups[run.group]["params"].append(tensor)
-        self.inner = optimizer_class(inner_groups, **defaults)
+                labels[run.group].append(label)
+        self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, labels)
         self._init_base()
         self.overlap_param_gather = overlap_param_gather
         self.loss_scaler = make_loss_scaler(loss_scale)
@@ -465,71 +472,6 @@ def _sharded_state(model: nn.Module) -> ShardState:
             f"DistributedOptimizer takes a module returned by flatshard.shard(), got {type(model).__name__}"
         )
     return model.flatshard_state
-
-
-def _check_optimizer_class(
-    optimizer_class: type,
-    defaults: dict[str, Any] | None = None,
-    *,
-    elementwise: bool = False,
-    groups: list[dict[str, Any]] | None = None,
-) -> None:
-    """Refuse what cannot step flat shards, and (given the param groups) hyperparameters the
-    class refuses, before anything is built; a ``HybridDeviceOptimizer``'s classes are
-    checked in its place."""
-    from flatshard.optim.hybrid import HybridDeviceOptimizer
-
-    defaults = defaults or {}
-    if isinstance(optimizer_class, type) and issubclass(optimizer_class, HybridDeviceOptimizer):
-        for key in ("cpu_optimizer_class", "device_optimizer_class"):
-            if defaults.get(key) is not None:
-                _check_optimizer_class(defaults[key], elementwise=elementwise)
-        return
-    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
-        raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {optimizer_class!r}")
-    if optimizer_class not in ELEMENTWISE and not elementwise:
-        raise ValueError(
-            f"{optimizer_class.__name__} is not known to be elementwise, and DistributedOptimizer steps "
-            "flat shards that cut params anywhere: a rule that looks at a whole tensor (Muon, "
-            "Adafactor, L-BFGS, a per-tensor norm) would silently step fragments. Use one of "
-            f"{', '.join(sorted(c.__name__ for c in ELEMENTWISE))}; pass elementwise=True if "
-            f"{optimizer_class.__name__} updates each element from its own grad and state alone; for "
-            "per-tensor optimizers use flatshard.OwnerShardedOptimizer over a stage-0 model"
-        )
-    if groups is not None:
-        class_defaults(optimizer_class, defaults, groups)
-
-
-def _param_groups(state: ShardState, params: Iterable[Any] | None) -> tuple[list[dict], dict[str, int]]:
-    """The user's param groups as (hyperparameters, {param name: group index})."""
-    names = {id(p): n for bset in state.sets.values() for n, p in zip(bset.names, bset.params, strict=True)}
-    if params is None:
-        return [{}], dict.fromkeys(names.values(), 0)
-    groups = list(params)
-    if not groups:
-        raise ValueError("params is an empty list")
-    if not isinstance(groups[0], dict):
-        groups = [{"params": groups}]
-    hypers, group_of = [], {}
-    for index, group in enumerate(groups):
-        if not isinstance(group, dict) or "params" not in group:
-            raise TypeError(
-                f"param group {index} must be a dict with a 'params' entry, got {type(group).__name__}"
-            )
-        members = group["params"]
-        members = [members] if isinstance(members, torch.Tensor) else list(members)
-        for p in members:
-            name = names.get(id(p))
-            if name is None:
-                raise ValueError(
-                    f"param group {index} holds a tensor of shape {tuple(p.shape)} that is not a trainable "
-                    "param of the sharded model"
-                )
-            if name in group_of:
-                raise ValueError(f"param {name!r} is in param groups {group_of[name]} and {index}")
-            group_of[name] = index
-        hypers.append({k: v for k, v in group.items() if k != "params"})
-    return hypers, group_of
 
 
 def _global_norm_sq(state: ShardState, shards: list[BufferShards]) -> torch.Tensor:

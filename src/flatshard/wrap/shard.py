@@ -26,10 +26,10 @@ from flatshard.engine.grad_sync import (
     build_bucket_groups,
 )
 from flatshard.engine.param_gather import ParamGather
-from flatshard.engine.units import UnitSpec, assign_params, find_units, names_by_param, unsharded_tensors
-from flatshard.layout import ParamSpec, plan_layout
+from flatshard.engine.units import UnitSpec, unsharded_tensors
+from flatshard.layout import plan_layout
 from flatshard.malloc import warn_once_without_tunables
-from flatshard.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params, input_cast_hook
+from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
 from flatshard.stage import StagePolicy
 from flatshard.stage3.build import (
     broadcast_values,
@@ -39,6 +39,7 @@ from flatshard.stage3.build import (
     replace_meta_params,
 )
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
+from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
 
 DEFAULT_BUCKET_SIZE = 2**22
 """Elements per bucket by default (16 MiB of fp32 grads)."""
@@ -80,6 +81,7 @@ def shard(
     device: torch.device | str | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     ignored_modules: Iterable[nn.Module] | None = None,
+    whole_params: WholeParams = None,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
@@ -109,6 +111,10 @@ def shard(
         sync_module_states: start from rank 0's params and buffers.
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
         mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
+        whole_params: params (or a predicate ``(name, param) -> bool``) that a sharded layout
+            keeps whole in one rank's shard, so that ``DistributedOptimizer`` can step them
+            with a rule that needs the whole matrix (Muon); their buckets pad each shard to
+            the fullest one ([Note: whole-param buckets] in ``layout.py``).
         timeout: the deadline of each collective flatshard issues (seconds or a timedelta;
             default 10 minutes; None: the process group's own). One that has not completed
             by then raises ``flatshard.DesyncError`` on every rank, naming each rank's step,
@@ -149,9 +155,10 @@ def shard(
     world, replicate = _worlds(group, policy, timeout)
     mp = mixed_precision or MixedPrecision()
     whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
+    kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
     named, meta, device, originals = _prepare_params(module, policy, mp, device, whole)
-    tied = _tied_params(module)
-    unit_list, unit_of = _stage3_units(module, named, units) if policy.gathers_units else ([], {})
+    unit_list, unit_of = stage3_units(module, named, units) if policy.gathers_units else ([], {})
+    specs_of = partial(param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole)
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     parts += _frozen_part(module, whole, unit_of, world, replicate) if policy.shards_params else []
     config = _agreement_lines(
@@ -168,12 +175,12 @@ def shard(
         sync_module_states=sync_module_states,
         pad_for_high_busbw=pad_for_high_busbw,
     )
-    _check_agreement(parts, config, unit_of)
+    _check_agreement(parts, config, specs_of)
     if sync_module_states and policy.shards_params and not meta:  # rank 0's values, then bind
         _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
     for part in parts:
-        sets[part.key] = _build_set(part, tied, policy, bucket_size, pad_for_high_busbw, unit_of)
+        sets[part.key] = _build_set(part, specs_of, policy, bucket_size, pad_for_high_busbw)
     if sync_module_states and not policy.shards_params:
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
@@ -248,10 +255,13 @@ def _frozen_part(
     return [ParamPart(FROZEN, world, replicate, frozen, None)] if frozen else []
 
 
-def _check_agreement(parts: list[ParamPart], config: list[str], unit_of) -> None:
+def _check_agreement(parts: list[ParamPart], config: list[str], specs_of) -> None:
     """Every rank passed the same options and params (each part over its worlds)."""
     for part in parts:
-        lines = [*config, *_describe(part.named, part.key, unit_of)]
+        lines = [
+            *config,
+            *(_describe(part.key, p, s) for (_, p), s in zip(part.named, specs_of(part.named), strict=True)),
+        ]
         for w in (part.world, part.replicate):
             check_ranks_agree(w, lines, f"the {part.key} params")
 
@@ -433,13 +443,9 @@ def _check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
             raise ValueError(f"param {name!r} has layout {p.layout}; only dense params can be flattened")
 
 
-def _tied_params(module: nn.Module) -> set[int]:
-    """Params registered under more than one name (e.g. embeddings tied to the output layer)."""
-    return {key for key, names in names_by_param(module).items() if len(names) > 1}
-
-
-def _describe(named: list[tuple[str, nn.Parameter]], key: str, unit_of: dict[int, int]) -> list[str]:
-    return [f"{key} {n} {tuple(p.shape)} {p.dtype} unit={unit_of.get(id(p))}" for n, p in named]
+def _describe(key: str, param: nn.Parameter, spec) -> str:
+    whole = " whole" if spec.whole else ""
+    return f"{key} {spec.name} {tuple(param.shape)} {param.dtype} unit={spec.unit}{whole}"
 
 
 def _default_device() -> torch.device:
@@ -448,58 +454,9 @@ def _default_device() -> torch.device:
     return torch.device("cpu")
 
 
-def grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Grads of 16-bit params accumulate in fp32; others in their param's dtype."""
-    return torch.float32 if dtype in HALF_DTYPES else dtype
-
-
-def param_specs(
-    named: list[tuple[str, nn.Parameter]], tied: set[int], unit_of: dict[int, int] | None = None
-) -> list[ParamSpec]:
-    """What the layout planner needs of ``named`` params (``tied``: ids of shared params;
-    ``unit_of``: stage-3 unit index by param id)."""
-    unit_of = unit_of or {}
-    return [
-        ParamSpec(
-            n,
-            p.numel(),
-            p.dtype,
-            grad_dtype(p.dtype),
-            id(p) in tied and not unit_of,  # at stage 3 a unit's buckets are what is gathered
-            None if id(p) not in unit_of else str(unit_of[id(p)]),
-        )
-        for n, p in named
-    ]
-
-
-def model_specs(
-    module: nn.Module, *, stage: int = 0, units: UnitSpec = None, frozen: bool = False
-) -> list[ParamSpec]:
-    """``param_specs`` of a module's trainable params (``frozen``: of its frozen floating
-    params) as ``shard(module, stage=stage)`` lays them out (works on the meta device)."""
-    named = [
-        (n, p)
-        for n, p in module.named_parameters()
-        if (p.requires_grad if not frozen else not p.requires_grad and p.is_floating_point())
-    ]
-    unit_of = _stage3_units(module, named, units)[1] if StagePolicy(stage).gathers_units else {}
-    return param_specs(named, _tied_params(module), unit_of)
-
-
-def _stage3_units(module: nn.Module, named: list, units: UnitSpec):
-    """The units and each param's unit; sorts ``named`` by unit, so each unit's params are
-    contiguous in the layout (fewer, larger gathers; [Note: units])."""
-    unit_list = find_units(module, units)
-    unit_of = assign_params(module, unit_list)
-    named.sort(key=lambda item: unit_of[id(item[1])])
-    return unit_list, unit_of
-
-
-def _build_set(
-    part: ParamPart, tied, policy: StagePolicy, bucket_size, pad_for_high_busbw, unit_of
-) -> BufferSet:
+def _build_set(part: ParamPart, specs_of, policy: StagePolicy, bucket_size, pad_for_high_busbw) -> BufferSet:
     world, named = part.world, part.named
-    specs = param_specs(named, tied, unit_of)
+    specs = specs_of(named)
     layout = plan_layout(
         specs,
         world_size=world.size,

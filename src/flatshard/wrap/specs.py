@@ -1,0 +1,108 @@
+"""What the layout planner is told of a model's params: one ``ParamSpec`` each.
+
+A spec carries what changes where a param lands: its size and dtypes, whether it is shared
+(tied params get a bucket of their own below stage 3), its stage-3 unit, and whether it
+must stay whole in one rank's shard (``whole_params``: [Note: whole-param buckets] in
+``layout.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+from flatshard.engine.units import UnitSpec, assign_params, find_units, names_by_param
+from flatshard.layout import ParamSpec
+from flatshard.mixed_precision import HALF_DTYPES
+from flatshard.stage import StagePolicy
+
+WholeParams = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter] | None
+"""Params a sharded layout keeps whole: a predicate ``(name, param) -> bool``, or params."""
+
+
+def grad_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Grads of 16-bit params accumulate in fp32; others in their param's dtype."""
+    return torch.float32 if dtype in HALF_DTYPES else dtype
+
+
+def tied_params(module: nn.Module) -> set[int]:
+    """Params registered under more than one name (e.g. embeddings tied to the output layer)."""
+    return {key for key, names in names_by_param(module).items() if len(names) > 1}
+
+
+def whole_param_names(module: nn.Module, whole_params: WholeParams) -> frozenset[str]:
+    """The names (as ``named_parameters()`` gives them) of the params ``whole_params`` picks."""
+    if whole_params is None:
+        return frozenset()
+    named = list(module.named_parameters())
+    if callable(whole_params):
+        return frozenset(n for n, p in named if whole_params(n, p))
+    if isinstance(whole_params, torch.Tensor):
+        whole_params = [whole_params]
+    if isinstance(whole_params, (str, bytes)) or not isinstance(whole_params, Iterable):
+        raise TypeError(
+            f"whole_params must be params of the model or a predicate (name, param) -> bool, "
+            f"got {type(whole_params).__name__}"
+        )
+    name_of = {id(p): n for n, p in named}
+    names = []
+    for i, p in enumerate(whole_params):
+        if id(p) not in name_of:
+            what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)[:60]
+            raise ValueError(f"whole_params[{i}] is {what}, not a param of {type(module).__name__}")
+        names.append(name_of[id(p)])
+    return frozenset(names)
+
+
+def param_specs(
+    named: list[tuple[str, nn.Parameter]],
+    tied: set[int],
+    unit_of: dict[int, int] | None = None,
+    whole: frozenset[str] = frozenset(),
+) -> list[ParamSpec]:
+    """What the layout planner needs of ``named`` params (``tied``: ids of shared params;
+    ``unit_of``: stage-3 unit index by param id; ``whole``: names of params kept whole)."""
+    unit_of = unit_of or {}
+    return [
+        ParamSpec(
+            n,
+            p.numel(),
+            p.dtype,
+            grad_dtype(p.dtype),
+            id(p) in tied and not unit_of,  # at stage 3 a unit's buckets are what is gathered
+            None if id(p) not in unit_of else str(unit_of[id(p)]),
+            n in whole,
+        )
+        for n, p in named
+    ]
+
+
+def stage3_units(module: nn.Module, named: list, units: UnitSpec):
+    """The units and each param's unit; sorts ``named`` by unit, so each unit's params are
+    contiguous in the layout (fewer, larger gathers; [Note: units])."""
+    unit_list = find_units(module, units)
+    unit_of = assign_params(module, unit_list)
+    named.sort(key=lambda item: unit_of[id(item[1])])
+    return unit_list, unit_of
+
+
+def model_specs(
+    module: nn.Module,
+    *,
+    stage: int = 0,
+    units: UnitSpec = None,
+    frozen: bool = False,
+    whole_params: WholeParams = None,
+) -> list[ParamSpec]:
+    """``param_specs`` of a module's trainable params (``frozen``: of its frozen floating
+    params) as ``shard(module, stage=stage, whole_params=...)`` lays them out (works on the
+    meta device)."""
+    named = [
+        (n, p)
+        for n, p in module.named_parameters()
+        if (p.requires_grad if not frozen else not p.requires_grad and p.is_floating_point())
+    ]
+    unit_of = stage3_units(module, named, units)[1] if StagePolicy(stage).gathers_units else {}
+    return param_specs(named, tied_params(module), unit_of, whole_param_names(module, whole_params))
