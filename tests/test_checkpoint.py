@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from _parity import CFG, TiedGPT, decay_groups, full_params
+from _parity import CFG, NormalizedSGD, TiedGPT, decay_groups, full_params, is_matrix
 from flatshard import DistributedOptimizer, load_checkpoint, save_checkpoint
 from flatshard.data import SyntheticCorpus
 from flatshard.models import GPTConfig
@@ -31,12 +31,23 @@ def _batch(step: int):
     return x[rank * k : (rank + 1) * k], y[rank * k : (rank + 1) * k]
 
 
-def _build(stage: int, optimizer=SGD, seed: int = 0, bucket_size=3000, dtype=None):
+def _build(
+    stage: int, optimizer=SGD, seed: int = 0, bucket_size=3000, dtype=None, whole=False, matrices=None
+):
+    """``whole``: the blocks' matrices kept whole ([Note: whole-param buckets]); ``matrices``:
+    (class, hyperparameters) of a param group of those matrices, e.g. Muon."""
     torch.manual_seed(seed)
     kwargs = {} if dtype is None else {"mixed_precision": flatshard.MixedPrecision(param_dtype=dtype)}
+    if whole:
+        kwargs["whole_params"] = is_matrix
     model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=bucket_size, **kwargs)
     cls, hyper = optimizer
-    opt = DistributedOptimizer(model, cls, params=decay_groups(model), **hyper)
+    groups = decay_groups(model)
+    if matrices is not None:
+        mats = [p for n, p in model.named_parameters() if is_matrix(n, p)]
+        rest = [p for n, p in model.named_parameters() if p.requires_grad and not is_matrix(n, p)]
+        groups = [{"params": mats, "optimizer_class": matrices[0], **matrices[1]}, {"params": rest}]
+    opt = DistributedOptimizer(model, cls, params=groups, **hyper)
     return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
 
 
@@ -60,8 +71,8 @@ def _params(model):
     return [p.float().clone() for p in full_params(model)]
 
 
-def _save_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None, steps: int = 3):
-    model, opt, sched = _build(stage, optimizer, bucket_size=bucket_size, dtype=dtype)
+def _save_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None, steps: int = 3, **whole):
+    model, opt, sched = _build(stage, optimizer, bucket_size=bucket_size, dtype=dtype, **whole)
     _train(model, opt, sched, range(steps))
     save_checkpoint(path, model, opt, extra={"step": steps, "sched": sched})
     after_save = torch.rand(3)  # what the next draw would be
@@ -69,8 +80,8 @@ def _save_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=Non
     return {"params": _params(model), "losses": losses, "rng": after_save}
 
 
-def _load_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None):
-    model, opt, sched = _build(stage, optimizer, seed=1, bucket_size=bucket_size, dtype=dtype)
+def _load_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None, **whole):
+    model, opt, sched = _build(stage, optimizer, seed=1, bucket_size=bucket_size, dtype=dtype, **whole)
     extra = load_checkpoint(path, model, opt, extra={"sched": sched})
     rng = torch.rand(3)
     losses = _train(model, opt, sched, range(extra["step"], extra["step"] + 3))
@@ -104,6 +115,35 @@ def test_every_pair_of_layouts(tmp_path, saved, loaded):
     test_any_world_size_and_stage_continues_the_trajectory(tmp_path, saved, loaded)
 
 
+# (world size, stage, whole), saved -> loaded: whole-param layouts at other world sizes
+# (other owners) and stages, and into flat layouts and back
+WHOLE_CROSS = [((2, 3, True), (3, 1, True)), ((3, 2, True), (4, 3, True)), ((4, 1, True), (1, 2, True))]
+SWAP_CROSS = [((3, 2, True), (2, 2, False)), ((2, 3, False), (4, 3, True))]
+MOMENTUM_NORMALIZED = (NormalizedSGD, {"lr": 0.02, "momentum": 0.9})
+
+
+@pytest.mark.parametrize(("saved", "loaded"), WHOLE_CROSS, ids=[f"{a}to{b}" for a, b in WHOLE_CROSS])
+def test_whole_param_runs_continue_the_trajectory_at_any_layout(tmp_path, saved, loaded):
+    """A whole-tensor rule with per-param state (normalised SGD with momentum, in fp32) on
+    the matrices, SGD on the rest: its state moves to the params' new owners."""
+    path = str(tmp_path / "ckpt")
+    kw = {"matrices": MOMENTUM_NORMALIZED}
+    reference = run_distributed(_save_case, saved[0], path, saved[1], whole=saved[2], **kw)[0]
+    resumed = run_distributed(
+        _load_case, loaded[0], path, loaded[1], bucket_size=None, whole=loaded[2], **kw
+    )[0]
+    assert _max_diff(resumed["params"], reference["params"]) < 1e-5
+    assert max(abs(a - b) / b for a, b in zip(resumed["losses"], reference["losses"], strict=True)) < 1e-5
+
+
+@pytest.mark.parametrize(("saved", "loaded"), SWAP_CROSS, ids=[f"{a}to{b}" for a, b in SWAP_CROSS])
+def test_whole_param_layouts_and_flat_layouts_load_each_other(tmp_path, saved, loaded):
+    path = str(tmp_path / "ckpt")
+    reference = run_distributed(_save_case, saved[0], path, saved[1], whole=saved[2])[0]
+    resumed = run_distributed(_load_case, loaded[0], path, loaded[1], bucket_size=None, whole=loaded[2])[0]
+    assert _max_diff(resumed["params"], reference["params"]) < 1e-5
+
+
 @pytest.mark.parametrize(
     ("world_size", "stage", "dtype"), [(2, 2, None), (3, 3, torch.bfloat16), (1, 1, None)]
 )
@@ -116,6 +156,16 @@ def test_same_layout_resumes_bit_for_bit(tmp_path, world_size, stage, dtype):
     for ref, res in zip(reference, resumed, strict=True):
         assert res["losses"] == ref["losses"]
         assert torch.equal(res["rng"], ref["rng"])
+        assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"], strict=True))
+
+
+def test_muon_resumes_bit_for_bit_at_the_same_layout(tmp_path):
+    path = str(tmp_path / "ckpt")
+    muon = {"whole": True, "matrices": (torch.optim.Muon, {"lr": 0.02, "momentum": 0.95})}
+    reference = run_distributed(_save_case, 3, path, 3, ADAMW, **muon)
+    resumed = run_distributed(_load_case, 3, path, 3, ADAMW, **muon)
+    for ref, res in zip(reference, resumed, strict=True):
+        assert res["losses"] == ref["losses"]
         assert all(torch.equal(a, b) for a, b in zip(res["params"], ref["params"], strict=True))
 
 

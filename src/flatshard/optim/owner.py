@@ -31,6 +31,7 @@ import torch.distributed as dist
 from flatshard.comm.collectives import CommStats, Handle, broadcast
 from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase, publish_positions
 from flatshard.comm.world import World, check_ranks_agree, resolve_world
+from flatshard.layout import balance
 from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
 
 ASSIGNMENTS = ("balanced", "round_robin")
@@ -157,10 +158,8 @@ class OwnerShardedOptimizer(CompositeOptimizer):
         if self.assignment == "round_robin":
             start = len(self._owner)
             owners = [(start + i) % self.world.size for i in range(len(params))]
-        else:
-            for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
-                owners[i] = min(range(self.world.size), key=lambda r: (self._loads[r], r))
-                self._loads[owners[i]] += params[i].numel()
+        else:  # the planner of whole-param buckets too ([Note: whole-param buckets])
+            owners = balance([p.numel() for p in params], self.world.size, self._loads)
         for p, owner in zip(params, owners, strict=True):
             self._owner[p] = owner
             if self.assignment == "round_robin":
