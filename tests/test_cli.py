@@ -150,6 +150,16 @@ def test_layout_prints_every_ranks_shards_and_draws_a_png(tmp_path):
         assert option in help_text
 
 
+def test_layout_shows_whole_param_buckets():
+    out = _flatshard("layout", "--model", "tiny", "-n", "2", "--whole-params", r"blocks\.", timeout=120)
+    assert out.returncode == 0, out.stderr
+    owned = [line for line in out.stdout.splitlines() if "attn.qkv.weight" in line]
+    assert owned and all("(rank " in line for line in owned)
+    assert "(whole params)" in out.stdout
+    bad = _flatshard("layout", "--model", "tiny", "--whole-params", "(", timeout=60)
+    assert bad.returncode == 2 and "--whole-params '(' is not a regular expression" in bad.stderr
+
+
 def test_export_writes_a_state_dict_the_plain_model_loads(tmp_path):
     import torch
 

@@ -34,6 +34,7 @@ from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.mixed_precision import MixedPrecision
 from flatshard.optim.distributed import DistributedOptimizer
+from flatshard.optim.grouped import GroupedOptimizer
 from flatshard.optim.hybrid import HybridDeviceOptimizer
 from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
@@ -49,6 +50,7 @@ __all__ = [
     "DistributedOptimizer",
     "DynamicLossScaler",
     "ExpertGroup",
+    "GroupedOptimizer",
     "HybridDeviceOptimizer",
     "Layout",
     "MemoryReport",

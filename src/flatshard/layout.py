@@ -157,6 +157,7 @@ class BucketLayout:
     params: tuple[ParamSlot, ...]
     world_size: int
     sharded: bool
+    whole: bool = False  # a whole-param bucket: each param in one rank's shard
 
     @property
     def numel(self) -> int:
@@ -374,7 +375,7 @@ def _place_by_owner(
         cursors[owner] += size
     slots.sort(key=lambda slot: slot.start)
     end = start + world_size * shard_size
-    return BucketLayout(index, start, end, slots[-1].end - start, tuple(slots), world_size, shard)
+    return BucketLayout(index, start, end, slots[-1].end - start, tuple(slots), world_size, shard, whole=True)
 
 
 def format_layout(layout: Layout) -> str:
@@ -389,14 +390,15 @@ def format_layout(layout: Layout) -> str:
         )
         lines.append(f"  {'bucket':>6} {'start':>12} {'end':>12} {'unpadded':>12} {'shard':>10}  params")
         for bucket in buf.buckets:
+            whole = "  (whole params)" if bucket.whole else ""
             lines.append(
                 f"  {bucket.index:>6} {bucket.start:>12,} {bucket.end:>12,} {bucket.numel_unpadded:>12,}"
-                f" {bucket.shard_size:>10,}  {len(bucket.params)}"
+                f" {bucket.shard_size:>10,}  {len(bucket.params)}{whole}"
             )
             for slot in bucket.params:
-                lines.append(
-                    f"  {'':>6} {slot.start:>12,} {slot.end:>12,} {slot.numel:>12,} {'':>10}  {slot.name}"
-                )
+                owner = f"  (rank {(slot.start - bucket.start) // bucket.shard_size})" if bucket.whole else ""
+                where = f"{slot.start:>12,} {slot.end:>12,} {slot.numel:>12,}"
+                lines.append(f"  {'':>6} {where} {'':>10}  {slot.name}{owner}")
     return "\n".join(lines)
 
 

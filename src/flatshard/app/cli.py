@@ -231,6 +231,12 @@ def _add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
         default=DEFAULT_BUCKET_SIZE,
         help=f"{bucket_help}(default %(default)s)",
     )
+    parser.add_argument(
+        "--whole-params",
+        metavar="REGEX",
+        help="keep the 2-D params whose names match REGEX whole in one rank's shard, as "
+        "shard(whole_params=...) does for Muon (e.g. 'blocks\\.'; default: none)",
+    )
 
 
 def _add_plan(sub) -> None:
@@ -379,7 +385,7 @@ def _plan(args: argparse.Namespace) -> int:
             print("flatshard plan: --grad-dtype applies to --params only", file=sys.stderr)
             return 2
         try:
-            specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype])
+            specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype], args.whole_params)
             plans = plan.plan_from_specs(
                 specs,
                 world_size=args.world_size,
@@ -406,7 +412,7 @@ def _layout(args: argparse.Namespace) -> int:
     from flatshard.layout import plan_layout
 
     try:
-        specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype])
+        specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype], args.whole_params)
     except (ValueError, ImportError, AttributeError) as e:
         print(f"flatshard layout: {e}", file=sys.stderr)
         return 2
@@ -461,9 +467,12 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_specs(model: str, dtype):
+def _model_specs(model: str, dtype, whole: str | None = None):
     """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
-    its specs as stages 0-2 and stage 3 lay them out."""
+    its specs as stages 0-2 and stage 3 lay them out (``whole``: a regex of the names of
+    2-D params kept whole)."""
+    import re
+
     import torch
 
     from flatshard.models import model_factory
@@ -472,4 +481,9 @@ def _model_specs(model: str, dtype):
     build = model_factory(model)
     with torch.device("meta"):
         module = build().to(dtype)
-    return model_specs(module), model_specs(module, stage=3)
+    try:
+        pattern = re.compile(whole) if whole else None
+    except re.error as e:
+        raise ValueError(f"--whole-params {whole!r} is not a regular expression: {e}") from None
+    kept = None if pattern is None else (lambda name, p: p.ndim == 2 and pattern.search(name) is not None)
+    return model_specs(module, whole_params=kept), model_specs(module, stage=3, whole_params=kept)

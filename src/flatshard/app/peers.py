@@ -177,6 +177,99 @@ def _owner(bucket_cap_bytes: int) -> Peer:
     return wrap
 
 
+# -- Muon on the blocks' matrices, AdamW on the rest (embeddings, norms, biases, head) --------
+MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+
+
+def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
+    """Muon's params in the usual recipe: the blocks' 2-D weights."""
+    return param.ndim == 2 and name.startswith("blocks.")
+
+
+def _muon_groups(model: nn.Module, muon: type = torch.optim.Muon) -> list[dict]:
+    named = [(n.removeprefix("module."), p) for n, p in model.named_parameters() if p.requires_grad]
+    mats = [p for n, p in named if is_hidden_matrix(n, p)]
+    return [
+        {"params": mats, "optimizer_class": muon, **MUON},
+        {"params": [p for n, p in named if not is_hidden_matrix(n, p)]},
+    ]
+
+
+def _ddp_muon(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
+    """torch DDP, then torch's Muon and AdamW over the full params on every rank (one
+    ``GroupedOptimizer``, which only hands each group to its torch class)."""
+    model = DDP(model, gradient_as_bucket_view=True)
+    groups = _muon_groups(model)
+    optimizer = flatshard.GroupedOptimizer(
+        groups, [g.pop("optimizer_class", torch.optim.AdamW) for g in groups], ADAMW
+    )
+    return Trainer(model, optimizer, optimizer, autocast=compute)
+
+
+class FullTensorMuon(torch.optim.Optimizer):
+    """Muon over FSDP2's sharded params the way its users write it: each step every rank
+    gathers each matrix and its grad (``full_tensor()``), runs torch's Muon on the whole
+    matrix (its state is whole too, on every rank) and keeps its own rows."""
+
+    def __init__(self, params, **hyper) -> None:
+        super().__init__(params, {})
+        self.full = [p.full_tensor().detach().clone() for g in self.param_groups for p in g["params"]]
+        self.inner = torch.optim.Muon(self.full, **hyper)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        params = [p for g in self.param_groups for p in g["params"]]
+        for p, full in zip(params, self.full, strict=True):
+            full.grad = p.grad.full_tensor()
+        self.inner.step()
+        rank, size = dist.get_rank(), dist.get_world_size()
+        for p, full in zip(params, self.full, strict=True):
+            local = p.to_local()
+            local.copy_(full.chunk(size, dim=0)[rank][: local.shape[0]])
+
+
+def _fsdp2_muon(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
+    trainer = _fsdp2(False)(model, bucket_size, compute)
+    mats, rest = _muon_groups(trainer.model)
+    muon = FullTensorMuon(mats.pop("params"), **MUON)
+    adamw = torch.optim.AdamW(rest["params"], **ADAMW)
+    optimizer = _Both(muon, adamw)
+    return Trainer(trainer.model, optimizer, None)
+
+
+class _Both(torch.optim.Optimizer):
+    """Two optimizers stepped as one (the training loop calls one step and one zero_grad)."""
+
+    def __init__(self, *optimizers: torch.optim.Optimizer) -> None:
+        self.optimizers = optimizers
+        super().__init__([p for o in optimizers for g in o.param_groups for p in g["params"]], {})
+
+    def step(self, closure=None):
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+
+def _flatshard_muon(stage: int) -> Peer:
+    """``shard(model, stage, whole_params=<the matrices>)`` and one ``DistributedOptimizer``
+    with a Muon group and an AdamW group."""
+
+    def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
+        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
+        if compute is not None:
+            kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
+        model = flatshard.shard(model, stage=stage, whole_params=is_hidden_matrix, **kwargs)
+        optimizer = flatshard.DistributedOptimizer(
+            model, torch.optim.AdamW, params=_muon_groups(model), skip_nonfinite=False, **ADAMW
+        )
+        return Trainer(model, optimizer, optimizer)
+
+    return wrap
+
+
 def prepare(name: str):
     """Import what peer ``name`` needs beyond torch (before memory is measured, so that no
     peer's RSS counts its imports); the DeepSpeed module for DeepSpeed's peers."""
@@ -228,7 +321,18 @@ COMPILED_PEERS: dict[str, Peer] = {  # (not run by default: inductor compiles in
     f"{name}+compile": _block_compiled(STAGE_PEERS[name])
     for name in ("ddp", "fsdp2", "flatshard-0", "flatshard-1", "flatshard-2", "flatshard-3")
 }
-PEERS: dict[str, Peer] = {**STAGE_PEERS, **DEEPSPEED_PEERS, **OPTIMIZER_PEERS, **COMPILED_PEERS}
+MUON_PEERS: dict[str, Peer] = {  # (not run by default)
+    "ddp+muon": _ddp_muon,
+    "fsdp2+muon": _fsdp2_muon,
+    **{f"flatshard-{s}+muon": _flatshard_muon(s) for s in (1, 2, 3)},
+}
+PEERS: dict[str, Peer] = {
+    **STAGE_PEERS,
+    **DEEPSPEED_PEERS,
+    **OPTIMIZER_PEERS,
+    **COMPILED_PEERS,
+    **MUON_PEERS,
+}
 
 
 def default_peers() -> list[str]:
