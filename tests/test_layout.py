@@ -98,11 +98,15 @@ def test_bucket_closing_rules(case):
                 assert len(slots) == 1
             assert len({specs[s.index].unit for s in slots}) == 1
             in_order = _sizes_in_order(specs, slots, layout.sharded)
-            if size is not None and len(slots) > 1:
-                # still open before its last param: it held fewer than bucket_size elements
-                assert in_order[-2] < size
+            nxt = None if following is None else specs[max(s.index for s in following.params)]
+            forced = nxt is None or nxt.own_bucket or nxt.unit != specs[slots[0].index].unit
+            if size is not None and len(slots) > 1 and in_order[-2] >= size:
+                # open past full: only a whole-param bucket, to take a small tail up to a break
+                assert _is_whole_bucket(specs, layout, bucket) and forced
+                full_at = next(k for k, n in enumerate(in_order) if n >= size)
+                ordered = sorted(slots, key=lambda s: -s.index)
+                assert 0 < sum(specs[s.index].numel for s in ordered[full_at + 1 :]) < size // 2
             if following is not None:  # it closed for a reason
-                nxt = specs[max(s.index for s in following.params)]
                 assert (
                     (size is not None and in_order[-1] >= size)
                     or nxt.own_bucket

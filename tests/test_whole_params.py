@@ -113,6 +113,21 @@ def test_a_whole_tensor_rule_in_fp32_follows_ddp_exactly_at_3_and_4_ranks(stage,
     assert result["moved"] > 0.05
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_adafactor_steps_whole_matrices_with_its_factored_state(stage):
+    """torch's Adafactor keeps a row and a column moment per matrix: it needs the whole
+    matrix, as Muon does, and follows DDP + Adafactor at 3 ranks."""
+    (result, *_) = run_distributed(
+        train_muon_side_by_side,
+        3,
+        {"stage": stage, "bucket_size": 3000},
+        matrices=(torch.optim.Adafactor, {"lr": 0.01}),
+        others=(torch.optim.SGD, {"lr": 0.01}),
+    )
+    check_parity(result, params=1e-5)
+    assert result["moved"] > 0.05
+
+
 def _refusals() -> list[str]:
     """What a user meets at 2 ranks without ``whole_params``: a clear refusal, not fragments."""
     messages = []

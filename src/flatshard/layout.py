@@ -44,7 +44,9 @@ aligned shards; the rest of each shard is padding. The collectives are unchanged
 reduce-scatter and one all-gather of equal shards), so the bytes a bucket sends grow only
 by that padding: ``max(load) / mean(load)`` over the ranks, which falls as a bucket holds
 more params (a bucket of one param sends it ``world_size`` times). Buckets close by the same
-rules as flat ones, so where they break is unchanged. Inside the bucket params are no
+rules as flat ones, except that a whole-param bucket stays open rather than leave a tail
+of less than half ``bucket_size`` before the next forced break (an own bucket, another
+unit): a tail of a few matrices pads every shard to its largest one. Inside the bucket params are no
 longer in reverse registration order (a bucket is reduced once all its grads are in, so the
 order inside it does not matter); ``bucket.params`` is still in buffer order.
 
@@ -331,20 +333,37 @@ def _plan_buckets(
     def close() -> None:
         nonlocal cursor, pending
         start = buckets[-1].end if buckets else 0
-        place = _place_by_owner if shard and world_size > 1 and any(p.spec.whole for p in pending) else _place
+        place = _place_by_owner if by_owner and any(p.spec.whole for p in pending) else _place
         buckets.append(place(pending, len(buckets), start, shard, multiple, world_size))
         pending, cursor = [], 0
 
-    for spec, index in zip(specs, indices, strict=True):
+    left = _left_until_break(specs)
+    by_owner = shard and world_size > 1
+    for i, (spec, index) in enumerate(zip(specs, indices, strict=True)):
         if pending and (spec.own_bucket or spec.unit != pending[-1].spec.unit):
             close()
         pending.append(_Pending(spec, index))
         cursor = (_round_up(cursor, PARAM_ALIGN) if shard else cursor) + spec.numel
-        if spec.own_bucket or (bucket_size is not None and cursor >= bucket_size):
+        full = bucket_size is not None and cursor >= bucket_size
+        if full and by_owner and any(p.spec.whole for p in pending) and 0 < left[i] < bucket_size // 2:
+            full = False  # no small whole-param tail: its few params would pad every shard
+        if spec.own_bucket or full:
             close()
     if pending:
         close()
     return buckets
+
+
+def _left_until_break(specs: list[ParamSpec]) -> list[int]:
+    """For each spec, the elements of the specs after it up to the next forced bucket break
+    (an ``own_bucket`` spec or another unit)."""
+    left, total = [0] * len(specs), 0
+    for i in range(len(specs) - 1, -1, -1):
+        left[i] = total
+        spec = specs[i]
+        breaks = spec.own_bucket or (i > 0 and specs[i - 1].unit != spec.unit)
+        total = 0 if breaks else total + spec.numel
+    return left
 
 
 def _place(
