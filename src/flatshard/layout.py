@@ -12,7 +12,8 @@ Rules (after Megatron-Core's ``_ParamAndGradBuffer``):
 * inside a buffer, params are laid out in *reverse* registration order, which is the order
   in which backward produces their grads, so the first bucket is ready first;
 * a param is never split across buckets; a bucket closes as soon as it holds at least
-  ``bucket_size`` elements (``None``: one bucket per buffer); a param with
+  ``bucket_size`` elements (``None``: one bucket per buffer; a whole-param bucket may stay
+  open for a small tail, [Note: whole-param buckets]); a param with
   ``own_bucket=True`` sits alone in its bucket; a bucket also closes where the ``unit`` of
   consecutive params changes, so a unit's params never share a bucket with another unit's;
 * when ``shard``: every param starts at a multiple of ``PARAM_ALIGN`` (64) elements and every
@@ -46,9 +47,9 @@ by that padding: ``max(load) / mean(load)`` over the ranks, which falls as a buc
 more params (a bucket of one param sends it ``world_size`` times). Buckets close by the same
 rules as flat ones, except that a whole-param bucket stays open rather than leave a tail
 of less than half ``bucket_size`` before the next forced break (an own bucket, another
-unit): a tail of a few matrices pads every shard to its largest one. Inside the bucket params are no
-longer in reverse registration order (a bucket is reduced once all its grads are in, so the
-order inside it does not matter); ``bucket.params`` is still in buffer order.
+unit): a tail of a few matrices pads every shard to its largest one. Inside the bucket,
+params are no longer in reverse registration order (a bucket is reduced once all its grads
+are in, so the order inside it does not matter); ``bucket.params`` is still in buffer order.
 
 The four ranges of a param in one rank's shard (all half-open ``[start, end)``):
 

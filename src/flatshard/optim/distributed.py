@@ -5,7 +5,8 @@
 ``DistributedOptimizer(model, torch.optim.AdamW, lr=...)`` composes an *inner* torch
 optimizer over flat fp32 tensors ("runs", [Note: optimizer runs] in ``shard_map.py``) that
 cover this rank's shard of every bucket. A step is four phases, each one flat op (or one
-small collective) per bucket shard, never a loop over params:
+small collective) per bucket shard, never a loop over params (except the whole-param runs
+of a rule that needs each param whole, below):
 
 1. **grads**: backward has already reduced them into the shards ([Note: sharded grads]);
    their global norm is computed over the shards (each element counted once, padding is
