@@ -32,10 +32,11 @@ def balance_row(module: torch.nn.Module, world_size: int, stage: int, bucket_siz
     plan = dict(world_size=world_size, bucket_size=bucket_size, shard=policy.pads_for_shards)
     layout, flat = plan_layout(specs, **plan), plan_layout(flat_specs, **plan)
     elements, flops = [0] * world_size, [0] * world_size
-    for name, (m, n) in shapes.items():
-        owner = next(r for r in range(world_size) if layout.param_ranges(name, r) is not None)
-        elements[owner] += m * n
-        flops[owner] += m * n * min(m, n)
+    for bucket in (b for buffer in layout.buffers for b in buffer.buckets):
+        for slot in (s for s in bucket.params if s.name in shapes):
+            (m, n), owner = shapes[slot.name], bucket.owner(slot)
+            elements[owner] += m * n
+            flops[owner] += m * n * min(m, n)
     return {
         "world_size": world_size,
         "stage": stage,

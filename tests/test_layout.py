@@ -185,6 +185,7 @@ def test_whole_param_buckets_keep_each_param_on_one_rank(case):
             for slot in bucket.params:
                 ranks = [r for r in range(layout.world_size) if layout.param_ranges(slot.name, r) is not None]
                 assert len(ranks) == 1, f"{slot.name} is split over ranks {ranks}"
+                assert bucket.owner(slot) == ranks[0]
                 ranges = layout.param_ranges(slot.name, ranks[0])
                 assert ranges.in_param == (0, slot.numel)
                 loads[ranks[0]] += -(-slot.numel // PARAM_ALIGN) * PARAM_ALIGN

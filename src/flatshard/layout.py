@@ -183,6 +183,14 @@ class BucketLayout:
         start = self.start + rank * self.shard_size
         return Range(start, start + self.shard_size)
 
+    def owner(self, slot: ParamSlot) -> int | None:
+        """The rank whose shard holds all of ``slot``; None where the slot is cut across
+        shards, or where the bucket is not sharded (every rank holds all of it)."""
+        if not self.sharded:
+            return None
+        first = (slot.start - self.start) // self.shard_size
+        return first if (slot.end - 1 - self.start) // self.shard_size == first else None
+
     def local_ranges(self, rank: int) -> list[ShardRanges]:
         """The four ranges of every param with elements in ``rank``'s shard, in buffer order."""
         shard = self.shard_range(rank)
@@ -416,7 +424,7 @@ def format_layout(layout: Layout) -> str:
                 f" {bucket.shard_size:>10,}  {len(bucket.params)}{whole}"
             )
             for slot in bucket.params:
-                owner = f"  (rank {(slot.start - bucket.start) // bucket.shard_size})" if bucket.whole else ""
+                owner = f"  (rank {bucket.owner(slot)})" if bucket.whole else ""
                 where = f"{slot.start:>12,} {slot.end:>12,} {slot.numel:>12,}"
                 lines.append(f"  {'':>6} {where} {'':>10}  {slot.name}{owner}")
     return "\n".join(lines)

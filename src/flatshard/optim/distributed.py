@@ -70,7 +70,6 @@ class BufferShards:
     main_data: torch.Tensor | None  # 1D fp32 shard frame; None unless params are 16-bit
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
-    labels: list[str]  # one per run: its param's name (whole-param runs) or its bucket
 
     @property
     def buckets(self):
@@ -117,7 +116,7 @@ def _build_shards(
     main_data = None
     if buffer.layout.dtype in HALF_DTYPES:
         main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
-    tensors, labels = [], []
+    tensors = []
     for run in runs:
         bucket = buffer.layout.buckets[run.bucket]
         lo, hi = run.in_shard
@@ -132,17 +131,9 @@ def _build_shards(
             tensor, grad = tensor.view(run.shape), grad.view(run.shape)
         tensor.grad = grad
         tensors.append(tensor)
-        labels.append(_run_label(bucket, buffer.rank, run))
-    shards = BufferShards(buffer, world, main_data, runs, tensors, labels)
+    shards = BufferShards(buffer, world, main_data, runs, tensors)
     shards.load_main_from_params()
     return shards
-
-
-def _run_label(bucket, rank: int, run: Run) -> str:
-    if run.shape is None:
-        return f"a flat run of bucket {bucket.index}"
-    name = next(p.name for p in bucket.local_ranges(rank) if p.in_shard == run.in_shard)
-    return f"param {name!r}"
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -211,12 +202,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
             if shards.main_data is not None and shards.buffer.sharded_params:
                 shards.buffer.adopt_main(shards.main_data)  # stage 3: [Note: main-backed shards]
         inner_groups = [{**hyper, "params": []} for hyper in groups]
-        labels = [[] for _ in groups]
         for shards in self._buffer_shards:
-            for run, tensor, label in zip(shards.runs, shards.tensors, shards.labels, strict=True):
+            for run, tensor in zip(shards.runs, shards.tensors, strict=True):
                 inner_groups[run.group]["params"].append(tensor)
-                labels[run.group].append(label)
-        self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, labels)
+        self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, self._describe_run)
         self._init_base()
         self.overlap_param_gather = overlap_param_gather
         self.loss_scaler = make_loss_scaler(loss_scale)
@@ -233,6 +222,20 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 stacklevel=2,
             )
         state.attach(self)
+
+    def _describe_run(self, tensor: torch.Tensor) -> str:
+        """What an inner tensor is, for an error: a whole param's name, or a flat run."""
+        shards, run = next(
+            (sh, r)
+            for sh in self._buffer_shards
+            for r, t in zip(sh.runs, sh.tensors, strict=True)
+            if t is tensor
+        )
+        bucket = shards.buffer.layout.buckets[run.bucket]
+        if run.shape is None:
+            return f"a flat run of bucket {bucket.index}"
+        pieces = bucket.local_ranges(shards.buffer.rank)
+        return f"param {next(p.name for p in pieces if p.in_shard == run.in_shard)!r}"
 
     @property
     def shards(self) -> tuple[BufferShards, ...]:

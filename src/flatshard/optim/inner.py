@@ -20,7 +20,7 @@ as if they were tensors); this rule cannot: an unknown class is stepped whole or
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -183,16 +183,14 @@ def whole_shapes(state: ShardState, group_of: dict[str, int], classes: list[type
 def _cut_params(layout, names: Iterable[str]) -> list[str]:
     """The params among ``names`` that lie in more than one rank's shard."""
     wanted = set(names)
-    cut = []
-    for buffer in layout.buffers:
-        for bucket in buffer.buckets:
-            if not bucket.sharded or bucket.world_size == 1:
-                continue
-            for slot in bucket.params:
-                first, last = slot.start - bucket.start, slot.end - 1 - bucket.start
-                if slot.name in wanted and first // bucket.shard_size != last // bucket.shard_size:
-                    cut.append(slot.name)
-    return cut
+    return [
+        slot.name
+        for buffer in layout.buffers
+        for bucket in buffer.buckets
+        if bucket.sharded
+        for slot in bucket.params
+        if slot.name in wanted and bucket.owner(slot) is None
+    ]
 
 
 def make_inner(
@@ -200,11 +198,11 @@ def make_inner(
     classes: list[type],
     groups: list[dict[str, Any]],
     defaults: dict[str, Any],
-    labels: list[list[str]],
+    describe: Callable[[torch.Tensor], str],
 ) -> torch.optim.Optimizer:
     """The inner optimizer over ``groups`` of run tensors: ``optimizer_class`` itself, or a
     ``GroupedOptimizer`` when groups name other classes. A class that refuses one of its
-    tensors (Muon takes only matrices) is reported with the param's name (``labels``)."""
+    tensors (Muon takes only matrices) is reported with what ``describe`` says of it."""
     try:
         if all(cls is optimizer_class for cls in classes):
             return optimizer_class(groups, **defaults)
@@ -212,12 +210,12 @@ def make_inner(
     except (TypeError, ValueError) as e:
         for index, (group, cls) in enumerate(zip(groups, classes, strict=True)):
             hyper = {k: v for k, v in group.items() if k != "params"}
-            for tensor, label in zip(group["params"], labels[index], strict=True):
+            for tensor in group["params"]:
                 try:
                     cls([{**hyper, "params": [tensor]}], **accepted(cls, defaults))
                 except (TypeError, ValueError) as refusal:
                     raise type(e)(
-                        f"{cls.__name__} (param group {index}) refused {label} of shape "
+                        f"{cls.__name__} (param group {index}) refused {describe(tensor)} of shape "
                         f"{tuple(tensor.shape)}: {refusal}"
                     ) from None
         raise
