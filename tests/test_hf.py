@@ -76,8 +76,8 @@ def test_the_default_units_are_the_decoder_layers(kind):
     model = _tiny(kind)
     layers = {type(m).__name__ for m in model.modules() if type(m).__name__ in model._no_split_modules}
     units = find_units(model)
-    assert units[0].module is model and len(units) == 1 + DIMS["num_hidden_layers"]
-    assert {type(u.module).__name__ for u in units[1:]} == layers
+    assert units[0].modules == (model,) and len(units) == 1 + DIMS["num_hidden_layers"]
+    assert {type(m).__name__ for u in units[1:] for m in u.modules} == layers
 
 
 def test_no_split_modules_win_over_module_lists():

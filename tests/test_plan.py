@@ -97,7 +97,12 @@ def test_plan_cli_json_and_table():
     assert set(stages["0"]) >= {"bytes_per_rank", "comm_bytes_per_step"}
     out = _flatshard("plan", "--model", "tiny", "-n", "2", "--optimizer", "sgd-momentum")
     assert out.returncode == 0, out.stderr
-    assert "tiny (28,544 params), rank 0, 2 ranks" in out.stdout and len(out.stdout.splitlines()) == 6
+    table, units = out.stdout.split("stage-3 units")
+    assert "tiny (28,544 params), rank 0, 2 ranks" in table and len(table.splitlines()) == 6
+    assert units.startswith(" (adjacent ones merged up to 1,048,576 bytes): 2 units of 3 modules"), units
+    assert "blocks.0..blocks.1 (2)" in units
+    out = _flatshard("plan", "--model", "tiny", "-n", "2", "--unit-bytes", "none")
+    assert "stage-3 units (one per module): 3 units of 3 modules" in out.stdout, out.stdout
 
 
 def test_plan_help_lists_every_option():

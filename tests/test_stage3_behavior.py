@@ -63,7 +63,7 @@ def test_params_keep_names_and_shapes_and_layout_never_mixes_units():
     torch.manual_seed(0)
     model = GPT(DEEP)
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    sharded = flatshard.shard(model, stage=3, bucket_size=10**9)
+    sharded = flatshard.shard(model, stage=3, bucket_size=10**9, unit_bytes=None)  # (a unit per block)
     assert {n: p.shape for n, p in sharded.named_parameters()} == shapes
     unit_of = assign_params(sharded, find_units(sharded))
     params = dict(sharded.named_parameters())
@@ -141,7 +141,7 @@ def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_
 
 def _gathers_case(backward_prefetch: str | None) -> list[int]:
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(DEEP), stage=3, backward_prefetch=backward_prefetch)
+    model = flatshard.shard(GPT(DEEP), stage=3, backward_prefetch=backward_prefetch, unit_bytes=None)
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     unsharder = model.flatshard_state.unsharder
     _step(model, opt, 0)  # (records the forward order)

@@ -174,7 +174,12 @@ def test_params_of_a_unit_that_ran_without_grads_on_some_ranks(find_unused_param
     results = run_distributed(
         _train_with_a_short_block_timeout,
         3,
-        {"stage": 3, "bucket_size": 3000, "find_unused_parameters": find_unused_parameters},
+        {
+            "stage": 3,
+            "bucket_size": 3000,
+            "find_unused_parameters": find_unused_parameters,
+            "unit_bytes": None,
+        },
         **DIVERGING,
         model_cls=RankUnusedGPT,
         steps=4,

@@ -28,6 +28,9 @@ from typing import Any
 
 STAGES = (0, 1, 2, 3)
 BACKWARD_PREFETCH = ("pre", "post", None)
+DEFAULT_UNIT_BYTES = 2**20
+"""Adjacent small units merge up to this many bytes of params ([Note: merged units] in
+``engine/units.py``); measured in ``benchmarks/README.md`` (Stage 3: merged units)."""
 
 
 @dataclass(frozen=True)
@@ -40,12 +43,15 @@ class UnitOptions:
     backward_prefetch: "pre" (start the next unit's gather when a unit's backward starts),
         "post" (when it ends) or None.
     limit_all_gathers: prefetches start only while fewer gathers are in flight.
+    unit_bytes: adjacent small sibling units merge into one while their params fit in this
+        many bytes (None: a unit per module).
     """
 
     reshard_after_forward: bool = True
     forward_prefetch: int = 1
     backward_prefetch: str | None = "pre"
     limit_all_gathers: int = 2
+    unit_bytes: int | None = DEFAULT_UNIT_BYTES
 
     def __post_init__(self) -> None:
         if self.backward_prefetch not in BACKWARD_PREFETCH:
@@ -56,6 +62,8 @@ class UnitOptions:
             raise ValueError(f"forward_prefetch must be an int >= 0, got {self.forward_prefetch!r}")
         if not _is_int(self.limit_all_gathers) or self.limit_all_gathers < 1:
             raise ValueError(f"limit_all_gathers must be an int >= 1, got {self.limit_all_gathers!r}")
+        if self.unit_bytes is not None and (not _is_int(self.unit_bytes) or self.unit_bytes < 1):
+            raise ValueError(f"unit_bytes must be an int >= 1 or None, got {self.unit_bytes!r}")
         if not isinstance(self.reshard_after_forward, bool):
             raise ValueError(f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
 

@@ -8,7 +8,7 @@ import os
 import sys
 
 from flatshard.app import launch
-from flatshard.stage import STAGES, StagePolicy
+from flatshard.stage import DEFAULT_UNIT_BYTES, STAGES, StagePolicy
 from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
 
 MODEL_HELP = "a GPT preset, hf:<model_type> (a tiny transformers model) or module:factory (an nn.Module)"
@@ -26,6 +26,10 @@ def _positive_int(text: str) -> int:
 
 def _bucket_size(text: str) -> int | None:
     return None if text.lower() in ("none", "one") else _positive_int(text)
+
+
+def _unit_bytes(text: str) -> int | None:
+    return None if text.lower() == "none" else _positive_int(text)
 
 
 def _positive_float(text: str) -> float:
@@ -237,6 +241,13 @@ def _add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
         help="keep the 2-D params whose names match REGEX whole in one rank's shard, as "
         "shard(whole_params=...) does for Muon (e.g. 'blocks\\.'; default: none)",
     )
+    parser.add_argument(
+        "--unit-bytes",
+        type=_unit_bytes,
+        default=DEFAULT_UNIT_BYTES,
+        help="stage 3: adjacent small units merge while their params fit in this many bytes, as "
+        "shard(unit_bytes=...) does; 'none': one unit per module (default %(default)s)",
+    )
 
 
 def _add_plan(sub) -> None:
@@ -385,7 +396,7 @@ def _plan(args: argparse.Namespace) -> int:
             print("flatshard plan: --grad-dtype applies to --params only", file=sys.stderr)
             return 2
         try:
-            specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype], args.whole_params)
+            specs, stage3_specs, units = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
             plans = plan.plan_from_specs(
                 specs,
                 world_size=args.world_size,
@@ -403,6 +414,8 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
         print(plan.format_plan(plans, title))
+        if args.model is not None:
+            print(units)
     return 0
 
 
@@ -412,7 +425,7 @@ def _layout(args: argparse.Namespace) -> int:
     from flatshard.layout import plan_layout
 
     try:
-        specs, stage3_specs = _model_specs(args.model, plan.DTYPES[args.param_dtype], args.whole_params)
+        specs, stage3_specs, units = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
     except (ValueError, ImportError, AttributeError) as e:
         print(f"flatshard layout: {e}", file=sys.stderr)
         return 2
@@ -424,6 +437,8 @@ def _layout(args: argparse.Namespace) -> int:
         shard=policy.pads_for_shards,
     )
     print(draw.format_shards(layout))
+    if policy.gathers_units:
+        print(f"\n{units}")
     if args.out:
         title = f"{args.model}: stage {args.stage}, {args.world_size} ranks, {args.param_dtype} params"
         try:
@@ -467,23 +482,33 @@ def _verify(args: argparse.Namespace) -> int:
     return 0
 
 
-def _model_specs(model: str, dtype, whole: str | None = None):
+def _model_specs(model: str, dtype, args: argparse.Namespace):
     """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
-    its specs as stages 0-2 and stage 3 lay them out (``whole``: a regex of the names of
-    2-D params kept whole)."""
+    its specs as stages 0-2 and stage 3 lay them out (``--whole-params``: a regex of the
+    names of 2-D params kept whole), and a table of its stage-3 units (``--unit-bytes``)."""
     import re
 
     import torch
 
+    from flatshard.app.draw import format_units
     from flatshard.models import model_factory
-    from flatshard.wrap.specs import model_specs
+    from flatshard.wrap.specs import model_specs, stage3_units, unit_nbytes
 
     build = model_factory(model)
     with torch.device("meta"):
         module = build().to(dtype)
+    whole = args.whole_params
     try:
         pattern = re.compile(whole) if whole else None
     except re.error as e:
         raise ValueError(f"--whole-params {whole!r} is not a regular expression: {e}") from None
     kept = None if pattern is None else (lambda name, p: p.ndim == 2 and pattern.search(name) is not None)
-    return model_specs(module, whole_params=kept), model_specs(module, stage=3, whole_params=kept)
+    units, unit_of = stage3_units(module, [], None, args.unit_bytes)
+    table = format_units(
+        [u.name for u in units],
+        [len(u.modules) for u in units],
+        unit_nbytes(module, unit_of, len(units)),
+        args.unit_bytes,
+    )
+    stage3 = model_specs(module, stage=3, whole_params=kept, unit_bytes=args.unit_bytes)
+    return model_specs(module, whole_params=kept), stage3, table

@@ -25,6 +25,18 @@ def format_shards(layout: Layout) -> str:
     return "\n".join(lines)
 
 
+def format_units(names: list[str], counts: list[int], nbytes: list[int], unit_bytes: int | None) -> str:
+    """Stage 3's units: each one's modules (``names``: the first and last of merged ones,
+    ``counts``: how many) and the bytes of its params ([Note: merged units])."""
+    merged = "one per module" if unit_bytes is None else f"adjacent ones merged up to {unit_bytes:,} bytes"
+    lines = [f"stage-3 units ({merged}): {len(names)} units of {sum(counts)} modules"]
+    lines.append(f"  {'unit':>4}  {'bytes':>13}  modules")
+    for i, (name, count, size) in enumerate(zip(names, counts, nbytes, strict=True)):
+        label = "(root)" if name == "" else name + (f" ({count})" if count > 1 else "")
+        lines.append(f"  {i:>4}  {size:>13,}  {label}")
+    return "\n".join(lines)
+
+
 def draw_layout(layout: Layout, path: str, title: str) -> None:
     """Write ``layout`` as a PNG to ``path`` (see the module docstring)."""
     import matplotlib

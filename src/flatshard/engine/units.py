@@ -16,6 +16,26 @@ At stage 3 the params are handed to the layout grouped by unit (in that order, r
 order within a unit), so each unit's params are contiguous in the buffer and the root's
 few params form one bucket rather than one at each end; ``ParamSpec.unit`` carries the
 unit's index, so a bucket never holds params of two units.
+
+[Note: merged units]
+
+Each unit costs a fixed price per step whatever its size: its hooks, a gather in forward
+and one in backward, a reduce-scatter, and the schedule's bookkeeping. On a model of many
+small blocks that price, not the bytes, sets the step time. So ``merge_units`` joins
+consecutive small units into one unit of several modules, gathered, freed and reduced
+together, while their params (full, in the dtype they are gathered in) fit in
+``unit_bytes``. Invariants:
+
+* Only *leaf* units (no unit inside them) that are *siblings* (the same enclosing unit) and
+  adjacent in pre-order merge; the root never does. So a merged unit's modules are
+  disjoint subtrees that run one after the other, and every enclosing unit stays one
+  module.
+* A merged unit never holds more than ``unit_bytes``, unless it is a single unit that
+  alone is larger: the peak of full params ([Note: stage-3 memory]) stays bounded by the
+  larger of ``unit_bytes`` and the largest unit.
+* Indices stay in pre-order of each unit's first module, so the root is still 0 and a
+  param's unit is the merged unit of the unit it had.
+* ``unit_bytes=None`` merges nothing (a unit per module, as before merging existed).
 """
 
 from __future__ import annotations
@@ -32,15 +52,20 @@ UnitSpec = Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
 @dataclass(frozen=True)
 class Unit:
     index: int  # position in pre-order; 0 is the root
-    name: str  # qualified module name ("" for the root)
-    module: nn.Module
+    names: tuple[str, ...]  # qualified module names ("" for the root)
+    modules: tuple[nn.Module, ...]  # one, or several merged siblings ([Note: merged units])
     parent: int | None  # the enclosing unit's index
+
+    @property
+    def name(self) -> str:
+        """The module's name, or the first and last of merged ones ("blocks.0..blocks.5")."""
+        return self.names[0] if len(self.names) == 1 else f"{self.names[0]}..{self.names[-1]}"
 
 
 def find_units(module: nn.Module, units: UnitSpec = None) -> list[Unit]:
     """The unit modules of ``module`` in pre-order, root first (see [Note: units])."""
     match = _matcher(module, units)
-    found = [Unit(0, "", module, None)]
+    found = [Unit(0, ("",), (module,), None)]
     enclosing: dict[int, int] = {id(module): 0}  # module id -> innermost unit containing it
     for name, sub in module.named_modules():
         if sub is module:
@@ -49,7 +74,7 @@ def find_units(module: nn.Module, units: UnitSpec = None) -> list[Unit]:
         parent = module.get_submodule(parent_name) if parent_name else module
         outer = enclosing[id(parent)]
         if match(name, sub):  # named_modules lists a shared module once
-            found.append(Unit(len(found), name, sub, outer))
+            found.append(Unit(len(found), (name,), (sub,), outer))
             enclosing[id(sub)] = len(found) - 1
         else:
             enclosing.setdefault(id(sub), outer)
@@ -78,9 +103,48 @@ def module_units(units: list[Unit]) -> dict[int, int]:
     """``{id(module): index of the innermost unit containing it}`` for every module."""
     unit_of_module: dict[int, int] = {}
     for unit in units:  # pre-order: an inner unit comes after its outer one and wins
-        for sub in unit.module.modules():
-            unit_of_module[id(sub)] = unit.index
+        for top in unit.modules:
+            for sub in top.modules():
+                unit_of_module[id(sub)] = unit.index
     return unit_of_module
+
+
+def merge_units(
+    units: list[Unit], unit_of: dict[int, int], nbytes: list[int], unit_bytes: int | None
+) -> tuple[list[Unit], dict[int, int]]:
+    """Join adjacent small sibling leaf units ([Note: merged units]); ``nbytes[i]``: the bytes
+    of unit ``i``'s params. Returns the units and ``{id(param): unit index}`` after merging."""
+    if unit_bytes is None:
+        return units, unit_of
+    inner = {u.parent for u in units}
+    groups: list[list[Unit]] = []
+    total = 0
+    for unit in units:
+        last = groups[-1][-1] if groups else None
+        mergeable = unit.index not in inner and unit.parent is not None
+        if (
+            last is not None
+            and mergeable
+            and last.index not in inner
+            and last.parent == unit.parent
+            and total + nbytes[unit.index] <= unit_bytes
+        ):
+            groups[-1].append(unit)
+            total += nbytes[unit.index]
+        else:
+            groups.append([unit])
+            total = nbytes[unit.index]
+    new_index = {u.index: i for i, group in enumerate(groups) for u in group}
+    merged = [
+        Unit(
+            i,
+            tuple(n for u in group for n in u.names),
+            tuple(m for u in group for m in u.modules),
+            None if group[0].parent is None else new_index[group[0].parent],
+        )
+        for i, group in enumerate(groups)
+    ]
+    return merged, {key: new_index[u] for key, u in unit_of.items()}
 
 
 def _no_split_names(root: nn.Module) -> set[str]:

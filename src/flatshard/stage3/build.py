@@ -134,7 +134,7 @@ def initialize_units(
     """[Note: meta init]: initialize ``module`` one unit at a time."""
     owner = module_units(unsharder.units)
     for unit in unsharder.units:
-        modules = [m for m in unit.module.modules() if owner.get(id(m)) == unit.index]
+        modules = [m for top in unit.modules for m in top.modules() if owner.get(id(m)) == unit.index]
         with torch.no_grad():
             for m in modules:
                 _materialize_locals(m, device)

@@ -164,16 +164,14 @@ class Unsharder:
         self.full_bytes = 0  # bytes of full buckets alive now
         self.peak_full_bytes = 0  # the most ever alive at once
         self._hooks = []
+        self._members_done: list[set[int]] = [set() for _ in units]  # modules whose forward ran
         for unit, unit_parts in zip(units, parts, strict=True):
             if unit_parts or unit.index == 0:  # the root's hooks also end each forward
-                self._hooks.append(
-                    unit.module.register_forward_pre_hook(
-                        eager(self._pre_forward_hook(unit.index)), with_kwargs=True
-                    )
-                )
-                self._hooks.append(
-                    unit.module.register_forward_hook(eager(self._post_forward_hook(unit.index)))
-                )
+                for member, module in enumerate(unit.modules):
+                    pre = eager(self._pre_forward_hook(unit.index))
+                    self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+                    post = eager(self._post_forward_hook(unit.index, member))
+                    self._hooks.append(module.register_forward_hook(post))
                 for p in {
                     id(q.params[s.index]): q.params[s.index]
                     for q in unit_parts
@@ -211,6 +209,7 @@ class Unsharder:
 
     def reshard(self, u: int) -> None:
         """Free unit ``u``'s full buckets; its params become placeholders again."""
+        self._members_done[u].clear()
         if self.state[u] is _State.SHARDED:
             return
         if self.state[u] is _State.GATHERING:
@@ -291,8 +290,8 @@ class Unsharder:
         """Issue what this rank's forward skipped (so every rank issues the same gathers)
         and free the units gathered for nothing; fix the schedule after the first forward."""
         self._advance(self._fwd, len(self._fwd.units))
-        for v in self._fwd.units:
-            if v not in self._ran_now:
+        for v in self._fwd.units:  # (a merged unit some of whose modules did not run, too)
+            if v not in self._ran_now or (self._members_done[v] and self._frees_after_forward(v)):
                 self.reshard(v)
         self._fwd.restart()
         self._ran_now = set()
@@ -367,14 +366,21 @@ class Unsharder:
 
         return hook
 
-    def _post_forward_hook(self, u: int):
+    def _frees_after_forward(self, u: int) -> bool:
+        """Whether ``u`` is freed once its forward is done (not kept full for backward)."""
+        return not torch.is_grad_enabled() or (self.options.reshard_after_forward and u not in self._kept)
+
+    def _post_forward_hook(self, u: int, member: int):
         def hook(module: nn.Module, args: object, output: object) -> None:
             if _in_backward():  # a recomputation: its backward follows at once
                 return
             if self.summoned:
                 return
-            if not torch.is_grad_enabled() or (self.options.reshard_after_forward and u not in self._kept):
-                self.reshard(u)
+            if self._frees_after_forward(u):  # once each of its modules ran ([Note: merged units])
+                done = self._members_done[u]
+                done.add(member)
+                if len(done) == len(self.units[u].modules):
+                    self.reshard(u)
             if u == 0:
                 self._end_forward()
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]

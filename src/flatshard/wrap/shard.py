@@ -30,7 +30,7 @@ from flatshard.engine.units import UnitSpec, unsharded_tensors
 from flatshard.layout import plan_layout
 from flatshard.malloc import warn_once_without_tunables
 from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
-from flatshard.stage import StagePolicy
+from flatshard.stage import DEFAULT_UNIT_BYTES, StagePolicy
 from flatshard.stage3.build import (
     broadcast_values,
     build_unsharder,
@@ -78,6 +78,7 @@ def shard(
     forward_prefetch: int = 1,
     backward_prefetch: str | None = "pre",
     limit_all_gathers: int = 2,
+    unit_bytes: int | None = DEFAULT_UNIT_BYTES,
     device: torch.device | str | None = None,
     param_init_fn: Callable[[nn.Module], None] | None = None,
     ignored_modules: Iterable[nn.Module] | None = None,
@@ -131,6 +132,11 @@ def shard(
         backward_prefetch: "pre" (start the next unit's gather when a unit's backward
             starts), "post" (when it ends) or None.
         limit_all_gathers: prefetches start only while fewer gathers are in flight.
+        unit_bytes: adjacent sibling units (blocks of one list, say) merge into one unit,
+            gathered, freed and reduced together, while their params fit in this many bytes
+            (default 1 MiB; None: one unit per module). A unit's cost per step is mostly
+            fixed, so on models of many small blocks fewer, larger units are faster
+            ([Note: merged units] in ``engine/units.py``).
         device: where a model built on the ``meta`` device is materialized (default: the
             current CUDA device if there is one, else the CPU), unit by unit.
         param_init_fn: initializes each module of a meta model (default: its own
@@ -150,6 +156,7 @@ def shard(
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
         limit_all_gathers=limit_all_gathers,
+        unit_bytes=unit_bytes,
     )
     _check_arguments(module, bucket_size, buckets_per_group, grad_scale)
     world, replicate = _worlds(group, policy, timeout)
@@ -157,7 +164,7 @@ def shard(
     whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
     named, meta, device, originals = _prepare_params(module, policy, mp, device, whole)
-    unit_list, unit_of = stage3_units(module, named, units) if policy.gathers_units else ([], {})
+    unit_list, unit_of = stage3_units(module, named, units, unit_bytes) if policy.gathers_units else ([], {})
     specs_of = partial(param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole)
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     parts += _frozen_part(module, whole, unit_of, world, replicate) if policy.shards_params else []

@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from flatshard.engine.units import UnitSpec, assign_params, find_units, names_by_param
+from flatshard.engine.units import UnitSpec, assign_params, find_units, merge_units, names_by_param
 from flatshard.layout import ParamSpec
 from flatshard.mixed_precision import HALF_DTYPES
-from flatshard.stage import StagePolicy
+from flatshard.stage import DEFAULT_UNIT_BYTES, StagePolicy
 
 WholeParams = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter] | None
 """Params a sharded layout keeps whole: a predicate ``(name, param) -> bool``, or params."""
@@ -79,13 +79,26 @@ def param_specs(
     ]
 
 
-def stage3_units(module: nn.Module, named: list, units: UnitSpec):
-    """The units and each param's unit; sorts ``named`` by unit, so each unit's params are
-    contiguous in the layout (fewer, larger gathers; [Note: units])."""
+def stage3_units(
+    module: nn.Module, named: list, units: UnitSpec, unit_bytes: int | None = DEFAULT_UNIT_BYTES
+):
+    """The units (small ones merged up to ``unit_bytes``) and each param's unit; sorts
+    ``named`` by unit, so each unit's params are contiguous in the layout (fewer, larger
+    gathers; [Note: units])."""
     unit_list = find_units(module, units)
     unit_of = assign_params(module, unit_list)
+    nbytes = unit_nbytes(module, unit_of, len(unit_list))
+    unit_list, unit_of = merge_units(unit_list, unit_of, nbytes, unit_bytes)
     named.sort(key=lambda item: unit_of[id(item[1])])
     return unit_list, unit_of
+
+
+def unit_nbytes(module: nn.Module, unit_of: dict[int, int], count: int) -> list[int]:
+    """Bytes of the params (trainable and frozen, in their dtype) of each of ``count`` units."""
+    nbytes = [0] * count
+    for p in module.parameters():
+        nbytes[unit_of[id(p)]] += p.numel() * p.element_size()
+    return nbytes
 
 
 def model_specs(
@@ -95,14 +108,15 @@ def model_specs(
     units: UnitSpec = None,
     frozen: bool = False,
     whole_params: WholeParams = None,
+    unit_bytes: int | None = DEFAULT_UNIT_BYTES,
 ) -> list[ParamSpec]:
     """``param_specs`` of a module's trainable params (``frozen``: of its frozen floating
-    params) as ``shard(module, stage=stage, whole_params=...)`` lays them out (works on the
-    meta device)."""
+    params) as ``shard(module, stage=stage, whole_params=..., unit_bytes=...)`` lays them out
+    (works on the meta device)."""
     named = [
         (n, p)
         for n, p in module.named_parameters()
         if (p.requires_grad if not frozen else not p.requires_grad and p.is_floating_point())
     ]
-    unit_of = stage3_units(module, named, units)[1] if StagePolicy(stage).gathers_units else {}
+    unit_of = stage3_units(module, named, units, unit_bytes)[1] if StagePolicy(stage).gathers_units else {}
     return param_specs(named, tied_params(module), unit_of, whole_param_names(module, whole_params))
