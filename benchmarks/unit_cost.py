@@ -102,10 +102,10 @@ def _session(preset: str, stage: int, unit_bytes: str, steps: int, warmup: int, 
     _install(clock)
     cfg = PRESETS[preset]
     torch.manual_seed(0)
-    options = (
-        {} if unit_bytes == "default" else {"unit_bytes": None if unit_bytes == "none" else int(unit_bytes)}
-    )
-    model = flatshard.shard(GPT(cfg), stage=stage, **(options if stage == 3 else {}))
+    options = {}  # ("default", and stage 2: shard()'s own)
+    if stage == 3 and unit_bytes != "default":
+        options["unit_bytes"] = None if unit_bytes == "none" else int(unit_bytes)
+    model = flatshard.shard(GPT(cfg), stage=stage, **options)
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     data = [corpus.batch(i, dist.get_rank(), batch) for i in range(warmup + steps)]

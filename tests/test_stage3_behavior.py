@@ -86,10 +86,14 @@ def test_bad_stage3_options_are_refused():
 
 
 # -- memory ----------------------------------------------------------------------------------
-def _peak_case(reshard_after_forward: bool) -> dict:
+def _peak_case(reshard_after_forward: bool, unit_bytes: int | None) -> dict:
     torch.manual_seed(0)
     model = flatshard.shard(
-        GPT(DEEP).to(torch.bfloat16), stage=3, bucket_size=None, reshard_after_forward=reshard_after_forward
+        GPT(DEEP).to(torch.bfloat16),
+        stage=3,
+        bucket_size=None,
+        reshard_after_forward=reshard_after_forward,
+        unit_bytes=unit_bytes,
     )
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     for step in range(2):
@@ -114,8 +118,13 @@ def _peak_case(reshard_after_forward: bool) -> dict:
     }
 
 
+PAIRS = 2 * 2 * sum(p.numel() for p in Block(DEEP).parameters()) + 100
+"""``unit_bytes`` that merges DEEP's bf16 blocks in pairs ([Note: merged units])."""
+
+
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
-def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_forward):
+@pytest.mark.parametrize("unit_bytes", [None, PAIRS], ids=["per-block", "pairs"])
+def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_forward, unit_bytes):
     """Between steps (after zero_grad) 12Ψ/N (+ AdamW step counts): fp32 main params and
     AdamW, no grads; plus the root and first block that the step prefetched for the next
     forward (bf16). Grad shards add 4Ψ/N during backward and step. On top, at the peak: two
@@ -123,8 +132,9 @@ def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_
     prefetched or reducing) and the root unit (params and grads), which is full for the
     whole step; the issue's bound 18Ψ/N + 2 x the largest unit in full holds with this
     root. Without resharding after forward every unit's params stay full until its
-    backward."""
-    for r in run_distributed(_peak_case, 2, reshard_after_forward):
+    backward. Merged in pairs, the largest unit is a pair."""
+    for r in run_distributed(_peak_case, 2, reshard_after_forward, unit_bytes):
+        assert len(r["unit_numel"]) == (5 if unit_bytes is None else 3)
         assert r["shard"] * 2 == r["psi"]
         assert 12 * r["shard"] <= r["report"] <= 12 * r["shard"] + 4 * 64
         assert r["prefetched"] == r["first_units"] == r["at_rest"] - r["report"], r

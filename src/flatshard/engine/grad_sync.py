@@ -69,6 +69,9 @@ class BackwardGathers(Protocol):
 
     def issue_backward(self) -> None: ...
 
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """``param``'s grad of this backward is accumulated (called once grad sync took it)."""
+
 
 def build_bucket_groups(
     sets: Sequence[BufferSet],
@@ -179,6 +182,8 @@ class GradSync:
         self._written.add(key)
         if group.mark_ready(param) and self.sync_enabled:
             self._launch_ready()
+        if self.gathers is not None:  # (one hook per param serves both: they cost per call)
+            self.gathers.grad_ready(param)
 
     def _accumulate(self, param: nn.Parameter) -> None:
         """Add the new grad into ``main_grad`` unscaled (a backward that does not sync)."""

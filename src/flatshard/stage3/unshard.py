@@ -8,8 +8,9 @@ each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *g
 (its buckets' all-gathers are in flight) or *full* (its params are views into full buckets):
 
 * **forward**: the unit's forward pre-hook makes it full, then *prefetches* the next
-  ``forward_prefetch`` units. The forward hook frees it again unless
-  ``reshard_after_forward=False``, or it is *kept*: the root or the last unit (backward
+  ``forward_prefetch`` units. The forward hook frees it again (a merged unit, [Note:
+  merged units], once each of its modules has run; if one did not, at the end of the
+  forward) unless ``reshard_after_forward=False``, or it is *kept*: the root or the last unit (backward
   needs both at once), and with ``backward_prefetch="pre"`` the unit before the last, which
   that prefetch would gather again as soon as backward reaches the last unit (so keeping it
   saves a gather and never raises the peak: forward had as many units full just before);
@@ -84,8 +85,9 @@ step (bf16 + AdamW: fp32 main params 4, fp32 grad shards 4, AdamW 8, as FSDP2 ke
 as the paper describes it keeps a 16-bit shard next to the fp32 one, 2Ψ/N more), 12Ψ/N from
 ``zero_grad()`` through the next forward (the grad shards' storage is freed, as FSDP2 drops
 its sharded grads; stage 2 too), plus at most two of the largest unit in full (params and
-grads: the one running and the one prefetched or reducing) plus the root unit's params,
-which stay full for the whole step. A meta-device model is initialized unit by unit
+grads: the one running and the one prefetched or reducing; merged units hold at most
+``unit_bytes`` of params unless one module's unit alone is larger) plus the root unit's
+params, which stay full for the whole step. A meta-device model is initialized unit by unit
 ([Note: meta init] in ``stage3/build.py``) and never holds more than one unit in full.
 """
 
@@ -172,13 +174,8 @@ class Unsharder:
                     self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                     post = eager(self._post_forward_hook(unit.index, member))
                     self._hooks.append(module.register_forward_hook(post))
-                for p in {
-                    id(q.params[s.index]): q.params[s.index]
-                    for q in unit_parts
-                    if q.buffer.has_grads
-                    for s in q.bucket.params
-                }.values():
-                    self._hooks.append(p.register_post_accumulate_grad_hook(self._grad_hook(unit.index)))
+        # grad sync tells each param's grad (grad_ready): no hook of its own per param
+        self._unit_of_param = {key: u for u, keys in enumerate(self._params) for key in keys}
 
     # -- the three states ----------------------------------------------------------------------
     def unshard(self, u: int) -> None:
@@ -399,12 +396,11 @@ class Unsharder:
         if self.options.backward_prefetch == "pre":
             self._prefetch(self._bwd, 1)
 
-    def _grad_hook(self, u: int):
-        def hook(param: nn.Parameter) -> None:
-            self._waiting[u].discard(id(param))
-            self._release_after_backward(u)
-
-        return hook
+    def grad_ready(self, param: nn.Parameter) -> None:
+        """Called by grad sync for each param's accumulated grad ([Note: unsharding])."""
+        u = self._unit_of_param[id(param)]
+        self._waiting[u].discard(id(param))
+        self._release_after_backward(u)
 
     def _watch_inputs(self, u: int, inputs: object) -> None:
         """Count this forward of ``u`` until the grads of its inputs are computed (its frozen
