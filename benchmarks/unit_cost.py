@@ -133,7 +133,10 @@ def _session(preset: str, stage: int, unit_bytes: str, steps: int, warmup: int, 
         "collectives": sum(model.comm_stats.calls.values()) / steps,
         "by_op": {op: n / steps for op, n in model.comm_stats.calls.items()},
         "units": len(unsharder.units) if unsharder is not None else None,
-        "modules_in_units": sum(len(u.modules) for u in unsharder.units) if unsharder is not None else None,
+        # (a revision before merged units has Unit.module, one each)
+        "modules_in_units": sum(len(getattr(u, "modules", "x")) for u in unsharder.units)
+        if unsharder
+        else None,
     }
 
 
