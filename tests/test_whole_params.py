@@ -10,7 +10,9 @@ near-cancelling grads. Muon rounds each grad to bf16 for its Newton-Schulz itera
 torch runs it): a grad element on the other side of a rounding boundary changes that
 step's update by one bf16 ulp (the first step differs by 6e-5), and on this small model
 the difference grows about fivefold per step (2e-2 after four steps with AdamW on the rest,
-7.5e-3 with SGD). So Muon at 3-4 ranks is held to 5e-2, far below what stepping fragments
+7.5e-3 with SGD), and the losses of the next step follow by at most their first-order
+bound (``first_order_loss_bounds``: on another CPU's kernels a loss differed by 1.2e-5 after
+such a drift). So Muon at 3-4 ranks is held to 5e-2, far below what stepping fragments
 costs (0.1 after one step); and the machinery itself is held to 1e-5 at 3-4 ranks by a
 whole-tensor rule in fp32 (a normalised SGD), whose trajectory has no such amplifier.
 """
@@ -31,8 +33,10 @@ from _parity import (
     TiedGPT,
     accumulate,
     check_parity,
+    first_order_loss_bounds,
     full_params,
     is_matrix,
+    max_abs_diff,
     max_rel_diff,
 )
 from flatshard import DistributedOptimizer
@@ -75,8 +79,10 @@ def train_muon_side_by_side(
         **other_hyper,
     )
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
-    out = {"loss_diffs": [], "param_diffs": [], "norm_diffs": []}
+    out = {"loss_diffs": [], "param_diffs": [], "norm_diffs": [], "loss_bounds": []}
     for step in range(steps):
+        drift = max_abs_diff(ours, reference.module)
+        out["loss_bounds"] += first_order_loss_bounds(reference.module, corpus, step, accum, batch, drift)
         for loss, loss_ref in accumulate(reference, ours, corpus, step, accum, batch):
             out["loss_diffs"].append(abs(loss - loss_ref) / abs(loss_ref))
         for o in [*ref_opts, opt]:
