@@ -3,6 +3,36 @@ argument, ``FileExistsError`` for a destination it will not touch, ...).
 
 Every one is an ``Exception``, so ``except Exception`` sees it, and names what is wrong: the
 file, the param, the rank.
+
+[Note: never silent]
+
+A result that is wrong without saying so costs a user more than any error. The rules, and
+where each is enforced:
+
+* **A save is whole or refused.** One save at a time per path (rank 0 holds ``PATH.lock``),
+  every rank naming the same path; the save's id in the manifest and bound into every item's
+  checksum, so a file of another save or swapped files fail as corrupted ones do; a load
+  checks every rank opened the same save; per-rank ``extra`` values come back to their own
+  rank or, at another world size, are an error naming the key ([Note: checkpoints] and
+  [Note: checkpoint checksums] in ``checkpoint/``). Nothing a save did not write is deleted
+  or overwritten ([Note: save destinations]).
+* **Ranks agree or say so.** At wrap time, the model and every option that shapes the
+  collectives (``wrap/shard.py``); the optimizer's param groups and hyperparameters at
+  construction, at every step that all-reduces the grad norm (a digest riding on it), else
+  every ``CHECK_EVERY`` steps, and at every save (``optim/agreement.py``). A disagreement is a
+  ``ValueError`` on every rank naming the setting, the rank and both values.
+* **Arguments are checked as torch checks its own**: ``clip_grad_norm_`` refuses a NaN or
+  negative ``max_norm`` and, with ``error_if_nonfinite``, a non-finite norm
+  (``optim/distributed.py``).
+* **A skipped step says why.** With a loss scaler a skip is fp16 overflow handling; without
+  one every skip is a ``RuntimeWarning`` naming the params whose grads are not finite. At
+  stage 3 a param read outside its unit's forward reads a NaN stand-in; that is where such a
+  NaN usually comes from, and the warning says so. (The stand-in itself does not yet raise
+  on use: a tensor that errors on every read segfaults some CPU kernels.)
+* **Every collective flatshard issues has a deadline** ([Note: deadlines] in
+  ``comm/deadline.py``): a rank that stops is a ``DesyncError``, never a hang. Not yet the
+  collectives ``torch.distributed.checkpoint`` issues inside a save or load: those wait for
+  the process group's own timeout.
 """
 
 from __future__ import annotations

@@ -32,7 +32,15 @@ A checkpoint is a DCP directory plus ``flatshard.json``. Invariants:
   param's shape and dtype, every file's size) into it, and renames it to ``PATH`` (the
   previous checkpoint first moves to ``PATH.old``, removed last). A save killed at any
   moment leaves ``PATH`` or, between the two renames, ``PATH.old`` complete;
-  ``load_checkpoint(PATH)`` falls back to ``PATH.old`` when ``PATH`` is missing. Loading
+  ``load_checkpoint(PATH)`` falls back to ``PATH.old`` when ``PATH`` is missing.
+* **A checkpoint is one save.** Rank 0 holds ``PATH.lock`` for the whole save, so a second
+  save to ``PATH`` at once (another job, another thread) is refused before it writes; every
+  rank must name the same ``PATH``. The save's id (rank 0's, shared with the destination
+  check) is in the manifest, and every item's checksum trailer is bound to it and to the
+  item's key and offset ([Note: checkpoint checksums]): a file of another save, or files
+  swapped, fail as corrupted ones do. A load checks that every rank opened the same save.
+  ``extra`` is saved per rank and comes back to its own rank; at another world size only
+  values the saved ranks shared load, and one they did not is an error naming its key. Loading
   checks the manifest against the model (a missing or extra param, a shape) and the files
   against their sizes before reading, and every piece against its checksum as it reads it
   ([Note: checkpoint checksums]), and names what is wrong. A save touches only what it wrote
@@ -56,14 +64,18 @@ A checkpoint is a DCP directory plus ``flatshard.json``. Invariants:
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+import uuid
 import warnings
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -75,7 +87,7 @@ from flatshard.checkpoint import state as cs
 from flatshard.checkpoint.files import verify_state_file
 from flatshard.comm.collectives import barrier
 from flatshard.comm.deadline import HERE, Phase
-from flatshard.comm.world import World, all_gather_bytes
+from flatshard.comm.world import World, all_gather_bytes, check_ranks_agree
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optim.distributed import DistributedOptimizer
@@ -97,6 +109,7 @@ def _optimizer_entries(model, optimizer, *, load: bool, saved=None):
     if isinstance(optimizer, DistributedOptimizer):
         if load:
             return cs.distributed_optimizer_to_load(optimizer, saved)
+        optimizer.check_settings()  # ranks that drifted apart must not save a mix of both
         return cs.distributed_optimizer_to_save(optimizer), None
     state = getattr(model, "flatshard_state", None)
     if state is not None and state.policy.shards_optimizer:
@@ -139,6 +152,48 @@ def _extra_to_save(extra: Mapping[str, Any] | None) -> dict[str, Any]:
     return {k: (v.state_dict() if hasattr(v, "state_dict") else v) for k, v in (extra or {}).items()}
 
 
+def _extra_keys(saved: Mapping[str, Any], rank: int, same_world: bool) -> list[str]:
+    """Which saved ``extra`` entries this rank reads: its own rank's at the same world size,
+    else every saved rank's (to tell values all ranks shared from per-rank ones)."""
+    if EXTRA in saved:  # (saved before extra was per rank)
+        return [EXTRA]
+    if same_world:
+        return [f"{EXTRA}/{rank}"]
+    return sorted((k for k in saved if k.startswith(EXTRA + "/")), key=lambda k: int(k.split("/")[1]))
+
+
+def _extra_values(path: str, read: dict[str, dict], saved_size: int, size: int) -> dict[str, Any]:
+    """This rank's ``extra``. At another world size a value the saved ranks did not share
+    (a data loader's position, say) belongs to no rank here: an error naming it, not another
+    rank's value."""
+    (first, *others) = read.values()
+    for key, value in first.items():
+        differ = [i + 1 for i, other in enumerate(others) if not _same_value(other.get(key), value)]
+        if differ:
+            raise CheckpointError(
+                f"checkpoint {path}: extra[{key!r}] differs between the {saved_size} saved ranks "
+                f"(rank 0's differs from rank(s) {differ}), and this job has {size} ranks, so no "
+                "saved rank's value is this rank's. Resume at the saved world size, or save a "
+                "value that every rank shares under that key"
+            )
+    return first
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    """Equal values, tensors (inside dicts and sequences too) compared by dtype, shape and
+    elements."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return type(a) is type(b) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, Mapping) and isinstance(b, Mapping):
+        return a.keys() == b.keys() and all(_same_value(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_same_value, a, b))
+    try:
+        return bool(a == b)
+    except (RuntimeError, TypeError, ValueError):  # no usable ==: compare what was saved
+        return pickle.dumps(a) == pickle.dumps(b)
+
+
 # -- saving ----------------------------------------------------------------------------------------
 def save_checkpoint(
     path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, extra=None
@@ -157,9 +212,14 @@ def save_checkpoint(
 
 def _save(path: str, model: nn.Module, optimizer, extra) -> None:
     world = job_world(model)  # (checkpoints are collective over every rank)
+    with save_lock(path, world.rank == 0) as lock_problem:
+        save_id = _agree_on_destination(world, path, lock_problem)
+        _write(path, save_id, world, model, optimizer, extra)
+
+
+def _write(path: str, save_id: str, world: World, model: nn.Module, optimizer, extra) -> None:
     rank, size = world.rank, world.size
     partial = path + ".partial"
-    _agree_on_destination(world, path)
     if rank == 0:
         if os.path.exists(partial):
             shutil.rmtree(partial)
@@ -170,12 +230,12 @@ def _save(path: str, model: nn.Module, optimizer, extra) -> None:
         state = cs.model_pieces(model, load=False)
         optimizer_entries, _ = _optimizer_entries(model, optimizer, load=False)
         state.update(optimizer_entries)
-        state[EXTRA] = _extra_to_save(extra)
+        state[f"{EXTRA}/{rank}"] = _extra_to_save(extra)
         state[f"rng/{rank}"] = _rng_state()
-        pieces.save(state, partial, single_process=size == 1)
+        pieces.save(state, partial, save_id=save_id, single_process=size == 1)
     if rank == 0:
         os.remove(os.path.join(partial, PARTIAL_MARK))
-        _write_manifest(partial, model, optimizer, size)
+        _write_manifest(partial, model, optimizer, size, save_id)
         _publish(partial, path)
     barrier(world)
 
@@ -188,6 +248,8 @@ def _save(path: str, model: nn.Module, optimizer, extra) -> None:
 # PARTIAL_MARK, or holds only the files a save writes). Anything else there -- a user's
 # directory, a file -- refuses the save before anything is written, on every rank: rank 0
 # decides and tells the others, so that ranks on different views of the path agree.
+# PATH.lock (held by rank 0 through the save, see save_lock) is created and removed by the
+# save; one that is not empty or a flatshard lock refuses the save and stays as it is.
 PARTIAL_MARK = ".flatshard-partial"
 _SAVE_FILES = re.compile(r"(\.metadata|__\d+_\d+\.distcp|flatshard\.json|\.flatshard-partial)")
 
@@ -226,20 +288,89 @@ def destination_problem(path: str) -> str | None:
     return None
 
 
-def _agree_on_destination(world: World, path: str) -> None:
-    problem = (destination_problem(path) or "") if world.rank == 0 else ""
+LOCK_MARK = b"flatshard save lock\n"
+
+
+@contextmanager
+def save_lock(path: str, take: bool) -> Iterator[str | None]:
+    """Hold ``PATH.lock`` (an exclusive ``flock``) for a save to ``path``; yields None when
+    held, else why not (another save holds it, or the file is not a flatshard lock).
+
+    The kernel drops the lock when its holder exits, killed or not, so a killed save never
+    blocks the next one. The holder removes the file before letting go of it; a process that
+    locked a file after it was removed sees that the path no longer names its file and tries
+    again, so two saves never hold two different files.
+    """
+    if not take:
+        yield None
+        return
+    lock = path + ".lock"
+    for _ in range(3):
+        try:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            yield f"cannot open the save lock {lock}: {e.strerror}"
+            return
+        try:
+            problem = _lock(fd, lock, path)
+            if problem != _STALE:
+                try:
+                    yield problem
+                finally:
+                    if problem is None:
+                        os.unlink(lock)
+                return
+        finally:
+            os.close(fd)  # (releases the flock)
+    yield f"cannot take the save lock {lock}: other saves to {path} keep replacing it"
+
+
+_STALE = "removed by the save that held it"
+
+
+def _lock(fd: int, lock: str, path: str) -> str | None:
+    content = os.pread(fd, len(LOCK_MARK) + 1, 0)
+    if content and content != LOCK_MARK:
+        return f"{lock} exists and is not a flatshard save lock: move it away, or choose another path"
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return (
+            f"another save to {path} is in progress (it holds {lock}): two saves to one path at "
+            "once would mix their files; wait for it, or save elsewhere"
+        )
+    try:
+        if os.stat(lock).st_ino != os.fstat(fd).st_ino:
+            return _STALE
+    except FileNotFoundError:
+        return _STALE
+    if not content:
+        os.pwrite(fd, LOCK_MARK, 0)
+    return None
+
+
+def _agree_on_destination(world: World, path: str, lock_problem: str | None) -> str:
+    """Every rank saves to the same ``path``, which rank 0 may write; returns the save's id
+    (rank 0's)."""
+    check_ranks_agree(world, [f"path {os.path.abspath(path)}"], "the checkpoint path of one save")
+    problem = (lock_problem or destination_problem(path) or "") if world.rank == 0 else ""
+    decision = f"{uuid.uuid4().hex}\n{problem}" if world.rank == 0 else ""
     if world.group is not None:
-        problem = all_gather_bytes(problem.encode(), world)[0].decode()
+        decision = all_gather_bytes(decision.encode(), world)[0].decode()
+    save_id, problem = decision.split("\n", 1)
     if problem:
         raise FileExistsError(problem)
+    return save_id
 
 
-def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int) -> None:
+def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int, save_id: str) -> None:
     files = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
     with open(os.path.join(directory, pieces.METADATA), "rb") as f:  # small: the index of the pieces
         metadata_crc = zlib.crc32(f.read())
     manifest = {
         "format": FORMAT,
+        "save_id": save_id,
         "world_size": world_size,
         "stage": _stage(model),
         "optimizer": None if optimizer is None else type(optimizer).__name__,
@@ -339,17 +470,18 @@ def verify_checkpoint(path: str | os.PathLike) -> dict[str, int]:
     manifest = read_manifest(path)
     by_file: dict[str, list] = {}
     for index, info in pieces.reader(path).read_metadata().storage_data.items():
-        by_file.setdefault(info.relative_path, []).append((info, index.fqn))
+        by_file.setdefault(info.relative_path, []).append((info, index))
     counts = {"files": len(manifest["files"]), "checked": 0, "unchecked": 0}
     for name, items in sorted(by_file.items()):
         with open(os.path.join(path, name), "rb") as f:
-            for info, fqn in sorted(items, key=lambda item: item[0].offset):
-                if pieces.DESCRIPTOR not in (info.transform_descriptors or ()):
+            for info, index in sorted(items, key=lambda item: item[0].offset):
+                seed = pieces.item_seed(info.transform_descriptors, manifest.get("save_id"), index)
+                if seed is None:
                     counts["unchecked"] += 1
                     continue
                 f.seek(info.offset)
-                if not pieces.trailer_intact(f.read(info.length)):
-                    raise pieces.mismatch(path, info, fqn)
+                if not pieces.trailer_intact(f.read(info.length), seed):
+                    raise pieces.mismatch(path, info, index.fqn)
                 counts["checked"] += 1
     return counts
 
@@ -378,7 +510,10 @@ def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> d
     manifest = read_manifest(path)
     cs.check_shapes(model, {n: shape for n, (shape, _) in manifest["params"].items()}, f"checkpoint {path}")
     world = job_world(model)  # (checkpoints are collective over every rank)
-    barrier(world)  # every rank is loading (within the deadline) before DCP's own collectives
+    # Every rank loads the same save (within the deadline, before DCP's own collectives).
+    save_id = manifest.get("save_id")
+    which = f"save {save_id}" if save_id else f"checkpoint {os.path.abspath(path)}"
+    check_ranks_agree(world, [which], "which checkpoint to load")
     rank, size = world.rank, world.size
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     same_world = manifest["world_size"] == size
@@ -386,15 +521,16 @@ def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> d
         state = cs.model_pieces(model, load=True)
         optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
         state.update(optimizer_entries)
-        state[EXTRA] = None
+        extra_keys = _extra_keys(saved, rank, same_world)
+        state.update(dict.fromkeys(extra_keys))
         if restore_rng and same_world:
             state[f"rng/{rank}"] = None
-        pieces.load(state, path, single_process=size == 1)
+        pieces.load(state, path, save_id=save_id, single_process=size == 1)
         if finish is not None:
             finish(state)
     if restore_rng and same_world:
         _set_rng_state(state[f"rng/{rank}"])
-    values = state[EXTRA]
+    values = _extra_values(path, {key: state[key] for key in extra_keys}, manifest["world_size"], size)
     for key, target in (extra or {}).items():
         if key not in values:
             raise KeyError(f"checkpoint {path} has no extra entry {key!r} (it has {sorted(values)})")

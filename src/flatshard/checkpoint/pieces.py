@@ -18,7 +18,14 @@ the file: the CRC-32 of its bytes is computed as they are written, with no secon
 stored as 4 bytes right after them; DCP's metadata records the trailer's descriptor with the
 item. A read of an item checks the trailer before DCP unpickles anything, and a mismatch is
 a ``ChecksumError`` naming the file, the key and the byte range. Items written before the
-trailer existed carry no descriptor and load unchecked. A failure on any rank, in a save or
+trailer existed carry no descriptor and load unchecked.
+
+A trailer also binds its item to its save and its place ([Note: checkpoints] in
+``checkpoint/directory.py``): since version 2 the CRC starts not from 0 but from
+``binding(save_id, key, offset)``, the save's id (in ``flatshard.json``) and the item's index.
+A piece file left by another save of the same model, or two files of equal size swapped,
+then fail their checks exactly as corrupted bytes do, naming the file and the key. Version-1
+trailers (unbound) still load. A failure on any rank, in a save or
 a load, reaches every rank as one ``CheckpointError`` that names each failing rank's cause
 (DCP's own ``CheckpointException`` is a ``BaseException``, which ``except Exception`` misses).
 """
@@ -37,7 +44,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, DefaultSavePlanner
 from torch.distributed.checkpoint._extension import ExtensionRegistry, StreamTransformExtension
-from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms
+from torch.distributed.checkpoint.filesystem import _StorageReaderTransforms, _StorageWriterTransforms
 from torch.distributed.checkpoint.metadata import (
     ChunkStorageMetadata,
     MetadataIndex,
@@ -152,16 +159,25 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 
 
 # -- checksums -----------------------------------------------------------------------------------
-DESCRIPTOR = "flatshard.crc32/1"  # recorded with each item in DCP's metadata
+DESCRIPTOR = "flatshard.crc32/1"  # recorded with each item in DCP's metadata: unbound
+BOUND = "flatshard.crc32/2"  # the CRC starts from the item's binding to its save and index
+CHECKED = (DESCRIPTOR, BOUND)
+
+
+def binding(save_id: str, index: MetadataIndex) -> int:
+    """The CRC-32 an item's trailer starts from: its save's id, its key and its offset."""
+    offset = None if index.offset is None else tuple(index.offset)
+    return zlib.crc32(f"{save_id}\0{index.fqn}\0{offset}".encode())
 
 
 class _CrcWriter(io.RawIOBase):
-    """Passes bytes through to ``output``, then appends their CRC-32 when closed."""
+    """Passes bytes through to ``output``, then appends their CRC-32 (started from
+    ``seed``) when closed."""
 
-    def __init__(self, output: IO[bytes]) -> None:
+    def __init__(self, output: IO[bytes], seed: int = 0) -> None:
         super().__init__()
         self.output = output
-        self.crc = 0
+        self.crc = seed
 
     def writable(self) -> bool:
         return True
@@ -205,9 +221,19 @@ class Crc32Trailer(StreamTransformExtension):
         return io.BytesIO(data[:-4])
 
 
-def trailer_intact(data: bytes) -> bool:
-    """Whether one stored item (its bytes, then their CRC-32) is as written."""
-    return len(data) >= 4 and zlib.crc32(memoryview(data)[:-4]) == struct.unpack("<I", data[-4:])[0]
+def trailer_intact(data: bytes, seed: int = 0) -> bool:
+    """Whether one stored item (its bytes, then their CRC-32 started from ``seed``) is as written."""
+    return len(data) >= 4 and zlib.crc32(memoryview(data)[:-4], seed) == struct.unpack("<I", data[-4:])[0]
+
+
+def item_seed(descriptors, save_id: str | None, index: MetadataIndex) -> int | None:
+    """What an item's trailer starts from (None: it has no trailer)."""
+    descriptors = tuple(descriptors or ())
+    if BOUND in descriptors:
+        if save_id is None:
+            raise CheckpointError(f"{index.fqn!r} is bound to a save, but the manifest names no save id")
+        return binding(save_id, index)
+    return 0 if DESCRIPTOR in descriptors else None
 
 
 def mismatch(path: str, info, key: str) -> ChecksumError:
@@ -215,30 +241,52 @@ def mismatch(path: str, info, key: str) -> ChecksumError:
     storage info) do not match their trailer."""
     where = os.path.join(path, info.relative_path)
     span = f"bytes {info.offset}..{info.offset + info.length}"
-    return ChecksumError(f"{where}: {key!r} ({span}) does not match the checksum written with it: corrupted")
+    return ChecksumError(
+        f"{where}: {key!r} ({span}) does not match the checksum written with it: corrupted, or "
+        "the file belongs to another save"
+    )
 
 
 class _NamingTransforms(_StorageReaderTransforms):
-    """DCP's read transforms, with a checksum mismatch named by file, key and byte range."""
+    """DCP's read transforms, with each item checked against its trailer (bound to save
+    ``save_id`` and the item's index) and a mismatch named by file, key and byte range."""
 
-    def __init__(self, reader: dcp.FileSystemReader) -> None:
+    def __init__(self, reader: dcp.FileSystemReader, save_id: str | None) -> None:
         registry = ExtensionRegistry()
         registry.register(Crc32Trailer)
         super().__init__(registry)
-        self.reader = reader
+        self.reader, self.save_id = reader, save_id
 
     def transform_load_stream(self, read_item: ReadItem, transform_descriptors, raw_stream):
-        try:
-            return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
-        except ChecksumError:
-            info = self.reader.storage_data[read_item.storage_index]
-            raise mismatch(str(self.reader.path), info, read_item.storage_index.fqn) from None
+        index = read_item.storage_index
+        if BOUND not in tuple(transform_descriptors or ()):
+            try:
+                return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
+            except ChecksumError:
+                raise mismatch(str(self.reader.path), self.reader.storage_data[index], index.fqn) from None
+        data = raw_stream.read(-1)
+        if not trailer_intact(data, item_seed(transform_descriptors, self.save_id, index)):
+            raise mismatch(str(self.reader.path), self.reader.storage_data[index], index.fqn)
+        return io.BytesIO(data[:-4])
 
 
-def reader(path: str) -> dcp.FileSystemReader:
-    """A DCP reader of ``path`` that checks every item's checksum trailer."""
+class _BindingTransforms(_StorageWriterTransforms):
+    """Each item's bytes followed by their CRC-32 started from ``binding(save_id, index)``."""
+
+    def __init__(self, save_id: str) -> None:
+        super().__init__(())
+        self.save_id = save_id
+
+    def transform_save_stream(self, write_item: WriteItem, raw_stream):
+        stream, _ = super().transform_save_stream(write_item, raw_stream)
+        return _CrcWriter(stream, binding(self.save_id, write_item.index)), [BOUND]
+
+
+def reader(path: str, save_id: str | None = None) -> dcp.FileSystemReader:
+    """A DCP reader of ``path`` that checks every item's checksum trailer (bound to save
+    ``save_id``, the id in the checkpoint's manifest)."""
     out = dcp.FileSystemReader(path)
-    out.transforms = _NamingTransforms(out)
+    out.transforms = _NamingTransforms(out, save_id)
     return out
 
 
@@ -255,24 +303,30 @@ METADATA = ".metadata"  # DCP's index of the items: where each one lies, in whic
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
 
-def save(state_dict: dict[str, Any], path: str, *, single_process: bool) -> None:
-    """``state_dict`` (``Piece``s and anything else) into checkpoint directory ``path``."""
+def save(state_dict: dict[str, Any], path: str, *, save_id: str, single_process: bool) -> None:
+    """``state_dict`` (``Piece``s and anything else) into checkpoint directory ``path``,
+    every item bound to save ``save_id``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
-        writer = dcp.FileSystemWriter(path, _extensions=[Crc32Trailer()])
+        writer = dcp.FileSystemWriter(path)
+        writer.transforms = _BindingTransforms(save_id)
         try:
             dcp.save(state_dict, storage_writer=writer, planner=PieceSavePlanner(), no_dist=single_process)
         except CheckpointException as e:
             raise _rank_failures(e, "saving", path) from None
 
 
-def load(state_dict: dict[str, Any], path: str, *, single_process: bool) -> None:
-    """Fill ``state_dict``'s ``Piece``s, tensors and placeholders from checkpoint ``path``."""
+def load(state_dict: dict[str, Any], path: str, *, save_id: str | None, single_process: bool) -> None:
+    """Fill ``state_dict``'s ``Piece``s, tensors and placeholders from checkpoint ``path``
+    (of save ``save_id``)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         try:
             dcp.load(
-                state_dict, storage_reader=reader(path), planner=PieceLoadPlanner(), no_dist=single_process
+                state_dict,
+                storage_reader=reader(path, save_id),
+                planner=PieceLoadPlanner(),
+                no_dist=single_process,
             )
         except CheckpointException as e:
             raise _rank_failures(e, "loading", path) from None

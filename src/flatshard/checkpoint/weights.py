@@ -67,12 +67,14 @@ def export_checkpoint(
     for alias, name in manifest.get("aliases", {}).items():
         entries[alias] = entries[name]._replace(name=alias)
     listed = list(entries.values())
-    write_state_file(os.fspath(out), listed, partial(_read_checkpoint, path, saved, chunk_bytes))
+    write_state_file(
+        os.fspath(out), listed, partial(_read_checkpoint, path, manifest.get("save_id"), saved, chunk_bytes)
+    )
     return listed
 
 
 def _read_checkpoint(
-    path: str, saved: dict[str, Any], chunk_bytes: int, entries: list[Entry]
+    path: str, save_id: str | None, saved: dict[str, Any], chunk_bytes: int, entries: list[Entry]
 ) -> Iterator[tuple[Entry, torch.Tensor]]:
     """Each entry's data in order, as 1-D chunks of at most ``chunk_bytes``, read from the
     checkpoint a batch of chunks at a time."""
@@ -85,19 +87,21 @@ def _read_checkpoint(
         for lo in range(0, max(entry.numel, 1), step):
             hi = min(entry.numel, lo + step)
             if entry.source in batch or (order and held + (hi - lo) * stored.itemsize > chunk_bytes):
-                yield from _load_batch(path, batch, order)
+                yield from _load_batch(path, save_id, batch, order)
                 held = 0
             piece = Piece(entry.numel, lo, torch.empty(hi - lo, dtype=stored))
             if hi > lo:
                 batch[entry.source] = piece
             order.append((entry, piece))
             held += (hi - lo) * stored.itemsize
-    yield from _load_batch(path, batch, order)
+    yield from _load_batch(path, save_id, batch, order)
 
 
-def _load_batch(path: str, batch: dict[str, Piece], order: list) -> Iterator[tuple[Entry, torch.Tensor]]:
+def _load_batch(
+    path: str, save_id: str | None, batch: dict[str, Piece], order: list
+) -> Iterator[tuple[Entry, torch.Tensor]]:
     if batch:
-        pieces.load(batch, path, single_process=True)
+        pieces.load(batch, path, save_id=save_id, single_process=True)
     for entry, piece in order:
         yield entry, piece.tensor.to(entry.dtype)
     batch.clear()

@@ -54,11 +54,12 @@ from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
 from flatshard.layout import ShardRanges
 from flatshard.mixed_precision import HALF_DTYPES
+from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.shard_map import Run, plan_runs
-from flatshard.wrap.module import ShardedModule, ShardState
+from flatshard.wrap.module import ShardedModule, ShardState, job_world
 
 
 @dataclass
@@ -77,6 +78,16 @@ class BufferShards:
 
     def grad_shards(self) -> list[torch.Tensor]:
         return [self.buffer.grad_shard(b) for b in self.buckets]
+
+    def nonfinite_grads(self) -> list[str]:
+        """Names of the params whose grad pieces on this rank hold inf or NaN (a slow loop:
+        only to say why a step was skipped)."""
+        names = []
+        for bucket, grad in zip(self.buckets, self.grad_shards(), strict=True):
+            for piece in bucket.local_ranges(self.buffer.rank):
+                if not bool(torch.isfinite(grad[slice(*piece.in_shard)]).all()):
+                    names.append(piece.name)
+        return names
 
     def load_main_from_params(self) -> None:
         if self.main_data is not None and not self.buffer.shard_dropped:
@@ -215,6 +226,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._found_inf = False
         self._grad_norm = torch.zeros(())  # of the grads as they are now (unscaled)
         self._grad_factor = 1.0  # multiplier not yet applied to the grad shards
+        members = [[n for n, g in group_of.items() if g == i] for i in range(len(groups))]
+        self._settings = SettingsCheck(job_world(model), members)
+        self._settings.check(self.inner)
+        self._norm_checked_settings = False
         if loss_scale is None and any(s.buffer.layout.dtype == torch.float16 for s in self._buffer_shards):
             warnings.warn(
                 "fp16 params without loss scaling: small grads underflow to zero in fp16; pass "
@@ -303,7 +318,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
         generation = self._sharded.grad_sync.generation
         if self._prepared_at == generation:
             return
-        norm_sq = _global_norm_sq(self._sharded, self._buffer_shards)
+        norm_sq, riding = _global_norm_sq(self._sharded, self._buffer_shards, self._settings, self.inner)
+        if riding is not None:
+            self._settings.after_riding(self.inner, *riding)
+            self._norm_checked_settings = True
         finite = math.isfinite(norm_sq.item())
         self._found_inf = not finite
         self._grad_norm = (norm_sq.sqrt() / self.loss_scale).float()
@@ -316,16 +334,25 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._grad_factor = 1.0
 
     @torch.no_grad()
-    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+    def clip_grad_norm_(
+        self, max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+    ) -> torch.Tensor:
         """Scale grads so that their global 2-norm is at most ``max_norm``; return the norm
-        before clipping (of the unscaled grads; inf or NaN when they overflowed)."""
+        before clipping (of the unscaled grads; inf or NaN when they overflowed, which
+        ``error_if_nonfinite`` makes a ``RuntimeError``, as in torch's ``clip_grad_norm_``)."""
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")
+        _check_max_norm(max_norm)
         self._check_grads_synced()
         if self._sharded.grad_sync.grads is Grads.EMPTY:
             return torch.zeros(())  # no grads since zero_grad, as torch reports for no grads
         self._prepare_grads()
         norm = self._grad_norm
+        if self._found_inf and error_if_nonfinite and self.loss_scaler is None:
+            raise RuntimeError(
+                f"the total norm of the grads is {norm.item()}: non-finite, so it cannot be clipped "
+                f"({self._nonfinite_names()})"
+            )
         if not self._found_inf:
             coef = min(float(max_norm) / (norm.item() + 1e-6), 1.0)
             self._grad_factor *= coef
@@ -362,13 +389,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 self.skipped_steps += 1
                 if self.loss_scaler is not None:
                     self.loss_scaler.update(True)
+                else:
+                    self._warn_skipped()
                 return
+        if not self._norm_checked_settings:
+            self._settings.after_step(self.inner)
+        self._norm_checked_settings = False
         self._apply_grad_factor()
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
         self.inner.step()
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
         self._publish_params()
+
+    def check_settings(self) -> None:
+        """Raise ``ValueError`` on every rank (every rank calls this) if the ranks' param
+        groups or hyperparameters differ, naming the first difference; checkpoints call it
+        before saving ([Note: never silent] in ``errors.py``)."""
+        self._settings.check(self.inner)
+
+    def _nonfinite_names(self, most: int = 8) -> str:
+        """Which params have non-finite grads on this rank, in words."""
+        names = [name for shards in self._buffer_shards for name in shards.nonfinite_grads()]
+        rank = self._buffer_shards[0].buffer.rank if self._buffer_shards else 0
+        if not names:
+            return f"rank {rank} holds no non-finite grad: another rank does"
+        more = f" and {len(names) - most} more" if len(names) > most else ""
+        return f"params with non-finite grads on rank {rank}: " + ", ".join(map(repr, names[:most])) + more
+
+    def _warn_skipped(self) -> None:
+        """Without a loss scaler a non-finite grad is no fp16 overflow that the next scale
+        fixes: it is a bug upstream (at stage 3, often a param read outside its unit, whose
+        stand-in is NaN), so every such skip says so, naming the params."""
+        warnings.warn(
+            f"DistributedOptimizer skipped step {self.skipped_steps} of this run: the grads hold "
+            f"inf or NaN, and there is no loss scaler, so this is not an fp16 overflow "
+            f"({self._nonfinite_names()}). At stage 3 a param read outside its unit's forward "
+            "reads a NaN stand-in (use summon_full_params). skip_nonfinite=False steps anyway; "
+            "clip_grad_norm_(error_if_nonfinite=True) raises",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     @property
     def last_step_skipped(self) -> bool:
@@ -478,8 +539,20 @@ def _sharded_state(model: nn.Module) -> ShardState:
     return model.flatshard_state
 
 
-def _global_norm_sq(state: ShardState, shards: list[BufferShards]) -> torch.Tensor:
-    """Squared 2-norm of every grad element of the model, counted once (fp64, 0-d).
+def _check_max_norm(max_norm: object) -> None:
+    """A number >= 0 (inf: no clipping), as torch's own optimizers check their arguments: a
+    NaN would make every param NaN, a negative one reverse the update."""
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping), got {max_norm!r}")
+
+
+def _global_norm_sq(
+    state: ShardState, shards: list[BufferShards], settings: SettingsCheck, inner: torch.optim.Optimizer
+) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
+    """Squared 2-norm of every grad element of the model, counted once (fp64, 0-d), and the
+    settings digests that rode on its all-reduce with the number of ranks (None without one).
 
     Shards are unique within their world; a replicated (stage 0) buffer is held whole by
     each of its world's ranks, so its share is divided by that world's size before the sum
@@ -497,6 +570,8 @@ def _global_norm_sq(state: ShardState, shards: list[BufferShards]) -> torch.Tens
         sq = torch.stack(torch._foreach_norm(grads)).double().square().sum()
         replicas = 1 if (local_only or state.policy.shards_optimizer) else s.world.size
         total += sq / replicas
-    if not local_only:
-        all_reduce(total, world, stats=state.stats).wait()
-    return total
+    if local_only:
+        return total, None
+    carried = torch.cat([total.reshape(1), settings.riding(inner, device)])
+    all_reduce(carried, world, stats=state.stats).wait()
+    return carried[0], (carried[1:], world.size)

@@ -1,0 +1,194 @@
+"""Never silent ([Note: never silent] in errors.py): cases that trained wrong without a word
+now either follow DDP or raise a documented exception naming the value, param or rank.
+
+Ranks whose optimizer settings differ (at construction, or later by a scheduler stepped on
+one rank), a NaN or negative ``max_norm``, a step skipped for a NaN that no loss scaler
+explains, and (at stage 3) a param read outside its unit's forward.
+"""
+
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import flatshard
+from _parity import TiedGPT, decay_groups
+from flatshard import DistributedOptimizer
+from flatshard.data import SyntheticCorpus
+from flatshard.optim import agreement
+from flatshard.testing import run_distributed
+
+CORPUS = SyntheticCorpus(64, 16)
+
+
+def _model_and_opt(stage: int, lr: float = 1e-2, shard_kwargs=None, **opt_kwargs):
+    torch.manual_seed(0)
+    model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=3000, **(shard_kwargs or {}))
+    opt = DistributedOptimizer(model, torch.optim.AdamW, params=decay_groups(model), lr=lr, **opt_kwargs)
+    return model, opt
+
+
+def _train_step(model, opt, step: int) -> float:
+    x, y = CORPUS.batch(step, dist.get_rank() if dist.is_initialized() else 0, 4)
+    loss = model(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _construct_with_rank_lr(stage: int) -> str:
+    try:
+        _model_and_opt(stage, lr=1e-2 * (1 + dist.get_rank()))
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_ranks_with_different_hyperparameters_are_refused_at_construction(stage):
+    for message in run_distributed(_construct_with_rank_lr, 2, stage):
+        assert "ranks disagree on the optimizer's settings" in message
+        assert "lr=0.02" in message and "lr=0.01" in message and "rank 1" in message
+
+
+def _construct_with_rank_groups() -> str:
+    torch.manual_seed(0)
+    model = flatshard.shard(TiedGPT(), stage=2, bucket_size=3000)
+    groups = decay_groups(model)
+    if dist.get_rank() == 1:
+        groups = groups[:1]  # the no-decay params left out on one rank
+    try:
+        DistributedOptimizer(model, torch.optim.AdamW, params=groups, lr=1e-2)
+    except ValueError as e:
+        return str(e)
+    return "built"
+
+
+def test_ranks_with_different_param_groups_are_refused_at_construction():
+    for message in run_distributed(_construct_with_rank_groups, 2):
+        assert "ranks disagree on the optimizer's settings" in message, message
+        assert "rank 1" in message
+
+
+def _scheduler_on_one_rank(stage: int, skip_nonfinite: bool, steps: int) -> dict:
+    model, opt = _model_and_opt(stage, skip_nonfinite=skip_nonfinite)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    done = 0
+    try:
+        for step in range(steps):
+            _train_step(model, opt, step)
+            done += 1
+            if dist.get_rank() == 1:
+                sched.step()  # only here: rank 1's lr halves, rank 0's stays
+    except ValueError as e:
+        return {"steps": done, "error": str(e)}
+    return {"steps": done, "error": None}
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_scheduler_stepped_on_one_rank_is_caught_at_the_next_step(stage):
+    """The digest rides on the grad norm's all-reduce, so the very next step names it."""
+    for result in run_distributed(_scheduler_on_one_rank, 2, stage, True, 4):
+        assert result["steps"] == 1, result
+        assert "ranks disagree on the optimizer's settings" in result["error"]
+        assert "lr=0.005" in result["error"]
+
+
+def test_without_a_norm_the_settings_are_checked_every_check_every_steps(monkeypatch):
+    """Stage 0 (no norm all-reduce) and skip_nonfinite=False: caught within CHECK_EVERY steps."""
+    monkeypatch.setattr(agreement, "CHECK_EVERY", 3)
+    for stage in (0, 2):
+        for result in run_distributed(_patched_check_every, 2, stage):
+            # the third step checks, before it updates: rank 1's scheduler halved its lr twice
+            assert result["steps"] == 2 and "lr=0.0025" in result["error"], result
+
+
+def _patched_check_every(stage: int) -> dict:
+    agreement.CHECK_EVERY = 3  # (the ranks are new processes)
+    return _scheduler_on_one_rank(stage, False, 6)
+
+
+def _save_after_disagreeing(path: str) -> str:
+    model, opt = _model_and_opt(1, skip_nonfinite=False)
+    _train_step(model, opt, 0)
+    if dist.get_rank() == 0:
+        opt.param_groups[0]["weight_decay"] = 0.5
+    try:
+        flatshard.save_checkpoint(path, model, opt)
+    except ValueError as e:
+        return str(e)
+    return "saved"
+
+
+def test_a_save_checks_the_settings_first(tmp_path):
+    path = str(tmp_path / "ckpt")
+    for message in run_distributed(_save_after_disagreeing, 2, path):
+        assert "ranks disagree on the optimizer's settings" in message and "weight_decay=0.5" in message
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, float("-inf"), "1.0", None, True])
+def test_clip_grad_norm_refuses_a_max_norm_torch_would_misuse(bad):
+    model, opt = _model_and_opt(2)
+    x, y = CORPUS.batch(0, 0, 4)
+    model(x, y).backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=rf"max_norm must be a number >= 0 .*got {bad!r}"):
+        opt.clip_grad_norm_(bad)
+    opt.clip_grad_norm_(float("inf"))  # inf: the norm, no clipping (as in torch)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+
+
+def _nan_on_rank_1(stage: int, error_if_nonfinite: bool) -> dict:
+    model, opt = _model_and_opt(stage)
+    x, y = CORPUS.batch(0, dist.get_rank(), 4)
+    loss = model(x, y)
+    if dist.get_rank() == 1:
+        loss = loss * float("nan")
+    loss.backward()
+    out = {"error": None, "warnings": []}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            opt.clip_grad_norm_(1.0, error_if_nonfinite=error_if_nonfinite)
+            opt.step()
+        except RuntimeError as e:
+            out["error"] = str(e)
+    out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    out["skipped"] = opt.last_step_skipped
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_skipped_step_without_a_loss_scaler_warns_naming_the_params(stage):
+    rank0, rank1 = run_distributed(_nan_on_rank_1, 2, stage, False)
+    for result in (rank0, rank1):
+        assert result["skipped"] and len(result["warnings"]) == 1
+        assert "not an fp16 overflow" in result["warnings"][0]
+    for rank, result in enumerate((rank0, rank1)):  # (the reduction spread rank 1's NaN to both shards)
+        assert f"params with non-finite grads on rank {rank}: '" in result["warnings"][0]
+
+
+def test_error_if_nonfinite_raises_on_every_rank():
+    for result in run_distributed(_nan_on_rank_1, 2, 2, True):
+        assert "non-finite, so it cannot be clipped" in result["error"]
+
+
+def _read_outside_the_unit() -> dict:
+    """A weight used in the loss after ``model(x)`` reads its unit's NaN stand-in: the step
+    is not silently skipped any more; the warning names the params."""
+    model, opt = _model_and_opt(3, shard_kwargs={"unit_bytes": None, "backward_prefetch": "post"})
+    x, y = CORPUS.batch(0, dist.get_rank(), 4)
+    loss = model(x, y) + 1e-3 * model.blocks[0].fc.weight.square().sum()
+    loss.backward()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt.step()
+    return {"loss": loss.item(), "warnings": [str(w.message) for w in caught]}
+
+
+def test_a_param_read_outside_its_unit_at_stage_3_is_not_silent():
+    for result in run_distributed(_read_outside_the_unit, 2):
+        assert any("NaN stand-in" in w and "blocks.0.fc.weight" in w for w in result["warnings"]), result
