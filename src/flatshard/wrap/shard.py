@@ -70,7 +70,8 @@ def shard(
     grad_scale: float | None = None,
     expert: ExpertGroup | None = None,
     find_unused_parameters: bool = False,
-    sync_module_states: bool = False,
+    sync_module_states: bool = True,
+    broadcast_buffers: bool = True,
     pad_for_high_busbw: bool = False,
     mixed_precision: MixedPrecision | None = None,
     units: UnitSpec = None,
@@ -109,7 +110,12 @@ def shard(
         expert: params that reduce over another group (see ``ExpertGroup``).
         find_unused_parameters: as in DDP: a param that got no grad on any rank keeps
             ``grad=None`` (one extra small all-reduce per step); otherwise its grad is zero.
-        sync_module_states: start from rank 0's params and buffers.
+        sync_module_states: start from rank 0's params and buffers (the default, as torch
+            DDP does at every stage: ranks built from different seeds would otherwise train
+            apart); False keeps each rank's own, which must then be equal.
+        broadcast_buffers: before each forward, copy rank 0's buffers (BatchNorm's running
+            statistics, ...) to every rank, in one coalesced broadcast per dtype, as torch
+            DDP does by default; False leaves each rank's buffers its own.
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
         mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
         whole_params: params (or a predicate ``(name, param) -> bool``) that a sharded layout
@@ -180,6 +186,7 @@ def shard(
         grad_scale=grad_scale,
         find_unused_parameters=find_unused_parameters,
         sync_module_states=sync_module_states,
+        broadcast_buffers=broadcast_buffers,
         pad_for_high_busbw=pad_for_high_busbw,
     )
     _check_agreement(parts, config, specs_of)
@@ -199,6 +206,12 @@ def shard(
     if meta:
         worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
         initialize_units(module, sharded.flatshard_state.unsharder, param_init_fn, device, worlds)
+    if (
+        broadcast_buffers
+        and any(w.size > 1 for w in (world, replicate))
+        and any(True for _ in module.buffers())
+    ):
+        sharded.register_forward_pre_hook(eager(_buffer_broadcast_hook((world, replicate))))
     if mp.param_dtype is not None:
         sharded.register_forward_pre_hook(
             eager(_mixed_precision_hook(sharded.flatshard_state, mp)), with_kwargs=True
@@ -300,6 +313,19 @@ def _broadcast_before_binding(module: nn.Module, parts, originals, worlds) -> No
     pairs += [(t, w) for t in unsharded_tensors(module) if id(t) not in in_parts for w in worlds]
     pairs += [(t, w) for t in originals.values() for w in worlds]
     broadcast_values(pairs)
+
+
+def _buffer_broadcast_hook(worlds: tuple[World, World]):
+    """Rank 0's buffers on every rank before each forward (within each shard row, then across
+    rows), coalesced: the buffers are looked up each time, so a buffer a module replaces
+    after wrapping is broadcast too."""
+
+    def hook(module: nn.Module, args: tuple) -> None:
+        buffers = list(module.buffers())
+        for w in worlds:  # one after the other: rank 0's row, then from it across the rows
+            broadcast_values([(b, w) for b in buffers])
+
+    return hook
 
 
 def _mixed_precision_hook(state: ShardState, mp: MixedPrecision):
