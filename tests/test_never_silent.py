@@ -243,3 +243,39 @@ def test_ranks_seeded_apart_and_batchnorm_buffers_follow_ddp(stage, broadcast_bu
     never synchronised."""
     for result in run_distributed(_batchnorm_side_by_side, 3, stage, broadcast_buffers):
         assert result["params"] < 1e-5 and result["buffers"] < 1e-5, result
+
+
+def _freeze(model):
+    model.blocks[0].fc.weight.requires_grad_(False)
+
+
+def _unfreeze(model):
+    model.blocks[0].ln1.weight.requires_grad_(True)  # (TiedGPT freezes it)
+
+
+def _replace(model):
+    model.blocks[0].fc.weight = nn.Parameter(torch.zeros_like(model.blocks[0].fc.weight))
+
+
+def _add_module(model):
+    model.blocks[0].extra = nn.Linear(2, 2)
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize(
+    ("change", "named"),
+    [
+        (_freeze, r"param 'blocks\.0\.fc\.weight' has requires_grad=False, True when wrapped"),
+        (_unfreeze, r"param 'blocks\.0\.ln1\.weight' has requires_grad=True, False when wrapped"),
+        (_replace, r"param 'blocks\.0\.fc\.weight' was replaced by another nn\.Parameter"),
+        (_add_module, r"module 'blocks\.0' has child modules \[.*'extra'\]"),
+    ],
+    ids=["freeze", "unfreeze", "replace", "add-module"],
+)
+def test_a_change_after_wrapping_is_named_at_the_next_forward(stage, change, named):
+    """They were ignored: the new param never trained, the frozen one still stepped."""
+    model, opt = _model_and_opt(stage)
+    _train_step(model, opt, 0)
+    change(model)
+    with pytest.raises(RuntimeError, match=named + r".* after shard\(\)"):
+        _train_step(model, opt, 1)

@@ -38,6 +38,7 @@ from flatshard.stage3.build import (
     is_meta_model,
     replace_meta_params,
 )
+from flatshard.wrap.changes import WrappedTree
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
 
@@ -206,17 +207,21 @@ def shard(
     if meta:
         worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
         initialize_units(module, sharded.flatshard_state.unsharder, param_init_fn, device, worlds)
-    if (
-        broadcast_buffers
-        and any(w.size > 1 for w in (world, replicate))
-        and any(True for _ in module.buffers())
-    ):
-        sharded.register_forward_pre_hook(eager(_buffer_broadcast_hook((world, replicate))))
+    _add_forward_pre_hooks(sharded, mp, (world, replicate) if broadcast_buffers else None)
+    return sharded
+
+
+def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_worlds) -> None:
+    """The root's own: the check that nothing was replaced since wrapping (first), rank 0's
+    buffers (``broadcast_buffers``: ``buffer_worlds``), the mixed-precision input cast."""
+    tree = WrappedTree(sharded)
+    sharded.register_forward_pre_hook(eager(tree.hook), prepend=True)
+    if buffer_worlds and any(w.size > 1 for w in buffer_worlds) and any(True for _ in sharded.buffers()):
+        sharded.register_forward_pre_hook(eager(_buffer_broadcast_hook(buffer_worlds)))
     if mp.param_dtype is not None:
         sharded.register_forward_pre_hook(
             eager(_mixed_precision_hook(sharded.flatshard_state, mp)), with_kwargs=True
         )
-    return sharded
 
 
 def _agreement_lines(
