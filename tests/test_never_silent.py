@@ -279,3 +279,46 @@ def test_a_change_after_wrapping_is_named_at_the_next_forward(stage, change, nam
     change(model)
     with pytest.raises(RuntimeError, match=named + r".* after shard\(\)"):
         _train_step(model, opt, 1)
+
+
+class EmptyParamNet(nn.Module):
+    """Params of no elements, trainable and frozen, beside ordinary ones (DDP and FSDP2 train
+    such models; flatshard refused them)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 1)
+        self.empty = nn.Parameter(torch.zeros(0, 16))
+        self.empty_frozen = nn.Parameter(torch.zeros(3, 0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.fc1(x)) + self.empty.sum(0) + self.empty_frozen.sum()
+        return nn.functional.mse_loss(self.fc2(h), y)
+
+
+def _empty_params_side_by_side(stage: int, path: str, steps: int = 3) -> dict:
+    torch.manual_seed(0)
+    reference = DDP(EmptyParamNet())
+    torch.manual_seed(0)
+    ours = flatshard.shard(EmptyParamNet(), stage=stage)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
+    opt = DistributedOptimizer(ours, torch.optim.SGD, params=list(ours.parameters()), lr=0.1, momentum=0.9)
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + 10 * step + dist.get_rank())
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+        for model, o in ((reference, ref_opt), (ours, opt)):
+            model(x, y).backward()
+            o.step()
+            o.zero_grad()
+    flatshard.save_checkpoint(path, ours, opt)
+    flatshard.load_checkpoint(path, ours, opt)
+    pairs = zip(full_params(ours), reference.module.parameters(), strict=True)
+    return {"params": max(max_rel_diff(p, q) for p, q in pairs if q.numel())}
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_params_of_no_elements_train_at_every_stage(tmp_path, stage, world_size):
+    """SGD + momentum: within 1e-5 of DDP ([Note: parity tolerances]); and they checkpoint."""
+    for result in run_distributed(_empty_params_side_by_side, world_size, stage, str(tmp_path / "ckpt")):
+        assert result["params"] < 1e-5, result

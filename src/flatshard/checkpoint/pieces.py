@@ -140,6 +140,8 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         items: list[ReadItem] = []
         saved = self.metadata.state_dict_metadata
         for fqn, piece in self.pieces.items():
+            if piece.numel == 0:
+                continue  # a tensor of no elements: nothing was written, nothing to read
             md = saved.get(fqn)
             if not isinstance(md, TensorStorageMetadata):
                 raise KeyError(f"the checkpoint has no tensor {fqn!r}")

@@ -141,6 +141,8 @@ def param_groups(
         members = [members] if isinstance(members, torch.Tensor) else list(members)
         for p in members:
             name = names.get(id(p))
+            if name is None and isinstance(p, torch.Tensor) and p.numel() == 0:
+                continue  # a param of no elements has nothing to step (kept out of the buffers)
             if name is None:
                 raise ValueError(
                     f"param group {index} holds a tensor of shape {tuple(p.shape)} that is not a trainable "

@@ -256,7 +256,10 @@ def _frozen_kept_whole(module: nn.Module, policy: StagePolicy, expert, ignored_m
     return {
         key
         for key, (n, p) in frozen.items()
-        if key in ignored or not p.is_floating_point() or (expert is not None and expert.match(n, p))
+        if key in ignored
+        or not p.is_floating_point()
+        or p.numel() == 0  # (nothing to shard)
+        or (expert is not None and expert.match(n, p))
     }
 
 
@@ -295,7 +298,7 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
     """(trainable named params, whether the model is on meta, the device, fp32 originals):
     a meta model gets placeholders on ``device`` (its frozen params too, unless kept
     ``whole``); params are cast to ``mp.param_dtype``."""
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named = _trainable(module)
     if not named:
         raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
     meta = is_meta_model(named)
@@ -306,9 +309,15 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
         originals = {}  # the main params start from the initialized values
         device = _default_device() if device is None else torch.device(device)
         replace_meta_params(module, device, whole)
-    named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    named = _trainable(module)
     _check_devices(named)
     return named, meta, device, originals
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The params the flat buffers hold. A param of no elements has nothing to reduce, shard
+    or step: it stays a plain param on every rank, as under DDP and FSDP2."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel() > 0]
 
 
 def _broadcast_before_binding(module: nn.Module, parts, originals, worlds) -> None:
