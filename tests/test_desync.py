@@ -97,3 +97,60 @@ def test_even_batches_stops_every_rank_at_the_shortest_ranks_end(stage):
 def test_a_timeout_that_is_not_a_positive_duration_is_refused(bad):
     with pytest.raises(ValueError, match=rf"timeout must be a positive .* got {bad!r}"):
         flatshard.shard(torch.nn.Linear(2, 2), timeout=bad)
+
+
+_RANK_0_DIES = """
+import os, signal, sys, torch, torch.distributed as dist
+import flatshard
+from flatshard.data import SyntheticCorpus
+from flatshard.models import GPT, GPTConfig
+torch.set_num_threads(1)
+rank, stage = int(os.environ["RANK"]), int(sys.argv[1])
+dist.init_process_group("gloo")  # env://: rank 0 hosts the store, as without torchrun's agent
+cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+torch.manual_seed(0)
+model = flatshard.shard(GPT(cfg), stage=stage, bucket_size=3000, timeout=2.0)
+opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+corpus = SyntheticCorpus(64, 16)
+try:
+    for step in range(3):
+        if step == 1 and rank == 0:
+            os.kill(os.getpid(), signal.SIGKILL)  # gone without a word: nothing published
+        model(*corpus.batch(step, rank, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+except flatshard.DesyncError as e:
+    print(e)
+    sys.exit(3)
+"""
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_when_rank_0_dies_the_error_names_it(stage, tmp_path):
+    """Without torchrun's agent, rank 0 hosts the job's store, which the positions are read
+    from: its death used to leave every rank 'no position published', naming nobody."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _RANK_0_DIES, str(stage)],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert procs[0].returncode == -9
+    assert procs[1].returncode == 3, outs[1]
+    error = outs[1][0]
+    assert "stopped answering" in error and "rank 0 has most likely exited" in error, error
+    assert f"127.0.0.1:{port}" in error, error

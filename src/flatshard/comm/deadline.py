@@ -143,7 +143,9 @@ HERE = Position()
 def describe(where: dict | None, now: float) -> str:
     """One rank's position in words."""
     if where is None:
-        return "no position published (it has not wrapped a model, or its store is unreachable)"
+        return "no position published (it has not wrapped a model)"
+    if where is STORE_GONE:
+        return "unknown: the job's store does not answer"
     if where["phase"] == Phase.EXITED.value:
         done = where["step"] - 1
         return f"exited after {done} step{'s' if done != 1 else ''}"
@@ -243,8 +245,19 @@ def positions(ranks: list[int], wait: float = 3 * PUBLISH_EVERY) -> dict[int, di
             key = _key(rank)
             found[rank] = json.loads(_PUBLISHER.store.get(key)) if _PUBLISHER.store.check([key]) else None
         except (RuntimeError, ValueError):
-            found[rank] = None
+            found[rank] = STORE_GONE
     return found
+
+
+STORE_GONE = {"phase": "store gone"}
+"""A position that could not be read because the job's store did not answer."""
+
+
+def _store_host() -> str:
+    store = getattr(_PUBLISHER, "store", None)
+    while store is not None and not hasattr(store, "host"):  # a PrefixStore around the TCPStore
+        store = getattr(store, "underlying_store", None)
+    return f"{store.host}:{store.port}" if store is not None else "its host"
 
 
 def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
@@ -255,6 +268,11 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
     if _PUBLISHER is not None:  # the others keep reading where this rank failed, not its exit
         _PUBLISHER.stopped.set()
     lines = [f"  rank {r}: {describe(where, now)}" for r, where in found.items()]
+    if any(where is STORE_GONE for where in found.values()):
+        lines.append(
+            f"  the job's rendezvous store ({_store_host()}) stopped answering: the process that "
+            "hosts it has exited. Without torchrun's agent that is rank 0, so rank 0 has most likely exited"
+        )
     limit = watched.timeout.total_seconds() if watched.timeout else None
     if limit is not None and now - since >= 0.9 * limit:
         what = f"did not complete within its deadline of {limit:g} s"
