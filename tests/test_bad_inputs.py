@@ -113,6 +113,74 @@ def _step_without_optimizer(tmp: Path) -> None:
     model(torch.randn(3, 4)).sum().backward()
 
 
+def _clip(max_norm: object, **kw) -> Callable[[Path], object]:
+    def run(tmp: Path) -> object:
+        model = _sharded()
+        opt = _opt(model, lr=1e-2)
+        model(torch.randn(3, 4)).sum().backward()
+        return opt.clip_grad_norm_(max_norm, **kw)
+
+    return run
+
+
+def _nan_grads_clipped(tmp: Path) -> object:
+    model = _sharded()
+    opt = _opt(model, lr=1e-2)
+    (model(torch.randn(3, 4)).sum() * float("nan")).backward()
+    return opt.clip_grad_norm_(1.0, error_if_nonfinite=True)
+
+
+def _save_while_locked(tmp: Path) -> None:
+    from flatshard.checkpoint.directory import save_lock
+
+    with save_lock(str(tmp / "ckpt"), True):
+        flatshard.save_checkpoint(tmp / "ckpt", _sharded())
+
+
+def _user_lock_file(tmp: Path) -> None:
+    (tmp / "ckpt.lock").write_text("mine")
+    _save_over(lambda t: t / "ckpt")(tmp)
+
+
+def _piece_of_another_save(tmp: Path) -> Path:
+    """The same model saved twice, one piece file copied over (sizes made to fit)."""
+    first, second = tmp / "a", tmp / "b"
+    model = _sharded()
+    opt = _opt(model, lr=1e-2)
+    flatshard.save_checkpoint(first, model, opt)
+    flatshard.save_checkpoint(second, model, opt)
+    (first / "__0_0.distcp").write_bytes((second / "__0_0.distcp").read_bytes())
+    manifest = json.loads((first / MANIFEST).read_text())
+    manifest["files"]["__0_0.distcp"] = (first / "__0_0.distcp").stat().st_size
+    (first / MANIFEST).write_text(json.dumps(manifest))
+    return first
+
+
+def _another_save_id(tmp: Path) -> Path:
+    path = _saved(tmp)
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["save_id"] = "0" * 32
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    return path
+
+
+def _changed_after_wrapping(change: Callable[[nn.Module], None]) -> Callable[[Path], object]:
+    def run(tmp: Path) -> object:
+        model = _sharded()
+        change(model)
+        return model(torch.randn(3, 4))
+
+    return run
+
+
+def _replace_param(model: nn.Module) -> None:
+    model[0].weight = nn.Parameter(torch.zeros(4, 4))
+
+
+def _add_module(model: nn.Module) -> None:
+    model.append(nn.Linear(2, 2))
+
+
 def _cli(*argv: str) -> Callable[[Path], object]:
     """``flatshard ARGV`` in this process; a refusal is exit status 2 (argparse's too)."""
 
@@ -333,6 +401,88 @@ CASES = [
     Case("plan --params -5", _cli("plan", "--params", "-5"), SystemExit, "--params.*-5"),
     Case("layout --stage 9", _cli("layout", "--stage", "9"), SystemExit, "--stage.*9"),
     Case("verify nowhere", _cli("verify", "TMP/nowhere"), SystemExit, "nowhere"),
+    # [Note: never silent]: each of these trained wrong or lost a checkpoint without a word
+    Case(
+        "shard sync_module_states='no'",
+        lambda t: flatshard.shard(_model(), sync_module_states="no"),
+        TypeError,
+        "sync_module_states.*'no'",
+    ),
+    Case(
+        "shard broadcast_buffers=1",
+        lambda t: flatshard.shard(_model(), broadcast_buffers=1),
+        TypeError,
+        "broadcast_buffers.*1",
+    ),
+    Case(
+        "shard find_unused_parameters=None",
+        lambda t: flatshard.shard(_model(), find_unused_parameters=None),
+        TypeError,
+        "find_unused_parameters.*None",
+    ),
+    Case(
+        "optimizer skip_nonfinite='no'",
+        lambda t: _opt(skip_nonfinite="no"),
+        TypeError,
+        "skip_nonfinite.*'no'",
+    ),
+    Case("clip_grad_norm_(nan)", _clip(float("nan")), ValueError, "max_norm.*nan"),
+    Case("clip_grad_norm_(-1)", _clip(-1.0), ValueError, "max_norm.*-1"),
+    Case("clip_grad_norm_('1')", _clip("1"), ValueError, "max_norm.*'1'"),
+    Case(
+        "clip_grad_norm_ of NaN grads, error_if_nonfinite",
+        _nan_grads_clipped,
+        RuntimeError,
+        "non-finite.*'0.weight'",
+    ),
+    Case(
+        "save while another save holds the path",
+        _save_while_locked,
+        FileExistsError,
+        r"another save to .*ckpt is in progress",
+    ),
+    Case(
+        "save beside a user's PATH.lock",
+        _user_lock_file,
+        FileExistsError,
+        r"ckpt\.lock exists and is not a flatshard save lock",
+    ),
+    Case(
+        "load a piece file of another save",
+        lambda t: _load(_piece_of_another_save(t)),
+        flatshard.ChecksumError,
+        r"a/__0_0\.distcp.*another save",
+    ),
+    Case(
+        "verify a piece file of another save",
+        lambda t: flatshard.verify_checkpoint(_piece_of_another_save(t)),
+        flatshard.ChecksumError,
+        r"a/__0_0\.distcp.*another save",
+    ),
+    Case(
+        "load under another save id",
+        lambda t: _load(_another_save_id(t)),
+        flatshard.ChecksumError,
+        r"ckpt/__0_0\.distcp.*another save",
+    ),
+    Case(
+        "a param replaced after shard()",
+        _changed_after_wrapping(_replace_param),
+        RuntimeError,
+        r"param '0\.weight' was replaced",
+    ),
+    Case(
+        "a param frozen after shard()",
+        _changed_after_wrapping(lambda m: m[1].bias.requires_grad_(False)),
+        RuntimeError,
+        r"param '1\.bias' has requires_grad=False",
+    ),
+    Case(
+        "a module added after shard()",
+        _changed_after_wrapping(_add_module),
+        RuntimeError,
+        r"module '\(root\)' has child modules \['0', '1', '2'\]",
+    ),
 ]
 
 

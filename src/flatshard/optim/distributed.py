@@ -60,6 +60,7 @@ from flatshard.optim.inner import check_optimizer_class, make_inner, param_group
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.shard_map import Run, plan_runs
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
+from flatshard.wrap.shard import check_flags
 
 
 @dataclass
@@ -191,6 +192,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elementwise: bool = False,
         **defaults: Any,
     ) -> None:
+        check_flags(
+            overlap_param_gather=overlap_param_gather, skip_nonfinite=skip_nonfinite, elementwise=elementwise
+        )
         model = uncompiled(model)
         state = _sharded_state(model)
         groups, group_of, classes = param_groups(state, params, optimizer_class)

@@ -166,6 +166,12 @@ def shard(
         unit_bytes=unit_bytes,
     )
     _check_arguments(module, bucket_size, buckets_per_group, grad_scale)
+    check_flags(
+        find_unused_parameters=find_unused_parameters,
+        sync_module_states=sync_module_states,
+        broadcast_buffers=broadcast_buffers,
+        pad_for_high_busbw=pad_for_high_busbw,
+    )
     world, replicate = _worlds(group, policy, timeout)
     mp = mixed_precision or MixedPrecision()
     whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
@@ -460,6 +466,13 @@ def _check_arguments(module, bucket_size, buckets_per_group, grad_scale) -> None
     ):
         raise ValueError(f"grad_scale must be a positive finite number or None, got {grad_scale!r}")
     _check_not_wrapped(module)
+
+
+def check_flags(**flags: object) -> None:
+    """Options that are switches take a bool: a string such as ``"no"`` is truthy."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
 
 
 def _check_not_wrapped(module: nn.Module) -> None:
