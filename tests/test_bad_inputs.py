@@ -401,7 +401,7 @@ CASES = [
     Case("plan --params -5", _cli("plan", "--params", "-5"), SystemExit, "--params.*-5"),
     Case("layout --stage 9", _cli("layout", "--stage", "9"), SystemExit, "--stage.*9"),
     Case("verify nowhere", _cli("verify", "TMP/nowhere"), SystemExit, "nowhere"),
-    # [Note: never silent]: each of these trained wrong or lost a checkpoint without a word
+    # each of these trained wrong or lost a checkpoint without a word ([Note: never silent] in errors.py)
     Case(
         "shard sync_module_states='no'",
         lambda t: flatshard.shard(_model(), sync_module_states="no"),
