@@ -51,10 +51,11 @@ class SettingsCheck:
             lines.append(f"param group {i}: {hyper}")
         return lines
 
-    def check(self, inner: torch.optim.Optimizer) -> None:
-        """The full comparison: one all-gather of a digest (the lines only on a mismatch)."""
+    def check(self, inner: torch.optim.Optimizer, world: World | None = None) -> None:
+        """The full comparison over ``world`` (default: the job's): one all-gather of a digest
+        (the lines only on a mismatch)."""
         self.unchecked_steps = 0
-        check_ranks_agree(self.world, self.describe(inner), "the optimizer's settings")
+        check_ranks_agree(world or self.world, self.describe(inner), "the optimizer's settings")
 
     def riding(self, inner: torch.optim.Optimizer, device: torch.device) -> torch.Tensor:
         """What this rank adds to the grad norm's all-reduce: ``(d1, d1², d2, d2²)``."""
@@ -62,13 +63,13 @@ class SettingsCheck:
         d1, d2 = (int.from_bytes(blob[i : i + 2], "little") % (1 << _BITS) for i in (0, 2))
         return torch.tensor([d1, d1 * d1, d2, d2 * d2], dtype=torch.float64, device=device)
 
-    def after_riding(self, inner: torch.optim.Optimizer, summed: torch.Tensor, n: int) -> None:
-        """Check ``riding``'s values all-reduced over ``n`` ranks; on a mismatch, name it
-        (every rank sees the same sums, so every rank enters the full check together)."""
+    def after_riding(self, inner: torch.optim.Optimizer, summed: torch.Tensor, world: World) -> None:
+        """Check ``riding``'s values all-reduced over ``world``; on a mismatch, name it (every
+        rank of ``world`` sees the same sums, so they all enter the full check together)."""
         s1, q1, s2, q2 = (int(v) for v in summed.tolist())
+        n = world.size
         if n * q1 != s1 * s1 or n * q2 != s2 * s2:
-            self.check(inner)
-        self.unchecked_steps = 0
+            self.check(inner, world)
 
     def after_step(self, inner: torch.optim.Optimizer) -> None:
         """Count a step no norm checked; every ``CHECK_EVERY`` of them, check in full."""

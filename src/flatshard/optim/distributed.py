@@ -325,7 +325,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         norm_sq, riding = _global_norm_sq(self._sharded, self._buffer_shards, self._settings, self.inner)
         if riding is not None:
             self._settings.after_riding(self.inner, *riding)
-            self._norm_checked_settings = True
+            # (with hybrid sharding the norm spans one row: the rows still need the full check)
+            self._norm_checked_settings = riding[1].size == self._settings.world.size
         finite = math.isfinite(norm_sq.item())
         self._found_inf = not finite
         self._grad_norm = (norm_sq.sqrt() / self.loss_scale).float()
@@ -554,9 +555,9 @@ def _check_max_norm(max_norm: object) -> None:
 
 def _global_norm_sq(
     state: ShardState, shards: list[BufferShards], settings: SettingsCheck, inner: torch.optim.Optimizer
-) -> tuple[torch.Tensor, tuple[torch.Tensor, int] | None]:
+) -> tuple[torch.Tensor, tuple[torch.Tensor, World] | None]:
     """Squared 2-norm of every grad element of the model, counted once (fp64, 0-d), and the
-    settings digests that rode on its all-reduce with the number of ranks (None without one).
+    settings digests that rode on its all-reduce with its world (None without one).
 
     Shards are unique within their world; a replicated (stage 0) buffer is held whole by
     each of its world's ranks, so its share is divided by that world's size before the sum
@@ -578,4 +579,4 @@ def _global_norm_sq(
         return total, None
     carried = torch.cat([total.reshape(1), settings.riding(inner, device)])
     all_reduce(carried, world, stats=state.stats).wait()
-    return carried[0], (carried[1:], world.size)
+    return carried[0], (carried[1:], world)
