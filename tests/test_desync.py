@@ -154,3 +154,36 @@ def test_when_rank_0_dies_the_error_names_it(stage, tmp_path):
     error = outs[1][0]
     assert "stopped answering" in error and "rank 0 has most likely exited" in error, error
     assert f"127.0.0.1:{port}" in error, error
+
+
+def _stalls_inside_the_save(path: str) -> dict:
+    """Rank 1 stalls where torch.distributed.checkpoint plans the save (as a SIGSTOPped rank
+    would), after flatshard's own checks passed: rank 0 waits in DCP's collectives."""
+    from flatshard.checkpoint import pieces
+
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(CFG), stage=1, bucket_size=3000, timeout=DEADLINE)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    if dist.get_rank() == 1:
+        plan = pieces.PieceSavePlanner.create_local_plan
+
+        def stalled(self):
+            time.sleep(3 * DEADLINE)
+            return plan(self)
+
+        pieces.PieceSavePlanner.create_local_plan = stalled
+    start = time.monotonic()
+    try:
+        flatshard.save_checkpoint(path, model, opt)
+    except (flatshard.DesyncError, flatshard.CheckpointError) as e:
+        return {"error": f"{type(e).__name__}: {e}", "after": time.monotonic() - start}
+    return {"error": None, "after": time.monotonic() - start}
+
+
+def test_a_rank_stalled_inside_a_save_is_a_desync_error_within_the_deadline(tmp_path):
+    """DCP's own collectives used to wait for the process group's timeout (30 minutes)."""
+    rank0, _ = run_distributed(_stalls_inside_the_save, 2, str(tmp_path / "ckpt"), timeout=60)
+    assert rank0["error"] is not None and rank0["error"].startswith("DesyncError"), rank0
+    assert "torch.distributed.checkpoint" in rank0["error"], rank0
+    assert rank0["after"] < 2 * DEADLINE + 2, rank0
+    assert not (tmp_path / "ckpt").exists()

@@ -30,9 +30,9 @@ where each is enforced:
   NaN usually comes from, and the warning says so. (The stand-in itself does not yet raise
   on use: a tensor that errors on every read segfaults some CPU kernels.)
 * **Every collective flatshard issues has a deadline** ([Note: deadlines] in
-  ``comm/deadline.py``): a rank that stops is a ``DesyncError``, never a hang. Not yet the
-  collectives ``torch.distributed.checkpoint`` issues inside a save or load: those wait for
-  the process group's own timeout.
+  ``comm/deadline.py``): a rank that stops is a ``DesyncError``, never a hang. Those
+  ``torch.distributed.checkpoint`` issues inside a save or load run on a gloo group whose
+  timeout is the same deadline (``comm.world.timed_group``), and fail as a ``DesyncError``.
 """
 
 from __future__ import annotations

@@ -75,12 +75,18 @@ def run_distributed(
     *args: Any,
     timeout: float = 120.0,
     backend: str = "gloo",
-    threads: int = 1,
+    threads: int | None = None,
     **kwargs: Any,
 ) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result."""
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
+
+    ``threads``: torch's intra-op threads per rank (default ``$FLATSHARD_TEST_THREADS``, else
+    1), so that a whole suite can be run again under another thread count, whose kernels sum
+    in another order (a tolerance must hold under both)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if threads is None:
+        threads = int(os.environ.get("FLATSHARD_TEST_THREADS", "1"))
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = _context()
     results: Any = ctx.Queue()

@@ -87,7 +87,7 @@ from flatshard.checkpoint import state as cs
 from flatshard.checkpoint.files import verify_state_file
 from flatshard.comm.collectives import barrier
 from flatshard.comm.deadline import HERE, Phase
-from flatshard.comm.world import World, all_gather_bytes, check_ranks_agree
+from flatshard.comm.world import World, all_gather_bytes, check_ranks_agree, timed_group
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optim.distributed import DistributedOptimizer
@@ -232,7 +232,7 @@ def _write(path: str, save_id: str, world: World, model: nn.Module, optimizer, e
         state.update(optimizer_entries)
         state[f"{EXTRA}/{rank}"] = _extra_to_save(extra)
         state[f"rng/{rank}"] = _rng_state()
-        pieces.save(state, partial, save_id=save_id, single_process=size == 1)
+        pieces.save(state, partial, save_id=save_id, group=timed_group(world), single_process=size == 1)
     if rank == 0:
         os.remove(os.path.join(partial, PARTIAL_MARK))
         _write_manifest(partial, model, optimizer, size, save_id)
@@ -525,7 +525,7 @@ def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> d
         state.update(dict.fromkeys(extra_keys))
         if restore_rng and same_world:
             state[f"rng/{rank}"] = None
-        pieces.load(state, path, save_id=save_id, single_process=size == 1)
+        pieces.load(state, path, save_id=save_id, group=timed_group(world), single_process=size == 1)
         if finish is not None:
             finish(state)
     if restore_rng and same_world:

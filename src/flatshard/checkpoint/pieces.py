@@ -61,7 +61,7 @@ from torch.distributed.checkpoint.planner import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from flatshard.errors import CheckpointError, ChecksumError
+from flatshard.errors import CheckpointError, ChecksumError, DesyncError
 
 
 class Piece(NamedTuple):
@@ -305,22 +305,32 @@ METADATA = ".metadata"  # DCP's index of the items: where each one lies, in whic
 _SINGLE_PROCESS = "torch.distributed is disabled, unavailable or uninitialized"
 
 
-def save(state_dict: dict[str, Any], path: str, *, save_id: str, single_process: bool) -> None:
+def save(state_dict: dict[str, Any], path: str, *, save_id: str, group=None, single_process: bool) -> None:
     """``state_dict`` (``Piece``s and anything else) into checkpoint directory ``path``,
-    every item bound to save ``save_id``."""
+    every item bound to save ``save_id``; DCP's collectives run on ``group``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         writer = dcp.FileSystemWriter(path)
         writer.transforms = _BindingTransforms(save_id)
         try:
-            dcp.save(state_dict, storage_writer=writer, planner=PieceSavePlanner(), no_dist=single_process)
+            dcp.save(
+                state_dict,
+                storage_writer=writer,
+                planner=PieceSavePlanner(),
+                process_group=group,
+                no_dist=single_process,
+            )
         except CheckpointException as e:
             raise _rank_failures(e, "saving", path) from None
+        except RuntimeError as e:  # one of DCP's collectives failed: a rank stopped, or ran past the deadline
+            raise _collective_failure(e, "saving", path) from e
 
 
-def load(state_dict: dict[str, Any], path: str, *, save_id: str | None, single_process: bool) -> None:
+def load(
+    state_dict: dict[str, Any], path: str, *, save_id: str | None, group=None, single_process: bool
+) -> None:
     """Fill ``state_dict``'s ``Piece``s, tensors and placeholders from checkpoint ``path``
-    (of save ``save_id``)."""
+    (of save ``save_id``); DCP's collectives run on ``group``."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=_SINGLE_PROCESS)
         try:
@@ -328,7 +338,18 @@ def load(state_dict: dict[str, Any], path: str, *, save_id: str | None, single_p
                 state_dict,
                 storage_reader=reader(path, save_id),
                 planner=PieceLoadPlanner(),
+                process_group=group,
                 no_dist=single_process,
             )
         except CheckpointException as e:
             raise _rank_failures(e, "loading", path) from None
+        except RuntimeError as e:
+            raise _collective_failure(e, "loading", path) from e
+
+
+def _collective_failure(error: RuntimeError, action: str, path: str) -> DesyncError:
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return DesyncError(
+        f"{action} {path}: a collective of torch.distributed.checkpoint failed on this rank, past "
+        f"the deadline or because a rank stopped (every rank must save and load together): {first}"
+    )

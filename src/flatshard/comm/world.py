@@ -131,6 +131,25 @@ def side_world(world: World) -> World:
     return World(_SIDE_GROUPS[key], world.rank, world.size, world.timeout)
 
 
+_TIMED_GROUPS: dict[tuple, ProcessGroup] = {}
+
+
+def timed_group(world: World) -> ProcessGroup | None:
+    """A gloo group over ``world``'s ranks whose every collective has ``world``'s deadline,
+    for the collectives flatshard hands to another library (``torch.distributed.checkpoint``
+    issues its own, with no per-op options). Created once per job, ranks and deadline; every
+    rank of ``world`` must call this at the same point."""
+    if world.group is None or world.timeout is None:
+        return world.group
+    ranks = tuple(dist.get_process_group_ranks(world.group))
+    key = (id(dist.group.WORLD), ranks, world.timeout)
+    if key not in _TIMED_GROUPS:
+        _TIMED_GROUPS[key] = dist.new_group(
+            list(ranks), backend="gloo", timeout=world.timeout, use_local_synchronization=True
+        )
+    return _TIMED_GROUPS[key]
+
+
 def _device_mesh_type() -> type | None:
     try:
         from torch.distributed.device_mesh import DeviceMesh
