@@ -211,3 +211,36 @@ def test_a_user_file_named_like_the_lock_refuses_the_save_and_stays(tmp_path):
     with open(path + ".lock") as f:
         assert f.read() == "my notes"
     assert sorted(os.listdir(tmp_path)) == ["ckpt.lock"]
+
+
+def _disk_fills_on_rank_1(path: str) -> dict:
+    """The second save runs out of disk on rank 1, mid-write."""
+    import errno
+
+    from torch.distributed.checkpoint import filesystem
+
+    model, opt, sched = _build(1, ADAMW)
+    _train(model, opt, sched, range(2))
+    save_checkpoint(path, model, opt, extra={"step": 2})
+    _train(model, opt, sched, range(2, 3))
+    if dist.get_rank() == 1:
+
+        def full(*args, **kwargs):
+            raise OSError(errno.ENOSPC, "No space left on device", "__1_0.distcp")
+
+        filesystem._write_item = full
+    try:
+        save_checkpoint(path, model, opt, extra={"step": 3})
+    except CheckpointError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_a_disk_full_mid_save_is_named_and_the_previous_checkpoint_stays(tmp_path):
+    path = str(tmp_path / "ckpt")
+    for result in run_distributed(_disk_fills_on_rank_1, 2, path):
+        assert result["error"] is not None
+        assert "saving" in result["error"] and "rank(s) [1]" in result["error"], result
+        assert "No space left on device" in result["error"], result
+    assert verify_checkpoint(path)["checked"] > 0
+    assert _load_step_case(path) == 2  # the previous checkpoint, whole
