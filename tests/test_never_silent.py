@@ -322,3 +322,61 @@ def test_params_of_no_elements_train_at_every_stage(tmp_path, stage, world_size)
     """SGD + momentum: within 1e-5 of DDP ([Note: parity tolerances]); and they checkpoint."""
     for result in run_distributed(_empty_params_side_by_side, world_size, stage, str(tmp_path / "ckpt")):
         assert result["params"] < 1e-5, result
+
+
+class SharedModuleNet(nn.Module):
+    """Blocks 0 and 2 share one Linear: each block is a stage-3 unit, and the shared module's
+    params used to belong to block 0 alone, so block 2 read their freed NaN stand-ins."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        shared = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([_Block(shared), _Block(nn.Linear(8, 8)), _Block(shared)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return nn.functional.mse_loss(self.head(x), y)
+
+
+class _Block(nn.Module):
+    def __init__(self, shared: nn.Module) -> None:
+        super().__init__()
+        self.own, self.shared = nn.Linear(8, 8), shared
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.shared(self.own(x)))
+
+
+def _shared_module_side_by_side(unit_bytes, steps: int = 3) -> dict:
+    torch.manual_seed(0)
+    reference = DDP(SharedModuleNet())
+    torch.manual_seed(0)
+    ours = flatshard.shard(SharedModuleNet(), stage=3, unit_bytes=unit_bytes)
+    opts = [
+        torch.optim.SGD(reference.parameters(), lr=0.1),
+        DistributedOptimizer(ours, torch.optim.SGD, lr=0.1),
+    ]
+    loss_diffs = []
+    for step in range(steps):
+        g = torch.Generator().manual_seed(100 + 10 * step + dist.get_rank())
+        x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
+        losses = []
+        for model, opt in zip((reference, ours), opts, strict=True):
+            loss = model(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        loss_diffs.append(abs(losses[1] - losses[0]) / abs(losses[0]))
+    pairs = zip(full_params(ours), reference.module.parameters(), strict=True)
+    return {"loss": max(loss_diffs), "params": max(max_rel_diff(p, q) for p, q in pairs)}
+
+
+@pytest.mark.parametrize("unit_bytes", [None, 2**20])
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_module_shared_by_two_units_follows_ddp_at_stage_3(world_size, unit_bytes):
+    """SGD: losses and params within 1e-5 of DDP ([Note: parity tolerances]); they were NaN."""
+    for result in run_distributed(_shared_module_side_by_side, world_size, unit_bytes):
+        assert result["loss"] < 1e-5 and result["params"] < 1e-5, result

@@ -10,8 +10,9 @@ there are any. The root module is always
 a unit too: it owns every param outside the others. Units may nest.
 
 A param belongs to exactly one unit: the innermost unit that contains *every* module
-registering it (so a param tied between two blocks belongs to their common ancestor, which
-is full whenever either block runs). Units are listed in module pre-order (root first).
+registering it, along every path to it (so a param tied between two blocks, or registered by
+a module that two blocks share, belongs to their common ancestor, which is full whenever
+either block runs). Units are listed in module pre-order (root first).
 At stage 3 the params are handed to the layout grouped by unit (in that order, registration
 order within a unit), so each unit's params are contiguous in the buffer and the root's
 few params form one bucket rather than one at each end; ``ParamSpec.unit`` carries the
@@ -100,13 +101,22 @@ def _matcher(root: nn.Module, units: UnitSpec) -> Callable[[str, nn.Module], boo
 
 
 def module_units(units: list[Unit]) -> dict[int, int]:
-    """``{id(module): index of the innermost unit containing it}`` for every module."""
-    unit_of_module: dict[int, int] = {}
-    for unit in units:  # pre-order: an inner unit comes after its outer one and wins
-        for top in unit.modules:
-            for sub in top.modules():
-                unit_of_module[id(sub)] = unit.index
-    return unit_of_module
+    """``{id(module): index of the innermost unit containing it}`` for every module. A module
+    reachable along several paths (one shared by two blocks) belongs to the innermost unit
+    that contains all of them, which is full whenever any of them runs: otherwise one block
+    would read the other's freed stand-ins ([Note: never silent] in ``errors.py``)."""
+    index_of = {name: unit.index for unit in units for name in unit.names}
+    found: dict[int, set[int]] = {}
+    for name, sub in units[0].modules[0].named_modules(remove_duplicate=False):
+        found.setdefault(id(sub), set()).add(_innermost(index_of, name))
+    return {key: _common_ancestor(units, owners) for key, owners in found.items()}
+
+
+def _innermost(index_of: dict[str, int], name: str) -> int:
+    """The unit of the module at ``name``: the unit whose name is its longest prefix."""
+    while name not in index_of:
+        name = name.rpartition(".")[0]
+    return index_of[name]
 
 
 def merge_units(
