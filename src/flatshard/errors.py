@@ -24,11 +24,18 @@ where each is enforced:
 * **Arguments are checked as torch checks its own**: ``clip_grad_norm_`` refuses a NaN or
   negative ``max_norm`` and, with ``error_if_nonfinite``, a non-finite norm
   (``optim/distributed.py``).
+* **A stand-in does not stand in for a param a running unit needs.** A module shared by two
+  units belongs to their common ancestor unit (``engine/units.py``), so whichever block runs,
+  its params are full. A param read *outside* every unit's forward still reads its NaN
+  stand-in (it does not raise: a tensor with no storage, as FSDP2 frees them, segfaults some
+  CPU kernels when read, and a tensor subclass cannot be a param's ``.data``); the NaN then
+  reaches the grads, and the skipped step says so, as below.
 * **A skipped step says why.** With a loss scaler a skip is fp16 overflow handling; without
-  one every skip is a ``RuntimeWarning`` naming the params whose grads are not finite. At
-  stage 3 a param read outside its unit's forward reads a NaN stand-in; that is where such a
-  NaN usually comes from, and the warning says so. (The stand-in itself does not yet raise
-  on use: a tensor that errors on every read segfaults some CPU kernels.)
+  one every skip is a ``RuntimeWarning`` naming the params whose grads are not finite and
+  pointing at stand-ins read outside a forward (``optim/distributed.py``).
+* **Changes after wrapping are named** at the next forward (``wrap/changes.py``); ranks
+  start from rank 0's params and buffers and take rank 0's buffers before each forward, as
+  DDP does (``sync_module_states``, ``broadcast_buffers``).
 * **Every collective flatshard issues has a deadline** ([Note: deadlines] in
   ``comm/deadline.py``): a rank that stops is a ``DesyncError``, never a hang. Those
   ``torch.distributed.checkpoint`` issues inside a save or load run on a gloo group whose
