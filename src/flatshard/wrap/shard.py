@@ -114,9 +114,10 @@ def shard(
         sync_module_states: start from rank 0's params and buffers (the default, as torch
             DDP does at every stage: ranks built from different seeds would otherwise train
             apart); False keeps each rank's own, which must then be equal.
-        broadcast_buffers: before each forward, copy rank 0's buffers (BatchNorm's running
-            statistics, ...) to every rank, in one coalesced broadcast per dtype, as torch
-            DDP does by default; False leaves each rank's buffers its own.
+        broadcast_buffers: before each forward that will sync grads (grad enabled, outside
+            ``no_sync``), copy rank 0's buffers (BatchNorm's running statistics, ...) to every
+            rank in one coalesced broadcast per dtype, as torch DDP does by default; False
+            leaves each rank's buffers its own.
         pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
         mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
         whole_params: params (or a predicate ``(name, param) -> bool``) that a sharded layout
@@ -336,11 +337,13 @@ def _broadcast_before_binding(module: nn.Module, parts, originals, worlds) -> No
 
 
 def _buffer_broadcast_hook(worlds: tuple[World, World]):
-    """Rank 0's buffers on every rank before each forward (within each shard row, then across
-    rows), coalesced: the buffers are looked up each time, so a buffer a module replaces
-    after wrapping is broadcast too."""
+    """Rank 0's buffers on every rank before each forward that will sync grads (grad enabled,
+    not under ``no_sync``: when DDP syncs them), within each shard row, then across rows,
+    coalesced. The buffers are looked up each time, so one a module replaces is broadcast too."""
 
     def hook(module: nn.Module, args: tuple) -> None:
+        if not (torch.is_grad_enabled() and module.flatshard_state.grad_sync.sync_enabled):
+            return  # (an eval forward, generate(), a no_sync micro-batch: as DDP, no broadcast)
         buffers = list(module.buffers())
         for w in worlds:  # one after the other: rank 0's row, then from it across the rows
             broadcast_values([(b, w) for b in buffers])
