@@ -181,6 +181,24 @@ def _add_module(model: nn.Module) -> None:
     model.append(nn.Linear(2, 2))
 
 
+def _truncated_piece(tmp: Path) -> Path:
+    path = _saved(tmp)
+    piece = path / "__0_0.distcp"
+    piece.write_bytes(piece.read_bytes()[:-100])
+    return path
+
+
+def _missing_piece(tmp: Path) -> Path:
+    path = _saved(tmp)
+    (path / "__0_0.distcp").unlink()
+    return path
+
+
+def _wider() -> nn.Module:
+    torch.manual_seed(0)
+    return flatshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2), nn.Linear(2, 2)), stage=1)
+
+
 def _cli(*argv: str) -> Callable[[Path], object]:
     """``flatshard ARGV`` in this process; a refusal is exit status 2 (argparse's too)."""
 
@@ -482,6 +500,110 @@ CASES = [
         _changed_after_wrapping(_add_module),
         RuntimeError,
         r"module '\(root\)' has child modules \['0', '1', '2'\]",
+    ),
+    Case(
+        "mixed_precision 'bf16'",
+        lambda t: flatshard.shard(_model(), mixed_precision="bf16"),
+        TypeError,
+        "mixed_precision.*'bf16'",
+    ),
+    Case(
+        "ExpertGroup match a str",
+        lambda t: flatshard.ExpertGroup(None, "experts"),
+        TypeError,
+        "match.*'experts'",
+    ),
+    Case(
+        "extra a list",
+        lambda t: flatshard.save_checkpoint(t / "ckpt", _sharded(), extra=[1, 2]),
+        TypeError,
+        r"extra.*\[1, 2\]",
+    ),
+    Case(
+        "restore_rng 'yes'",
+        lambda t: flatshard.load_checkpoint(_saved(t), _sharded(), restore_rng="yes"),
+        TypeError,
+        "restore_rng.*'yes'",
+    ),
+    Case(
+        "a truncated piece file",
+        lambda t: _load(_truncated_piece(t)),
+        flatshard.CheckpointError,
+        r"__0_0\.distcp has \d+ bytes, \d+ when it was written",
+    ),
+    Case(
+        "a missing piece file",
+        lambda t: _load(_missing_piece(t)),
+        flatshard.CheckpointError,
+        r"file __0_0\.distcp is missing",
+    ),
+    Case(
+        "a model with one more layer", lambda t: _load(_saved(t), _wider()), KeyError, r"has no '2\.weight'"
+    ),
+    Case(
+        "export weights 'both'",
+        lambda t: flatshard.export_checkpoint(_saved(t), t / "w.safetensors", weights="both"),
+        ValueError,
+        "weights.*'both'",
+    ),
+    Case(
+        "export chunk_bytes 0",
+        lambda t: flatshard.export_checkpoint(_saved(t), t / "w.safetensors", chunk_bytes=0),
+        ValueError,
+        "chunk_bytes.*0",
+    ),
+    Case(
+        "load_weights lacking a key",
+        lambda t: flatshard.load_weights(_sharded(), {"0.weight": torch.zeros(4, 4)}),
+        KeyError,
+        r"no '0\.bias'",
+    ),
+    Case(
+        "unit_bytes 0",
+        lambda t: flatshard.shard(_model(), stage=3, unit_bytes=0),
+        ValueError,
+        "unit_bytes.*0",
+    ),
+    Case(
+        "forward_prefetch -1",
+        lambda t: flatshard.shard(_model(), stage=3, forward_prefetch=-1),
+        ValueError,
+        "forward_prefetch.*-1",
+    ),
+    Case(
+        "limit_all_gathers 0",
+        lambda t: flatshard.shard(_model(), stage=3, limit_all_gathers=0),
+        ValueError,
+        "limit_all_gathers.*0",
+    ),
+    Case(
+        "whole_params 'x'",
+        lambda t: flatshard.shard(_model(), stage=2, whole_params="x"),
+        TypeError,
+        "whole_params.*str",
+    ),
+    Case(
+        "reduce_dtype int32",
+        lambda t: flatshard.MixedPrecision(reduce_dtype=torch.int32),
+        ValueError,
+        "reduce_dtype.*int32",
+    ),
+    Case(
+        "hybrid offload_fraction 1.5",
+        lambda t: flatshard.HybridDeviceOptimizer(
+            _model().parameters(), offload_fraction=1.5, cpu_optimizer_class=torch.optim.AdamW, lr=0.1
+        ),
+        ValueError,
+        "offload_fraction.*1.5",
+    ),
+    Case("loss_scale -1", lambda t: _opt(loss_scale=-1.0), ValueError, "loss scale.*-1"),
+    Case(
+        "plan_layout world_size 0",
+        lambda t: flatshard.plan_layout(
+            [flatshard.ParamSpec("a", 4, torch.float32, torch.float32)], world_size=0, bucket_size=10
+        ),
+        ValueError,
+        "world_size.*0",
     ),
 ]
 

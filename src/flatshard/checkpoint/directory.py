@@ -206,6 +206,8 @@ def save_checkpoint(
     the checkpoint is complete; a checkpoint already there is replaced only then.
     """
     path, model = os.fspath(path), uncompiled(model)
+    if extra is not None and not isinstance(extra, Mapping):
+        raise TypeError(f"extra must be a dict of values to save with the checkpoint, got {extra!r}")
     with HERE.during(Phase.SAVE):
         _save(path, model, optimizer, extra)
 
@@ -501,6 +503,8 @@ def load_checkpoint(
     from the saved value of the same key. RNG states are restored when the checkpoint was
     written by as many ranks as there are now (``restore_rng=False``: never).
     """
+    if not isinstance(restore_rng, bool):
+        raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
     path, model = resolve_checkpoint(path), uncompiled(model)
     with HERE.during(Phase.LOAD):
         return _load(path, model, optimizer, extra, restore_rng)

@@ -60,6 +60,12 @@ class ExpertGroup:
     match: Callable[[str, nn.Parameter], bool]
     grad_scale: float | None = None
 
+    def __post_init__(self) -> None:
+        if not callable(self.match):
+            raise TypeError(
+                f"ExpertGroup.match must be a predicate (name, param) -> bool, got {self.match!r}"
+            )
+
 
 def shard(
     module: nn.Module,
@@ -174,6 +180,10 @@ def shard(
         pad_for_high_busbw=pad_for_high_busbw,
     )
     world, replicate = _worlds(group, policy, timeout)
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a flatshard.MixedPrecision or None, got {mixed_precision!r}"
+        )
     mp = mixed_precision or MixedPrecision()
     whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
