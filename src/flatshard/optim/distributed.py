@@ -59,8 +59,8 @@ from flatshard.optim.composite import run_closure
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.shard_map import Run, plan_runs
+from flatshard.wrap.arguments import check_flags
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
-from flatshard.wrap.shard import check_flags
 
 
 @dataclass

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -38,6 +36,7 @@ from flatshard.stage3.build import (
     is_meta_model,
     replace_meta_params,
 )
+from flatshard.wrap.arguments import check_arguments, check_devices, check_flags
 from flatshard.wrap.changes import WrappedTree
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
@@ -172,7 +171,7 @@ def shard(
         limit_all_gathers=limit_all_gathers,
         unit_bytes=unit_bytes,
     )
-    _check_arguments(module, bucket_size, buckets_per_group, grad_scale)
+    check_arguments(module, bucket_size, buckets_per_group, grad_scale)
     check_flags(
         find_unused_parameters=find_unused_parameters,
         sync_module_states=sync_module_states,
@@ -327,7 +326,7 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
         device = _default_device() if device is None else torch.device(device)
         replace_meta_params(module, device, whole)
     named = _trainable(module)
-    _check_devices(named)
+    check_devices(named)
     return named, meta, device, originals
 
 
@@ -461,59 +460,6 @@ def _worlds(group: object, policy: StagePolicy, timeout: float | timedelta | Non
         publish_positions()
         HERE.enter(Phase.WRAP)
     return world, replicate
-
-
-def _check_arguments(module, bucket_size, buckets_per_group, grad_scale) -> None:
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
-    if isinstance(module, ShardedModule):
-        raise ValueError(f"{type(module).__name__} is already sharded")
-    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
-        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
-    if buckets_per_group is not None and (not isinstance(buckets_per_group, int) or buckets_per_group < 1):
-        raise ValueError(f"buckets_per_group must be a positive int or None, got {buckets_per_group!r}")
-    if grad_scale is not None and (
-        isinstance(grad_scale, bool)
-        or not isinstance(grad_scale, numbers.Real)
-        or not (math.isfinite(grad_scale) and grad_scale > 0)
-    ):
-        raise ValueError(f"grad_scale must be a positive finite number or None, got {grad_scale!r}")
-    _check_not_wrapped(module)
-
-
-def check_flags(**flags: object) -> None:
-    """Options that are switches take a bool: a string such as ``"no"`` is truthy."""
-    for name, value in flags.items():
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
-
-
-def _check_not_wrapped(module: nn.Module) -> None:
-    """A module already under DDP or FSDP would be synced twice, or (DDP at stage 0) have its
-    flat views replaced under it so that no step reaches the params: refuse it."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-    from torch.nn.parallel import DataParallel, DistributedDataParallel
-
-    wrappers = (DistributedDataParallel, DataParallel, FullyShardedDataParallel, FSDPModule)
-    for name, sub in module.named_modules():
-        if isinstance(sub, wrappers):
-            where = "the module" if not name else f"submodule {name!r}"
-            inner = "its .module" if isinstance(sub, (DistributedDataParallel, DataParallel)) else "the model"
-            raise TypeError(
-                f"{where} is already data-parallel ({type(sub).__name__}); flatshard.shard does the data "
-                f"parallelism itself: pass {inner} before wrapping it"
-            )
-
-
-def _check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
-    device = named[0][1].device
-    for name, p in named:
-        if p.device != device:
-            raise ValueError(
-                f"param {name!r} is on {p.device} but {named[0][0]!r} is on {device}: one device"
-            )
-        if p.is_sparse or p.layout != torch.strided:
-            raise ValueError(f"param {name!r} has layout {p.layout}; only dense params can be flattened")
 
 
 def _describe(key: str, param: nn.Parameter, spec) -> str:

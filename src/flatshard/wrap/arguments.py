@@ -1,0 +1,66 @@
+"""What ``shard()`` refuses before it touches the model: arguments of the wrong type or
+range, a module already sharded or under another data-parallel wrapper, params on devices
+it cannot use. Each refusal names the value ([Note: never silent] in ``errors.py``)."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+import torch
+from torch import nn
+
+from flatshard.wrap.module import ShardedModule
+
+
+def check_arguments(module, bucket_size, buckets_per_group, grad_scale) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
+    if isinstance(module, ShardedModule):
+        raise ValueError(f"{type(module).__name__} is already sharded")
+    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
+        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
+    if buckets_per_group is not None and (not isinstance(buckets_per_group, int) or buckets_per_group < 1):
+        raise ValueError(f"buckets_per_group must be a positive int or None, got {buckets_per_group!r}")
+    if grad_scale is not None and (
+        isinstance(grad_scale, bool)
+        or not isinstance(grad_scale, numbers.Real)
+        or not (math.isfinite(grad_scale) and grad_scale > 0)
+    ):
+        raise ValueError(f"grad_scale must be a positive finite number or None, got {grad_scale!r}")
+    _check_not_wrapped(module)
+
+
+def check_flags(**flags: object) -> None:
+    """Options that are switches take a bool: a string such as ``"no"`` is truthy."""
+    for name, value in flags.items():
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+
+
+def _check_not_wrapped(module: nn.Module) -> None:
+    """A module already under DDP or FSDP would be synced twice, or (DDP at stage 0) have its
+    flat views replaced under it so that no step reaches the params: refuse it."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    from torch.nn.parallel import DataParallel, DistributedDataParallel
+
+    wrappers = (DistributedDataParallel, DataParallel, FullyShardedDataParallel, FSDPModule)
+    for name, sub in module.named_modules():
+        if isinstance(sub, wrappers):
+            where = "the module" if not name else f"submodule {name!r}"
+            inner = "its .module" if isinstance(sub, (DistributedDataParallel, DataParallel)) else "the model"
+            raise TypeError(
+                f"{where} is already data-parallel ({type(sub).__name__}); flatshard.shard does the data "
+                f"parallelism itself: pass {inner} before wrapping it"
+            )
+
+
+def check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
+    device = named[0][1].device
+    for name, p in named:
+        if p.device != device:
+            raise ValueError(
+                f"param {name!r} is on {p.device} but {named[0][0]!r} is on {device}: one device"
+            )
+        if p.is_sparse or p.layout != torch.strided:
+            raise ValueError(f"param {name!r} has layout {p.layout}; only dense params can be flattened")
