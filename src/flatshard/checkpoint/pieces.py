@@ -163,7 +163,6 @@ class PieceLoadPlanner(DefaultLoadPlanner):
 # -- checksums -----------------------------------------------------------------------------------
 DESCRIPTOR = "flatshard.crc32/1"  # recorded with each item in DCP's metadata: unbound
 BOUND = "flatshard.crc32/2"  # the CRC starts from the item's binding to its save and index
-CHECKED = (DESCRIPTOR, BOUND)
 
 
 def binding(save_id: str, index: MetadataIndex) -> int:
@@ -261,13 +260,11 @@ class _NamingTransforms(_StorageReaderTransforms):
 
     def transform_load_stream(self, read_item: ReadItem, transform_descriptors, raw_stream):
         index = read_item.storage_index
-        if BOUND not in tuple(transform_descriptors or ()):
-            try:
-                return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
-            except ChecksumError:
-                raise mismatch(str(self.reader.path), self.reader.storage_data[index], index.fqn) from None
+        seed = item_seed(transform_descriptors, self.save_id, index)
+        if seed is None:  # no trailer (written before checksums)
+            return super().transform_load_stream(read_item, transform_descriptors, raw_stream)
         data = raw_stream.read(-1)
-        if not trailer_intact(data, item_seed(transform_descriptors, self.save_id, index)):
+        if not trailer_intact(data, seed):
             raise mismatch(str(self.reader.path), self.reader.storage_data[index], index.fqn)
         return io.BytesIO(data[:-4])
 
