@@ -186,6 +186,25 @@ def names_by_param(module: nn.Module) -> dict[int, list[str]]:
     return names
 
 
+def entry_points(units: list[Unit]) -> list[nn.Module]:
+    """The modules of the root unit's own (the root and its descendants outside every other
+    unit) that hold params in their subtree, root first: where a forward that reads params can
+    begin ([Note: forward entry points] in ``stage3/unshard.py``)."""
+    root = units[0].modules[0]
+    others = {id(m) for unit in units[1:] for m in unit.modules}
+    found: list[nn.Module] = []
+    seen: set[int] = set()
+    stack = [root]
+    while stack:
+        module = stack.pop()
+        if id(module) in seen or next(module.parameters(), None) is None:
+            continue
+        seen.add(id(module))
+        found.append(module)
+        stack.extend(reversed([c for c in module.children() if id(c) not in others]))
+    return found
+
+
 def unsharded_tensors(module: nn.Module, *, recurse: bool = True) -> list[torch.Tensor]:
     """The module's frozen params and buffers (``recurse=False``: its own only): the
     tensors no flat buffer holds."""

@@ -43,6 +43,34 @@ early issues exactly the gathers the others do, and the result equals DDP's (tes
 ranks skipping different blocks). A unit that runs a second time after it was freed is
 gathered again outside the schedule: ranks must agree on such repeats.
 
+[Note: forward entry points]
+
+A forward need not begin at the root. ``generate()`` on a peft model calls the wrapped
+``transformers`` model's forward, not the ``PeftModel``'s; code that wants hidden states calls
+``model.model(...)``; code that builds ``inputs_embeds`` calls the embedding alone. Each reads
+the root unit's params (embeddings, final norm, head), which only the root's pre-hook would
+gather: a forward that began below it computed on NaN stand-ins, and ``generate()`` returned
+token 0 on every rank. So the root's hooks sit on every module of the root's own that holds
+params in its subtree (``engine.units.entry_points``; for our GPT the root, its embeddings,
+its final norm and head). The first of them whose forward begins while no forward is under
+way is the forward's *entry*: its pre-hook does what the root's does (gather the root unit,
+prefetch), and its forward hook ends the forward (free what is done, issue what was skipped,
+hook backward). Inside that forward the others do nothing. Invariants:
+
+* every forward that reads a root-unit param has its root unit full, whichever module it
+  began at, and ends with the same collectives as one that began at the root;
+* a forward that raised leaves its entry set; the entry's next forward starts afresh, and
+  ``settle()`` (after every backward and step) clears it;
+* ``generate()`` must run the same number of forwards on every rank (each gathers): a
+  sharded module with a ``generate`` method passes ``synced_gpus=True`` to it at stage 3 on
+  more than one rank, unless the caller says otherwise (``wrap/module.py``), so ranks that
+  finish early keep running forwards until all have, as ``transformers`` does by itself for
+  DeepSpeed ZeRO-3 and FSDP (it marks FSDP modules with an attribute that also changes how
+  Dynamo traces them, so flatshard does not set it).
+
+Under a whole-model ``torch.compile`` each entry point's hooks are two more graph breaks
+(per-block compile puts none inside a block).
+
 [Note: two process groups]
 
 A stage-3 backward issues collectives on two groups, each in an order every rank shares:
@@ -108,7 +136,7 @@ from flatshard.comm.deadline import HERE
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
-from flatshard.engine.units import Unit
+from flatshard.engine.units import Unit, entry_points
 from flatshard.layout import BucketLayout
 from flatshard.stage import UnitOptions
 
@@ -167,13 +195,19 @@ class Unsharder:
         self.peak_full_bytes = 0  # the most ever alive at once
         self._hooks = []
         self._members_done: list[set[int]] = [set() for _ in units]  # modules whose forward ran
+        self._entry: nn.Module | None = None  # the module whose forward began the current one
         for unit, unit_parts in zip(units, parts, strict=True):
-            if unit_parts or unit.index == 0:  # the root's hooks also end each forward
+            if unit_parts and unit.index != 0:
                 for member, module in enumerate(unit.modules):
                     pre = eager(self._pre_forward_hook(unit.index))
                     self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                     post = eager(self._post_forward_hook(unit.index, member))
                     self._hooks.append(module.register_forward_hook(post))
+        # the root's hooks (which also end each forward) on every module a forward may begin at
+        for module in entry_points(units):
+            pre = eager(self._entry_pre_hook(self._pre_forward_hook(0)))
+            self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+            self._hooks.append(module.register_forward_hook(eager(self._entry_post_hook())))
         # grad sync tells each param's grad (grad_ready): no hook of its own per param
         self._unit_of_param = {key: u for u, keys in enumerate(self._params) for key in keys}
 
@@ -235,7 +269,8 @@ class Unsharder:
             raise RuntimeError("params are summoned (summon_full_params): leave the block first")
         for u in range(len(self.units)):
             self.reshard(u)
-        self._fwd.restart()  # the next forward issues its gathers from the start
+        self._fwd.restart()
+        self._entry = None  # the next forward issues its gathers from the start
 
     def prefetch_first(self) -> None:
         """Start gathering the units the next forward runs first (the root and the next
@@ -360,6 +395,29 @@ class Unsharder:
             self._ran_now.add(u)
             self._need(self._fwd, u)
             self._prefetch(self._fwd, self.options.forward_prefetch)
+
+        return hook
+
+    def _entry_pre_hook(self, root_pre):
+        """The root unit's pre-hook, run by the first module of the root's own whose forward
+        begins a forward ([Note: forward entry points]); inside that forward, nothing."""
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if _in_backward():
+                self.wait(0)
+            elif self._entry is None or self._entry is module:  # (the latter: a forward that raised)
+                self._entry = module
+                root_pre(module, args, kwargs)
+
+        return hook
+
+    def _entry_post_hook(self):
+        root_post = self._post_forward_hook(0, 0)
+
+        def hook(module: nn.Module, args: object, output: object) -> None:
+            if module is self._entry and not _in_backward():
+                self._entry = None
+                root_post(module, args, output)
 
         return hook
 

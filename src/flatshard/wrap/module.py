@@ -212,6 +212,19 @@ class ShardedModule(nn.Module):
         self._flatshard.grad_sync.zero_grad(set_to_none=set_to_none)
 
 
+class SyncedGenerate:
+    """Mixed in with ``ShardedModule`` where the module has a ``generate`` method
+    (``transformers`` and peft models): at stage 3 on several ranks, ``synced_gpus=True``
+    unless given ([Note: forward entry points] in ``stage3/unshard.py``)."""
+
+    _flatshard: ShardState
+
+    def generate(self, *args, **kwargs):
+        if self._flatshard.policy.shards_params and "synced_gpus" not in kwargs:
+            kwargs["synced_gpus"] = any(s.world.size > 1 for s in self._flatshard.param_sets())
+        return super().generate(*args, **kwargs)  # type: ignore[misc]
+
+
 _CLASS_CACHE: dict[type, type] = {}
 
 
@@ -231,7 +244,9 @@ def make_sharded(module: nn.Module, state: ShardState) -> ShardedModule:
         # the user's class name, as code that records it expects (Hugging Face's save_pretrained
         # writes it into config.json's "architectures"); isinstance(m, ShardedModule) tells them apart
         names = {"__module__": cls.__module__, "__qualname__": cls.__qualname__}
-        new_cls = type(cls.__name__, (ShardedModule, cls), names)
+        generates = callable(getattr(cls, "generate", None))
+        mixins = (ShardedModule, SyncedGenerate) if generates else (ShardedModule,)
+        new_cls = type(cls.__name__, (*mixins, cls), names)
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls
     module._flatshard = state
