@@ -262,6 +262,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         runs over them (checkpoints read these)."""
         return tuple(self._buffer_shards)
 
+    def main_frame(self, buffer: FlatBuffer) -> torch.Tensor | None:
+        """The fp32 main params of ``buffer``'s shard frame, None where its params are
+        their own record (fp32) ([Note: values of record] in ``wrap/record.py``)."""
+        return next((s.main_data for s in self._buffer_shards if s.buffer is buffer), None)
+
     @property
     def group_of(self) -> Mapping[str, int]:
         """Optimized param name -> the index of its param group (read-only)."""

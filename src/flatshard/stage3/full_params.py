@@ -116,9 +116,10 @@ def _gather_grads(parts: list[Part]) -> None:
 
 
 def full_state_dict(
-    state: Stage3State, plain_state_dict: Callable[..., dict[str, Any]]
+    state: Stage3State, plain_state_dict: Callable[..., dict[str, Any]], skip: set[int] = frozenset()
 ) -> dict[str, torch.Tensor]:
-    """Rank 0: every entry of the module's state dict on the CPU; other ranks: ``{}``."""
+    """Rank 0: every entry of the module's state dict on the CPU, the params whose ids are in
+    ``skip`` (taken from elsewhere) as they are; other ranks: ``{}``."""
     unsharder = state.unsharder
     unsharder.settle()
     entries = plain_state_dict(keep_vars=True)
@@ -128,10 +129,10 @@ def full_state_dict(
         for part in unit_parts
         for slot in part.bucket.params
     }
-    rank0 = _rank([p for ps in unsharder.parts for p in ps]) == 0 and _replicate_rank(state) == 0
+    rank0 = _rank([p for ps in unsharder.parts for p in ps]) == 0 and replicate_rank(state) == 0
     out: dict[str, torch.Tensor] = {}
     for u in range(len(unsharder.units)):
-        keys = [k for k, t in entries.items() if unit_of.get(id(t)) == u]
+        keys = [k for k, t in entries.items() if unit_of.get(id(t)) == u and id(t) not in skip]
         if not keys:
             continue
         unsharder.wait(u)
@@ -143,11 +144,14 @@ def full_state_dict(
         return {}
     for k, t in entries.items():
         if k not in out:
-            out[k] = t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
+            if id(t) in skip:
+                out[k] = None  # (the caller fills it)
+            else:
+                out[k] = t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
     return {k: out[k] for k in entries}
 
 
-def _replicate_rank(state: Stage3State) -> int:
+def replicate_rank(state: Stage3State) -> int:
     return min((bset.replicate.rank for bset in state.sets.values()), default=0)
 
 

@@ -3,7 +3,7 @@ FSDP2, so the user's ``forward``, parameter names and state-dict keys stay as th
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
@@ -17,14 +17,15 @@ from torch.nn.modules.module import _IncompatibleKeys
 from flatshard.comm.collectives import CommStats
 from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase
 from flatshard.comm.world import World, resolve_world
-from flatshard.engine.buffer import BufferSet
+from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
 from flatshard.layout import Layout
 from flatshard.stage import StagePolicy
-from flatshard.stage3.full_params import full_state_dict, load_full_state_dict, summon
+from flatshard.stage3.full_params import full_state_dict, load_full_state_dict, replicate_rank, summon
 from flatshard.stage3.unshard import Unsharder
+from flatshard.wrap.record import cast, check_dtype, main_values
 
 
 class AttachedOptimizer(Protocol):
@@ -34,6 +35,13 @@ class AttachedOptimizer(Protocol):
     def main_params_changed(self) -> None:
         """Params were written outside a step (a load, a writeback): refresh what is derived
         from them."""
+
+    @property
+    def group_of(self) -> Mapping[str, int]:
+        """Optimized param name -> its param group."""
+
+    def main_frame(self, buffer: FlatBuffer) -> torch.Tensor | None:
+        """The fp32 main params of ``buffer``'s shard frame, if it keeps them."""
 
 
 @dataclass
@@ -177,19 +185,25 @@ class ShardedModule(nn.Module):
         self._flatshard.wait_for_params()
         return super().load_state_dict(state_dict, strict=strict)
 
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
+    def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A plain state dict on rank 0 (CPU tensors; other ranks get ``{}``), gathered one
-        unit at a time at stage 3; every rank must call it."""
-        if not self._flatshard.policy.shards_params:
-            self._flatshard.wait_for_params()
-            rank = next(iter(self._flatshard.sets.values())).world.rank
-            return (
-                {k: v.detach().to("cpu", copy=True) for k, v in super().state_dict().items()}
-                if rank == 0
-                else {}
-            )
+        unit at a time at stage 3; every rank must call it. Params the optimizer keeps fp32
+        main params for are those, not their 16-bit rounding ([Note: values of record] in
+        ``wrap/record.py``); ``dtype`` casts every floating-point entry."""
+        state = self._flatshard
+        check_dtype(dtype)  # (on every rank, before any gather)
+        state.wait_for_params()
+        rank0 = next(iter(state.sets.values())).world.rank == 0 and replicate_rank(state) == 0
         with HERE.during(Phase.GATHER):
-            return full_state_dict(self._flatshard, partial(nn.Module.state_dict, self))
+            covered, main = main_values(list(state.sets.values()), state.optimizer, keep=rank0)
+            if state.policy.shards_params:
+                out = full_state_dict(state, partial(nn.Module.state_dict, self), skip=covered)
+            else:
+                out = {k: v.detach().to("cpu", copy=True) for k, v in super().state_dict().items()}
+        if not rank0:
+            return {}
+        params = nn.Module.state_dict(self, keep_vars=True)
+        return cast({k: main.get(id(params[k]), v) for k, v in out.items()}, dtype)
 
     @contextmanager
     def summon_full_params(
