@@ -27,6 +27,7 @@ and ``testing``, and the CLI. Everything else may move between releases.
 """
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
+from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
 from flatshard.checkpoint.weights import export_checkpoint, load_weights
 from flatshard.comm.collectives import CommStats
 from flatshard.errors import CheckpointError, ChecksumError, DesyncError
@@ -62,10 +63,12 @@ __all__ = [
     "even_batches",
     "export_checkpoint",
     "load_checkpoint",
+    "load_pretrained",
     "load_weights",
     "memory_report",
     "plan_layout",
     "save_checkpoint",
+    "save_pretrained",
     "shard",
     "verify_checkpoint",
 ]

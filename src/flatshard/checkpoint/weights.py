@@ -128,7 +128,15 @@ def load_weights(
     rounded through 16-bit params. Returns ``(missing, unexpected)`` names; with
     ``strict`` either is an error. Names of tied params may appear or not.
     """
-    src, model = open_source(source), uncompiled(model)
+    return load_source(model, open_source(source), optimizer, strict=strict)
+
+
+@torch.no_grad()
+def load_source(
+    model: nn.Module, src: Source, optimizer: torch.optim.Optimizer | None = None, *, strict: bool = True
+) -> tuple[list[str], list[str]]:
+    """``load_weights`` from an opened source."""
+    model = uncompiled(model)
     shapes = {name: shape for name, (shape, _) in src.shapes.items()}
     missing, unexpected = cs.check_shapes(model, shapes, src.description, strict=strict)
     state = getattr(model, "flatshard_state", None)

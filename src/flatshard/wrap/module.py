@@ -163,12 +163,17 @@ class ShardedModule(nn.Module):
         self._flatshard.wait_for_params()
 
     def state_dict(self, *args, **kwargs):
-        if self._flatshard.policy.shards_params:
+        """The plain state dict; at stage 3 only inside ``summon_full_params`` (the full
+        params, as the model computes with them, as FSDP's), else an error."""
+        state = self._flatshard
+        if state.policy.shards_params and not state.unsharder.summoned:
             raise RuntimeError(
                 "at stage 3 each rank holds only shards of the params: use model.full_state_dict() "
-                "(every rank calls it; rank 0 gets a CPU state dict) or summon_full_params()"
+                "(every rank calls it; rank 0 gets a CPU state dict) or call state_dict() inside "
+                "summon_full_params()"
             )
-        self._flatshard.wait_for_params()
+        if not state.policy.shards_params:
+            state.wait_for_params()
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

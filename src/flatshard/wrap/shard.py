@@ -38,6 +38,7 @@ from flatshard.stage3.build import (
 )
 from flatshard.wrap.arguments import check_arguments, check_devices, check_flags
 from flatshard.wrap.changes import WrappedTree
+from flatshard.wrap.init import default_init
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
 
@@ -153,7 +154,8 @@ def shard(
         device: where a model built on the ``meta`` device is materialized (default: the
             current CUDA device if there is one, else the CPU), unit by unit.
         param_init_fn: initializes each module of a meta model (default: its own
-            ``reset_parameters()``).
+            ``reset_parameters()``, a Hugging Face model's ``_init_weights``, zero LoRA B
+            matrices: [Note: default init] in ``wrap/init.py``).
         ignored_modules: modules whose frozen params stay whole on every rank; every other
             frozen (``requires_grad=False``) floating param is sharded and gathered with its
             unit, without grads or optimizer state ([Note: frozen params] in
@@ -222,7 +224,8 @@ def shard(
     sharded.flatshard_state.originals = originals or None
     if meta:
         worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
-        initialize_units(module, sharded.flatshard_state.unsharder, param_init_fn, device, worlds)
+        init_fn = param_init_fn or default_init(module)  # ([Note: default init] in wrap/init.py)
+        initialize_units(module, sharded.flatshard_state.unsharder, init_fn, device, worlds)
     _add_forward_pre_hooks(sharded, mp, (world, replicate) if broadcast_buffers else None)
     return sharded
 
