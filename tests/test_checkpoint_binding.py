@@ -244,3 +244,16 @@ def test_a_disk_full_mid_save_is_named_and_the_previous_checkpoint_stays(tmp_pat
         assert "No space left on device" in result["error"], result
     assert verify_checkpoint(path)["checked"] > 0
     assert _load_step_case(path) == 2  # the previous checkpoint, whole
+
+
+def test_a_save_over_a_link_to_a_checkpoint_replaces_the_link_and_keeps_its_target(tmp_path):
+    """The link is what this library replaces; the checkpoint it points to was written
+    elsewhere and stays (the save used to succeed and then raise, leaving ``PATH.old``)."""
+    target, path = str(tmp_path / "elsewhere"), str(tmp_path / "ckpt")
+    _save_case(target, 0, ADAMW)
+    os.symlink(target, path, target_is_directory=True)
+    model, opt, _ = _build(0, ADAMW)
+    save_checkpoint(path, model, opt, extra={"step": 7})
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere"]
+    assert not os.path.islink(path)
+    assert _load_step_case(path) == 7 and _load_step_case(target) == 3

@@ -391,14 +391,23 @@ def _publish(partial: str, path: str) -> None:
     """Make ``partial`` visible as ``path``; an older checkpoint there stays complete under
     ``path.old`` until the new one is in place."""
     old = path + ".old"
-    if os.path.exists(path):
-        if os.path.exists(old):
-            shutil.rmtree(old)
+    if os.path.lexists(path):
+        if os.path.lexists(old):
+            _remove(old)
         os.rename(path, old)
     os.rename(partial, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    if os.path.exists(old):
-        shutil.rmtree(old)
+    if os.path.lexists(old):
+        _remove(old)
+
+
+def _remove(path: str) -> None:
+    """Remove a checkpoint this library replaced: a symbolic link to one only as a link (what
+    it points to was not written here and stays)."""
+    if os.path.islink(path):
+        os.unlink(path)
+    else:
+        shutil.rmtree(path)
 
 
 def _fsync_dir(directory: str) -> None:
