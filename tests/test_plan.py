@@ -118,3 +118,40 @@ def test_plan_help_lists_every_option():
         "--json",
     ):
         assert option in out.stdout
+
+
+def _measured_lora(stage: int) -> dict:
+    from _parity import LoRAGPT
+
+    torch.manual_seed(0)
+    model = flatshard.shard(LoRAGPT(), stage=stage, bucket_size=3000)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = SyntheticCorpus(64, 16).batch(0, dist.get_rank(), 4)
+    model(x, y).backward()
+    opt.step()
+    model.wait_for_params()
+    return memory_report(model, opt).as_dict()
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_plan_of_a_lora_model_counts_frozen_params_without_grads_or_state(stage, capsys):
+    """``flatshard plan --model`` on a LoRA model (frozen base, trainable adapters) equals
+    what each rank measures: frozen params whole below stage 3 and sharded at it, with no
+    grads and no optimizer state (it planned them as trained before)."""
+    from _parity import LoRAGPT
+    from flatshard.app.cli import main
+
+    args = ["plan", "--model", "_parity:LoRAGPT", "-n", "3", "--param-dtype", "fp32"]
+    args += ["--bucket-size", "3000", "--optimizer", "adamw", "--json"]
+    plans = []
+    for rank in range(3):
+        assert main([*args, "--rank", str(rank)]) == 0
+        plans.append(json.loads(capsys.readouterr().out)["stages"][str(stage)])
+    for rank, measured in enumerate(run_distributed(_measured_lora, 3, stage)):
+        plan = plans[rank]
+        for role in ("grads", "main_params", "optimizer_state"):
+            assert plan[role] == measured[role], (rank, role, plan, measured)
+        # (at stage 3 each frozen param's placeholder is a few bytes the plan leaves out)
+        assert 0 <= measured["params"] - plan["params"] <= (64 if stage == 3 else 0), (rank, plan, measured)
+    trainable = sum(p.numel() for p in LoRAGPT().parameters() if p.requires_grad)
+    assert plans[0]["optimizer_state"] <= 8 * trainable + 64  # (AdamW: 8 bytes a trained element)

@@ -396,7 +396,7 @@ def _plan(args: argparse.Namespace) -> int:
             print("flatshard plan: --grad-dtype applies to --params only", file=sys.stderr)
             return 2
         try:
-            specs, stage3_specs, units = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
+            specs, stage3_specs, units, frozen = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
             plans = plan.plan_from_specs(
                 specs,
                 world_size=args.world_size,
@@ -404,11 +404,15 @@ def _plan(args: argparse.Namespace) -> int:
                 optimizer=args.optimizer,
                 rank=args.rank,
                 stage3_specs=stage3_specs,
+                frozen_specs=frozen[0],
+                stage3_frozen_specs=frozen[1],
             )
         except (ValueError, ImportError, AttributeError) as e:
             print(f"flatshard plan: {e}", file=sys.stderr)
             return 2
-        title = f"{args.model} ({sum(s.numel for s in specs):,} params), rank {args.rank}"
+        counts = f"{sum(s.numel for s in specs):,} params"
+        counts += f" trained, {sum(s.numel for s in frozen[0]):,} frozen" if frozen[0] else ""
+        title = f"{args.model} ({counts}), rank {args.rank}"
     if args.json:
         print(json.dumps({"stages": {str(s): p.as_dict() for s, p in plans.items()}}))
     else:
@@ -425,7 +429,7 @@ def _layout(args: argparse.Namespace) -> int:
     from flatshard.layout import plan_layout
 
     try:
-        specs, stage3_specs, units = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
+        specs, stage3_specs, units, frozen = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
     except (ValueError, ImportError, AttributeError) as e:
         print(f"flatshard layout: {e}", file=sys.stderr)
         return 2
@@ -437,6 +441,14 @@ def _layout(args: argparse.Namespace) -> int:
         shard=policy.pads_for_shards,
     )
     print(draw.format_shards(layout))
+    if frozen[0]:  # (sharded with their units at stage 3, whole on every rank below)
+        kept = "sharded with their units" if policy.shards_params else "whole on every rank"
+        print(f"\nfrozen params ({kept}; no grads, no optimizer state):")
+        if policy.shards_params:
+            frozen_layout = plan_layout(frozen[1], world_size=args.world_size, bucket_size=args.bucket_size)
+            print(draw.format_shards(frozen_layout))
+        else:
+            print(f"{sum(s.numel for s in frozen[0]):,} elements")
     if policy.gathers_units:
         print(f"\n{units}")
     if args.out:
@@ -485,7 +497,8 @@ def _verify(args: argparse.Namespace) -> int:
 def _model_specs(model: str, dtype, args: argparse.Namespace):
     """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
     its specs as stages 0-2 and stage 3 lay them out (``--whole-params``: a regex of the
-    names of 2-D params kept whole), and a table of its stage-3 units (``--unit-bytes``)."""
+    names of 2-D params kept whole), a table of its stage-3 units (``--unit-bytes``), and the
+    specs of its frozen params at stages 0-2 and 3 (no grads, no optimizer state)."""
     import re
 
     import torch
@@ -511,4 +524,8 @@ def _model_specs(model: str, dtype, args: argparse.Namespace):
         args.unit_bytes,
     )
     stage3 = model_specs(module, stage=3, whole_params=kept, unit_bytes=args.unit_bytes)
-    return model_specs(module, whole_params=kept), stage3, table
+    frozen = (
+        model_specs(module, frozen=True),
+        model_specs(module, stage=3, frozen=True, unit_bytes=args.unit_bytes),
+    )
+    return model_specs(module, whole_params=kept), stage3, table, frozen
