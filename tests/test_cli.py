@@ -255,10 +255,10 @@ def test_train_on_a_text_file_with_metrics_plot_checkpoints_and_exact_resume(tmp
         assert all(r[key] > 0 for r in records), key
     assert records[-1]["loss"] < records[0]["loss"]
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert sorted(os.listdir(ckpt)) == ["step-0000008", "step-0000012"]  # the newest two
+    assert sorted(os.listdir(ckpt)) == ["step-12", "step-8"]  # the newest two
     import shutil
 
-    shutil.rmtree(ckpt / "step-0000012")  # as if the run had stopped after step 8's save
+    shutil.rmtree(ckpt / "step-12")  # as if the run had stopped after step 8's save
     out = _flatshard(
         *common, "--checkpoint-dir", str(ckpt), "--resume", "--metrics", str(tmp_path / "b.jsonl")
     )
@@ -285,7 +285,7 @@ def test_train_starts_from_plain_weights(tmp_path):
     out = _flatshard(*base, "--steps", "60", "--stage", "3", "--metrics", str(tmp_path / "a.jsonl"))
     assert out.returncode == 0, out.stderr
     weights = tmp_path / "w.safetensors"
-    out = _flatshard("export", str(ckpt / "step-0000060"), str(weights), timeout=120)
+    out = _flatshard("export", str(ckpt / "step-60"), str(weights), timeout=120)
     assert out.returncode == 0, out.stderr
     out = _flatshard(
         "train",
@@ -306,3 +306,20 @@ def test_train_starts_from_plain_weights(tmp_path):
     trained = [json.loads(line)["loss"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
     started = json.loads((tmp_path / "b.jsonl").read_text().splitlines()[0])["loss"]
     assert started < trained[0] - 0.5 and abs(started - trained[-1]) < 0.3
+
+
+def test_bench_runs_a_hugging_face_model_with_every_torch_peer_and_shows_progress(tmp_path):
+    """``bench --model hf:llama``: the peers that wrap blocks (FSDP2) find the decoder layers,
+    every peer trains the same model to the same loss, and each round says so on stderr."""
+    import json
+
+    out_json = tmp_path / "bench.json"
+    args = ["bench", "-n", "2", "--model", "hf:llama", "--peers", "ddp", "fsdp2-zero3", "flatshard-3"]
+    out = _flatshard(*args, "--steps", "2", "--rounds", "1", "--batch", "2", "--out", str(out_json))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("hf:llama ("), out.stdout
+    rounds = [line for line in out.stderr.splitlines() if line.startswith("round ")]
+    assert len(rounds) == 3 and all("ms/step, loss" in line for line in rounds), out.stderr
+    peers = json.loads(out_json.read_text())["peers"]
+    losses = [peers[name]["final_loss"] for name in ("ddp", "fsdp2-zero3", "flatshard-3")]
+    assert max(losses) - min(losses) < 1e-4, losses

@@ -23,18 +23,21 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
+import warnings
 from datetime import date
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from flatshard import plan
 from flatshard.app.peers import PEERS, Peer, default_peers, prepare
 from flatshard.data import SyntheticCorpus
 from flatshard.malloc import retain_freed_cpu_memory
 from flatshard.memory import mib
-from flatshard.models import GPT, PRESETS
+from flatshard.models import PRESETS, CausalLMLoss, is_hf_model, model_dims, model_factory
 from flatshard.testing import run_distributed
 
 DTYPES = ("fp32", "bf16")  # names in flatshard.plan.DTYPES
@@ -72,6 +75,17 @@ def _barrier_bytes(count: int) -> float | None:
     return None if before is None or after is None else (after - before) / count
 
 
+def build_model(spec: str) -> tuple[nn.Module, int, int]:
+    """The model ``spec`` names (``models.model_factory``: a GPT preset, ``hf:TYPE``, a
+    directory, ``module:function``) with the ``forward(tokens, targets) -> loss`` every peer
+    calls, its vocabulary size and sequence length (at most 256 tokens)."""
+    module = model_factory(spec)()
+    vocab, seq_len = model_dims(module)
+    if vocab is None or seq_len is None:
+        raise ValueError(f"--model {spec}: the model does not say its vocab size and sequence length")
+    return (CausalLMLoss(module) if is_hf_model(module) else module), vocab, min(seq_len, 256)
+
+
 def _peer_session(
     name: str, preset: str, steps: int, warmup: int, batch: int, bucket_size, dtype: str
 ) -> dict:
@@ -79,13 +93,14 @@ def _peer_session(
     retain_freed_cpu_memory()  # the same allocator settings for every peer
     barrier_bytes = _barrier_bytes(steps)  # before any peer's collective can be in flight
     rank = dist.get_rank()
-    cfg = PRESETS[preset]
+    warnings.filterwarnings("ignore")  # (the peers' own chatter stays out of the table)
     prepare(name)
     rss_base = _rss()
     torch.manual_seed(0)
     compute = None if dtype == "fp32" else plan.DTYPES[dtype]  # mixed precision: fp32 params, compute in it
-    trainer = PEERS[name](GPT(cfg), bucket_size, compute)
-    corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
+    model, vocab, seq_len = build_model(preset)
+    trainer = PEERS[name](model, bucket_size, compute)
+    corpus = SyntheticCorpus(vocab, seq_len)
     data = [corpus.batch(i, rank, batch) for i in range(warmup + steps)]
     for i in range(warmup):  # first-iteration allocations, DDP's bucket rebuild, ...
         trainer.step(*data[i], measure=i == warmup - 1)
@@ -140,6 +155,7 @@ def run_bench(
     sessions: dict[str, list[list[dict]]] = {name: [] for name in peers}
     for r in range(rounds):
         for name in peers[r % len(peers) :] + peers[: r % len(peers)]:
+            progress(f"round {r + 1}/{rounds}: {name} ...", end="")
             per_rank = run_distributed(
                 _peer_session,
                 world_size,
@@ -153,6 +169,7 @@ def run_bench(
                 timeout=1800,
             )
             sessions[name].append(per_rank)
+            progress(f" {_step_median(per_rank) * 1e3:.1f} ms/step, loss {per_rank[0]['final_loss']:.4f}")
     results = {name: _summarize(runs) for name, runs in sessions.items()}
     ddp = results.get("ddp", {}).get("median_step_s")
     for name, r in results.items():
@@ -170,12 +187,18 @@ def run_bench(
         "world_size": world_size,
         "model": preset,
         "dtype": dtype,
-        "params": sum(p.numel() for p in GPT(PRESETS[preset]).parameters()),
+        "params": sum(p.numel() for p in build_model(preset)[0].parameters()),
         "steps_per_round": steps,
         "rounds": rounds,
         "batch_per_rank": batch,
         "peers": results,
     }
+
+
+def progress(text: str, end: str = "\n") -> None:
+    """A line of progress on stderr (the table and the JSON path go to stdout)."""
+    sys.stderr.write(text + end)
+    sys.stderr.flush()
 
 
 def _step_times(per_rank: list[dict]) -> list[float]:
@@ -214,7 +237,7 @@ def _worst(runs: list[list[dict]], value) -> int | None:
 def format_table(result: dict) -> str:
     width = max(16, *(len(name) for name in result["peers"]))
     lines = [
-        f"{result['model']} GPT ({result['params']:,} params, {result.get('dtype', 'fp32')}), "
+        f"{result['model']} ({result['params']:,} params, {result.get('dtype', 'fp32')}), "
         f"{result['world_size']} ranks, {result['rounds']} rounds x {result['steps_per_round']} steps, "
         f"{result['date']},",
         f"  {result['machine']}",
@@ -250,7 +273,12 @@ def add_arguments(parser, *, default_out: str, peers: list[str] | None = None) -
     """The options of ``flatshard bench`` and of the scripts in ``benchmarks/``."""
     parser.add_argument("--world-size", "-n", type=int, default=2, help="ranks (default 2)")
     parser.add_argument(
-        "--model", default="small", choices=sorted(PRESETS), help="GPT preset (default small)"
+        "--model",
+        default="small",
+        help=f"a GPT preset ({', '.join(PRESETS)}; default small), hf:TYPE (a tiny transformers "
+        "causal LM), a save_pretrained directory or config.json, or module:function (an nn.Module "
+        "whose forward(tokens, targets) returns the loss, with a cfg or config giving vocab_size "
+        "and seq_len or max_position_embeddings)",
     )
     parser.add_argument(
         "--peers",

@@ -11,7 +11,10 @@ from flatshard.app import launch
 from flatshard.stage import DEFAULT_UNIT_BYTES, STAGES, StagePolicy
 from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
 
-MODEL_HELP = "a GPT preset, hf:<model_type> (a tiny transformers model) or module:factory (an nn.Module)"
+MODEL_HELP = (
+    "a GPT preset, hf:<model_type> (a tiny transformers model), a directory or config.json (the "
+    "transformers model it configures) or module:factory (an nn.Module)"
+)
 
 
 def _positive_int(text: str) -> int:
@@ -71,13 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         choices=STAGES,
         default=0,
-        help="ZeRO stage (implemented: %(choices)s)",
+        help="ZeRO stage: 0 (DDP) to 3 (params sharded too) (default 0)",
     )
     train.add_argument(
         "--model",
         default="small",
         help=f"a GPT preset ({', '.join(PRESETS)}; default small), hf:<model_type> (a tiny "
-        "transformers causal LM of that type, random init) or module:factory, a function returning an "
+        "transformers causal LM of that type, random init), a local config.json or save_pretrained "
+        "directory (its causal LM, random init), or module:factory, a function returning an "
         "nn.Module whose forward(tokens, targets) returns the loss",
     )
     train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
@@ -94,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=["fp32", "bf16"],
         default="fp32",
-        help="bf16: bf16 params and compute, fp32 main params",
+        help="bf16: bf16 params and compute, fp32 main params (default fp32)",
     )
     train.add_argument(
         "--data",
@@ -115,7 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="share of each rank's optimizer state and updates kept on the host "
         "(HybridDeviceOptimizer; default 0)",
     )
-    train.add_argument("--seed", type=int, default=0, help="model init seed")
+    train.add_argument("--seed", type=int, default=0, help="model init seed (default 0)")
     train.add_argument(
         "--checkpoint-dir",
         help="save checkpoints DIR/step-N (the newest 2 kept) at the end and every --checkpoint-every steps",
@@ -136,7 +140,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--metrics", help="write per-step loss, lr, grad norm, tokens/s, memory, comm bytes (JSONL)"
     )
     train.add_argument("--plot", help="draw the loss curve to this PNG at the end (needs matplotlib)")
-    train.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    train.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda"],
+        default="auto",
+        help="where each rank trains; auto: its GPU if there is one, else the CPU (default auto)",
+    )
     train.add_argument(
         "--timeout",
         type=_positive_float,

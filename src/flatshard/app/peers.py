@@ -29,6 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
+from flatshard.engine.units import find_units
 from flatshard.memory import memory_report
 from flatshard.stage import STAGES
 
@@ -68,6 +69,12 @@ Peer = Callable[[nn.Module, int | None, torch.dtype | None], Trainer]
 mixed precision or None) -> its trainer."""
 
 
+def blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's blocks: the modules stage 3 gathers one at a time by default (the children
+    of its ``nn.ModuleList``s, or a ``transformers`` model's decoder layers)."""
+    return [m for unit in find_units(model)[1:] for m in unit.modules]
+
+
 def _ddp(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
     model = DDP(model, gradient_as_bucket_view=True)
     optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -88,7 +95,7 @@ def _fsdp2(reshard_after_forward: bool) -> Peer:
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
         mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
-        for block in model.blocks:
+        for block in blocks(model):
             fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
@@ -292,7 +299,7 @@ def _block_compiled(peer: Peer) -> Peer:
     recipe for FSDP2, and the one flatshard's hooks keep graph-break free at every stage."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        for block in model.blocks:
+        for block in blocks(model):
             block.compile()
         return peer(model, bucket_size, compute)
 

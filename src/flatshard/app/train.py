@@ -234,7 +234,7 @@ def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
 
 def _save(directory: str, done: int, model, optimizer, schedule, rank: int) -> None:
     """Save ``directory/step-N``; then drop all but the newest ``KEEP_CHECKPOINTS``."""
-    path = os.path.join(directory, f"step-{done:07d}")
+    path = os.path.join(directory, f"step-{done}")  # (listed in numeric order by checkpoints())
     flatshard.save_checkpoint(path, model, optimizer, extra={"step": done, "schedule": schedule})
     if rank == 0:
         for _, old in checkpoints(directory)[:-KEEP_CHECKPOINTS]:

@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Callable
 from functools import partial
 
 from torch import nn
 
 from flatshard.models.gpt import GPT, PRESETS, GPTConfig
-from flatshard.models.hf import lm_loss, model_dims, tiny_model
+from flatshard.models.hf import CausalLMLoss, is_hf_model, lm_loss, model_dims, pretrained_model, tiny_model
 
-__all__ = ["GPT", "PRESETS", "GPTConfig", "lm_loss", "model_dims", "model_factory", "tiny_model"]
+__all__ = [
+    "GPT",
+    "PRESETS",
+    "CausalLMLoss",
+    "GPTConfig",
+    "is_hf_model",
+    "lm_loss",
+    "model_dims",
+    "model_factory",
+    "tiny_model",
+]
 
 
 def model_factory(spec: str) -> Callable[[], nn.Module]:
     """What builds the model named ``spec``: a GPT preset, ``hf:<model_type>`` (a tiny
-    ``transformers`` causal LM of that type, ``models.hf``), or ``module:factory`` (a function
-    of no arguments returning an ``nn.Module``, imported from ``module``)."""
+    ``transformers`` causal LM of that type, ``models.hf``), a local directory or
+    ``config.json`` (the ``transformers`` causal LM it configures, e.g. a ``save_pretrained``
+    directory), or ``module:factory`` (a function of no arguments returning an ``nn.Module``,
+    imported from ``module``)."""
     if spec.startswith("hf:"):
         return partial(tiny_model, spec.removeprefix("hf:"))
+    if os.path.isdir(spec) or spec.endswith(".json"):
+        return partial(pretrained_model, spec)
     if ":" in spec:
         module_name, name = spec.split(":", 1)
         try:
@@ -32,7 +47,8 @@ def model_factory(spec: str) -> Callable[[], nn.Module]:
     if spec in PRESETS:
         return lambda: GPT(PRESETS[spec])
     raise ValueError(
-        f"--model {spec!r} is neither a GPT preset {sorted(PRESETS)}, hf:<model_type> nor module:factory"
+        f"--model {spec!r} is neither a GPT preset {sorted(PRESETS)}, hf:<model_type>, a directory, "
+        "a config.json nor module:factory"
     )
 
 

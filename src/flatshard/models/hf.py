@@ -13,29 +13,82 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 256}
+TINY = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "intermediate_size": 128}
 """The dimensions of ``tiny_model``, in the names ``transformers`` maps for every model type."""
+
+HEAD = TINY["hidden_size"] // TINY["num_attention_heads"]
+SMALLER = {  # where a type's config has the field (not None): a value that fits TINY
+    "num_key_value_heads": 2,
+    "head_dim": HEAD,
+    "rotary_dim": HEAD,
+    "num_local_experts": 4,
+    "num_experts": 4,
+    "n_routed_experts": 4,
+    "num_experts_per_tok": 2,
+    "n_group": 1,
+    "topk_group": 1,
+    "moe_intermediate_size": 64,
+    "shared_expert_intermediate_size": 64,
+    "max_window_layers": 2,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 16,
+    "qk_rope_head_dim": HEAD // 2,
+    "qk_nope_head_dim": HEAD // 2,
+    "v_head_dim": HEAD,
+    "ffn_dim": TINY["intermediate_size"],
+    "word_embed_proj_dim": TINY["hidden_size"],
+}
+
+
+def tiny_config(model_type: str, *, vocab_size: int = 256, seq_len: int = 64, **overrides):
+    """A ``transformers`` config of ``model_type`` shrunk to ``TINY``: its defaults (a
+    full-size model's), with the width, depth and heads of ``TINY``, and every field that must
+    agree with them (key-value heads, head size, experts, windows) set to fit."""
+    from transformers import AutoConfig
+
+    defaults = AutoConfig.for_model(model_type)
+    fields = {**TINY, "vocab_size": vocab_size, "max_position_embeddings": seq_len}
+    settable = [k for k in SMALLER if not isinstance(getattr(type(defaults), k, None), property)]
+    fields.update({k: SMALLER[k] for k in settable if getattr(defaults, k, None) is not None})
+    if getattr(defaults, "sliding_window", None) is not None:
+        fields["sliding_window"] = seq_len
+    for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        if getattr(defaults, token, None) is not None:
+            fields[token] = 0
+    fields.update(overrides)
+    head = fields["hidden_size"] // fields["num_attention_heads"]  # (of the dimensions asked for)
+    for key in ("head_dim", "rotary_dim", "v_head_dim"):
+        if key in fields and key not in overrides:
+            fields[key] = head
+    return AutoConfig.for_model(model_type, **fields)
 
 
 def tiny_model(model_type: str, *, vocab_size: int = 256, seq_len: int = 64, **overrides) -> nn.Module:
-    """A ``transformers`` causal LM of ``model_type`` with ``TINY`` dimensions (and
+    """A ``transformers`` causal LM of ``model_type`` with ``tiny_config``'s dimensions (and
     ``overrides``), ``vocab_size`` tokens and ``seq_len`` positions, randomly initialized."""
     try:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM
     except ImportError:
         raise ValueError(f"hf:{model_type} needs transformers: pip install transformers") from None
     try:
-        config = AutoConfig.for_model(
-            model_type,
-            vocab_size=vocab_size,
-            max_position_embeddings=seq_len,
-            bos_token_id=0,
-            eos_token_id=0,
-            **{**TINY, **overrides},
-        )
+        config = tiny_config(model_type, vocab_size=vocab_size, seq_len=seq_len, **overrides)
         return AutoModelForCausalLM.from_config(config)
-    except ValueError as e:
+    except (ValueError, KeyError) as e:
         raise ValueError(f"hf:{model_type}: {e}") from None
+
+
+def pretrained_model(path: str) -> nn.Module:
+    """The causal LM of a local ``config.json`` or ``save_pretrained`` directory, built from
+    its config (random init: ``load_pretrained`` fills a sharded model afterwards)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(path)
+        return AutoModelForCausalLM.from_config(config)
+    except (OSError, ValueError, KeyError) as e:
+        what = "a transformers config or save_pretrained directory"
+        raise ValueError(f"--model {path}: not {what} ({e})") from None
 
 
 def is_hf_model(module: nn.Module) -> bool:
@@ -50,6 +103,18 @@ def lm_loss(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         return model(x, y)
     logits = model(input_ids=x).logits
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+class CausalLMLoss(nn.Module):
+    """A causal LM with the ``forward(tokens, targets) -> loss`` of the built-in GPT (what the
+    benchmark's peers call); ``lm`` is the model itself, so its units are found inside."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return lm_loss(self.lm, x, y)
 
 
 def model_dims(module: nn.Module) -> tuple[int | None, int | None]:
