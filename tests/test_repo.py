@@ -23,7 +23,7 @@ def test_readme_top_shows_two_commands_and_ci_runs_the_test_one():
 
 
 def test_lint_and_format_are_clean():
-    paths = ["src", "tests", "benchmarks"]
+    paths = ["src", "tests", "benchmarks", "examples"]
     check = subprocess.run(
         [sys.executable, "-m", "ruff", "check", *paths], cwd=ROOT, capture_output=True, text=True
     )

@@ -38,6 +38,7 @@ SMALLER = {  # where a type's config has the field (not None): a value that fits
     "v_head_dim": HEAD,
     "ffn_dim": TINY["intermediate_size"],
     "word_embed_proj_dim": TINY["hidden_size"],
+    "rescale_every": 0,  # (RWKV rescales its weights in place in eval mode: no sharded param allows it)
 }
 
 

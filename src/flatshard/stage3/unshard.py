@@ -269,8 +269,8 @@ class Unsharder:
             raise RuntimeError("params are summoned (summon_full_params): leave the block first")
         for u in range(len(self.units)):
             self.reshard(u)
-        self._fwd.restart()
-        self._entry = None  # the next forward issues its gathers from the start
+        self._fwd.restart()  # the next forward issues its gathers from the start
+        self._entry = None  # (and begins wherever it begins: [Note: forward entry points])
 
     def prefetch_first(self) -> None:
         """Start gathering the units the next forward runs first (the root and the next
