@@ -131,3 +131,19 @@ def test_save_pretrained_refuses_a_directory_that_holds_files(tmp_path):
     with pytest.raises(FileExistsError, match="not empty"):
         flatshard.save_pretrained(model, tmp_path)
     assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+def _plain_job(out: str) -> dict:
+    model = flatshard.shard(tiny_llama(seed=0), stage=3, bucket_size=2000)
+    flatshard.save_pretrained(model, out, dtype=torch.bfloat16)
+    return {"full": model.full_state_dict()}
+
+
+def test_a_sharded_transformers_model_saves_a_directory_from_pretrained_loads(tmp_path):
+    """Without peft: the model's own ``save_pretrained`` with the gathered state dict, cast on
+    request; ``from_pretrained`` gives the same weights (rounded to bf16)."""
+    (r, _) = run_distributed(_plain_job, 2, str(tmp_path / "out"))
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    for name, value in loaded.state_dict().items():
+        assert value.dtype == torch.bfloat16, name
+        assert torch.equal(value, r["full"][name].to(torch.bfloat16)), name
