@@ -93,7 +93,9 @@ def _peer_session(
     retain_freed_cpu_memory()  # the same allocator settings for every peer
     barrier_bytes = _barrier_bytes(steps)  # before any peer's collective can be in flight
     rank = dist.get_rank()
-    warnings.filterwarnings("ignore")  # (the peers' own chatter stays out of the table)
+    warnings.filterwarnings("ignore")  # the peers' own chatter stays out of the table: no
+    sys.stdout.flush()  # warnings, and what they print (DeepSpeed's op builds) goes to stderr
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     prepare(name)
     rss_base = _rss()
     torch.manual_seed(0)
