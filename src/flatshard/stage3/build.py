@@ -6,10 +6,11 @@ A model built on the ``meta`` device has no values. ``shard(..., stage=3)`` give
 trainable params a placeholder on ``device``, lays out and binds the buffers as usual (the
 shards hold nothing yet), then initializes the model *unit by unit*: the unit's buckets are
 allocated full, its params pointed at them, ``param_init_fn(module)`` (default: the
-module's own ``reset_parameters()``) runs on each module that registers params or buffers
-in it, rank 0's values are broadcast when ``sync_module_states``, each rank keeps its shards
-and the buckets are freed. No rank ever holds more than one unit in full. Frozen params and
-buffers on ``meta`` are materialized (they are not sharded) and initialized the same way.
+module's own ``reset_parameters()``, [Note: default init] in ``wrap/init.py``) runs on
+each module that registers params or buffers in it, rank 0's values are broadcast when
+``sync_module_states``, each rank keeps its shards and the buckets are freed. No rank ever
+holds more than one unit in full. Frozen params and buffers on ``meta`` are materialized
+(they are not sharded) and initialized the same way.
 Without ``sync_module_states`` every rank must seed its RNG alike.
 
 [Note: frozen params]
@@ -127,7 +128,7 @@ def replace_meta_params(module: nn.Module, device: torch.device, whole: set[int]
 def initialize_units(
     module: nn.Module,
     unsharder: Unsharder,
-    init_fn: Callable[[nn.Module], None] | None,
+    init_fn: Callable[[nn.Module], None],
     device: torch.device,
     sync_worlds: Sequence[World] | None,
 ) -> None:
@@ -143,7 +144,7 @@ def initialize_units(
                 part.buffer.point_params(part.bucket, full=True)
             for m in modules:
                 if _holds_state(m):
-                    _init_module(m, init_fn)
+                    init_fn(m)  # (shard()'s default: [Note: default init] in wrap/init.py)
             if sync_worlds:
                 pairs = [
                     (part.buffer.full_bucket(part.bucket), w)
@@ -174,16 +175,3 @@ def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or any(
         True for _ in module.buffers(recurse=False)
     )
-
-
-def _init_module(module: nn.Module, init_fn: Callable[[nn.Module], None] | None) -> None:
-    if init_fn is not None:
-        init_fn(module)
-        return
-    reset = getattr(module, "reset_parameters", None)
-    if not callable(reset):
-        raise ValueError(
-            f"{type(module).__name__} holds params or buffers on the meta device but has no "
-            "reset_parameters(); pass param_init_fn=... to shard() to initialize it"
-        )
-    reset()
