@@ -8,6 +8,7 @@ from torch import nn
 
 import flatshard
 from _parity import SGD, LoRAGPT, check_parity, train_optimizer_side_by_side
+from flatshard.engine.placeholder import Placeholder
 from flatshard.plan import plan_from_specs
 from flatshard.testing import run_distributed
 from flatshard.wrap.specs import model_specs
@@ -60,7 +61,7 @@ def _memory(ignore_blocks: bool) -> dict:
         "frozen_bytes": sum(p.numel() * p.element_size() for p in frozen),
         "whole_frozen_bytes": sum(p.numel() * p.element_size() for p in frozen if id(p) in whole),
         "frozen_shard_bytes": sum(b.param_shard_data.numel() * 4 for b in frozen_set.buffers),
-        "placeholders": sum(1 for p in frozen if p.data.untyped_storage().nbytes() <= 8),
+        "placeholders": sum(1 for p in frozen if isinstance(p, Placeholder)),  # (holding no values)
         "params": report.params,
         "planned": plans[3].params,
         "planned_stage0": plans[0].params,

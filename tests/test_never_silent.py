@@ -6,6 +6,7 @@ one rank), a NaN or negative ``max_norm``, a step skipped for a NaN that no loss
 explains, and (at stage 3) a param read outside its unit's forward.
 """
 
+import math
 import warnings
 
 import pytest
@@ -179,21 +180,45 @@ def test_error_if_nonfinite_raises_on_every_rank():
 
 
 def _read_outside_the_unit() -> dict:
-    """A weight used in the loss after ``model(x)`` reads its unit's NaN stand-in: the step
-    is not silently skipped any more; the warning names the params."""
+    """A weight used in the loss after ``model(x)`` is a placeholder ([Note: placeholders]): the
+    read raises, naming the param and its unit, before any value exists. The kept units'
+    params (the root's, the last block's) are full after the forward, so they read their
+    values; inside ``summon_full_params`` every param does; training goes on afterwards."""
     model, opt = _model_and_opt(3, shard_kwargs={"unit_bytes": None, "backward_prefetch": "post"})
     x, y = CORPUS.batch(0, dist.get_rank(), 4)
-    loss = model(x, y) + 1e-3 * model.blocks[0].fc.weight.square().sum()
+    out = {}
+    for name, read in [
+        ("square", lambda: model.blocks[0].fc.weight.square().sum()),
+        ("no_grad", lambda: torch.no_grad()(lambda: model.blocks[0].fc.weight.clone())()),
+        ("data", lambda: model.blocks[0].fc.weight.data),
+        ("state_dict", lambda: torch.save(model.blocks[0].fc.weight, "/dev/null")),
+    ]:
+        loss = model(x, y)
+        try:
+            read()
+            out[name] = None
+        except flatshard.ShardedParamError as e:
+            out[name] = str(e)
+    out["head"] = torch.isfinite(model.lm_head.weight.sum()).item()  # (root: kept full)
+    out["last"] = torch.isfinite(model.blocks[-1].fc.weight.sum()).item()  # (last: kept full)
     loss.backward()
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        opt.step()
-    return {"loss": loss.item(), "warnings": [str(w.message) for w in caught]}
+    opt.step()
+    opt.zero_grad()
+    with model.summon_full_params():
+        out["summoned"] = torch.isfinite(model.blocks[0].fc.weight.sum()).item()
+    out["metadata"] = [model.blocks[0].fc.weight.shape, model.blocks[0].fc.weight.numel()]
+    out["losses"] = [_train_step(model, opt, step) for step in range(1, 3)]
+    return out
 
 
-def test_a_param_read_outside_its_unit_at_stage_3_is_not_silent():
+def test_a_param_read_outside_its_unit_at_stage_3_raises_naming_it():
     for result in run_distributed(_read_outside_the_unit, 2):
-        assert any("NaN stand-in" in w and "blocks.0.fc.weight" in w for w in result["warnings"]), result
+        for case in ("square", "no_grad", "data", "state_dict"):
+            assert "param 'blocks.0.fc.weight' of unit " in result[case], (case, result)
+            assert "(blocks.0) was read by " in result[case], (case, result)
+        assert result["head"] and result["last"] and result["summoned"], result
+        assert list(result["metadata"][0]) == [4 * 32, 32], result  # (TiedGPT's fc: 4·d × d)
+        assert all(math.isfinite(loss) for loss in result["losses"]), result
 
 
 class BatchNormNet(nn.Module):

@@ -30,7 +30,7 @@ from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, ver
 from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
 from flatshard.checkpoint.weights import export_checkpoint, load_weights
 from flatshard.comm.collectives import CommStats
-from flatshard.errors import CheckpointError, ChecksumError, DesyncError
+from flatshard.errors import CheckpointError, ChecksumError, DesyncError, ShardedParamError
 from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.mixed_precision import MixedPrecision
@@ -59,6 +59,7 @@ __all__ = [
     "OwnerShardedOptimizer",
     "ParamSpec",
     "ShardedModule",
+    "ShardedParamError",
     "StaticLossScaler",
     "even_batches",
     "export_checkpoint",

@@ -24,15 +24,14 @@ where each is enforced:
 * **Arguments are checked as torch checks its own**: ``clip_grad_norm_`` refuses a NaN or
   negative ``max_norm`` and, with ``error_if_nonfinite``, a non-finite norm
   (``optim/distributed.py``).
-* **A stand-in does not stand in for a param a running unit needs.** A module shared by two
-  units belongs to their common ancestor unit (``engine/units.py``), so whichever block runs,
-  its params are full. A param read *outside* every unit's forward still reads its NaN
-  stand-in (it does not raise: a tensor with no storage, as FSDP2 frees them, segfaults some
-  CPU kernels when read, and a tensor subclass cannot be a param's ``.data``); the NaN then
-  reaches the grads, and the skipped step says so, as below.
+* **A placeholder never computes.** A module shared by two units belongs to their common
+  ancestor unit (``engine/units.py``), so whichever block runs, its params are full. A param
+  read *outside* its unit's forward is a ``Placeholder`` that refuses any operation on its
+  values with a ``ShardedParamError`` naming the param and its unit ([Note: placeholders] in
+  ``engine/placeholder.py``).
 * **A skipped step says why.** With a loss scaler a skip is fp16 overflow handling; without
-  one every skip is a ``RuntimeWarning`` naming the params whose grads are not finite and
-  pointing at stand-ins read outside a forward (``optim/distributed.py``).
+  one every skip is a ``RuntimeWarning`` naming the params whose grads are not finite
+  (``optim/distributed.py``).
 * **Changes after wrapping are named** at the next forward (``wrap/changes.py``); ranks
   start from rank 0's params and buffers and take rank 0's buffers before each forward, as
   DDP does (``sync_module_states``, ``broadcast_buffers``).
@@ -54,6 +53,12 @@ class CheckpointError(ValueError):
 class ChecksumError(CheckpointError):
     """Bytes read back from a checkpoint or weights file differ from the bytes written: the
     message names the file and the tensor (or param) whose checksum does not match."""
+
+
+class ShardedParamError(RuntimeError):
+    """A stage-3 param's values were read while they are sharded: outside the forward and
+    backward of the unit that holds it and outside ``summon_full_params``. The message names
+    the param, its unit and the operation ([Note: placeholders] in ``engine/placeholder.py``)."""
 
 
 class DesyncError(RuntimeError):

@@ -23,7 +23,8 @@ holds this rank's shard of every bucket in the same frame, and each bucket has a
 tensor whose storage is allocated only while its unit is gathered ([Note: unsharding] in
 ``stage3/unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
 sharded, a *placeholder*: a NaN that is expanded to the param's shape (one element of
-memory, the right shape for ``named_parameters()``, NaN if read, an error if written).
+memory, the right shape for ``named_parameters()``), and the param a ``Placeholder`` that refuses
+to be read ([Note: placeholders] in ``engine/placeholder.py``).
 
 [Note: main-backed shards]
 At stage 3 a 16-bit buffer whose module has a ``DistributedOptimizer`` keeps no 16-bit
@@ -53,6 +54,7 @@ import torch
 from torch import nn
 
 from flatshard.comm.world import ONE, World
+from flatshard.engine.placeholder import hide, show
 from flatshard.layout import BucketLayout, BufferLayout, Layout, Range
 
 
@@ -152,7 +154,7 @@ class FlatBuffer:
             )
         param.main_grad = None
         if not param.is_meta:
-            param.data = placeholder
+            hide(param, placeholder)
 
     def load_param(self, slot, values: torch.Tensor) -> None:
         """Copy this rank's pieces of a full param's ``values`` into the shard frame (into
@@ -225,10 +227,10 @@ class FlatBuffer:
         placeholders (both made once, at ``bind``: this runs twice per unit and pass)."""
         if full:
             for param, view, _ in self._pointers[bucket.index].values():
-                param.data = view
+                show(param, view)
         else:
             for param, _, placeholder in self._pointers[bucket.index].values():
-                param.data = placeholder
+                hide(param, placeholder)
 
     def param_storage(self) -> torch.Tensor | None:
         """The tensor that holds this buffer's params between uses (None when the main

@@ -104,7 +104,7 @@ def module_units(units: list[Unit]) -> dict[int, int]:
     """``{id(module): index of the innermost unit containing it}`` for every module. A module
     reachable along several paths (one shared by two blocks) belongs to the innermost unit
     that contains all of them, which is full whenever any of them runs: otherwise one block
-    would read the other's freed stand-ins ([Note: never silent] in ``errors.py``)."""
+    would read the other's placeholders ([Note: placeholders] in ``engine/placeholder.py``)."""
     index_of = {name: unit.index for unit in units for name in unit.names}
     found: dict[int, set[int]] = {}
     for name, sub in units[0].modules[0].named_modules(remove_duplicate=False):

@@ -429,13 +429,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def _warn_skipped(self) -> None:
         """Without a loss scaler a non-finite grad is no fp16 overflow that the next scale
-        fixes: it is a bug upstream (at stage 3, often a param read outside its unit, whose
-        stand-in is NaN), so every such skip says so, naming the params."""
+        fixes: it is a bug upstream, so every such skip says so, naming the params."""
         warnings.warn(
             f"DistributedOptimizer skipped step {self.skipped_steps} of this run: the grads hold "
             f"inf or NaN, and there is no loss scaler, so this is not an fp16 overflow "
-            f"({self._nonfinite_names()}). At stage 3 a param read outside its unit's forward "
-            "reads a NaN stand-in (use summon_full_params). skip_nonfinite=False steps anyway; "
+            f"({self._nonfinite_names()}). skip_nonfinite=False steps anyway; "
             "clip_grad_norm_(error_if_nonfinite=True) raises",
             RuntimeWarning,
             stacklevel=4,

@@ -49,7 +49,7 @@ A forward need not begin at the root. ``generate()`` on a peft model calls the w
 ``transformers`` model's forward, not the ``PeftModel``'s; code that wants hidden states calls
 ``model.model(...)``; code that builds ``inputs_embeds`` calls the embedding alone. Each reads
 the root unit's params (embeddings, final norm, head), which only the root's pre-hook would
-gather: a forward that began below it computed on NaN stand-ins, and ``generate()`` returned
+gather: a forward that began below it computed on NaN placeholders, and ``generate()`` returned
 token 0 on every rank. So the root's hooks sit on every module of the root's own that holds
 params in its subtree (``engine.units.entry_points``; for our GPT the root, its embeddings,
 its final norm and head). The first of them whose forward begins while no forward is under
@@ -136,6 +136,7 @@ from flatshard.comm.deadline import HERE
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
+from flatshard.engine.placeholder import label
 from flatshard.engine.units import Unit, entry_points
 from flatshard.layout import BucketLayout
 from flatshard.stage import UnitOptions
@@ -210,6 +211,11 @@ class Unsharder:
             self._hooks.append(module.register_forward_hook(eager(self._entry_post_hook())))
         # grad sync tells each param's grad (grad_ready): no hook of its own per param
         self._unit_of_param = {key: u for u, keys in enumerate(self._params) for key in keys}
+        for unit, unit_parts in zip(units, parts, strict=True):  # what a refused read names
+            for part in unit_parts:
+                for slot in part.bucket.params:
+                    where = f"param {slot.name!r} of unit {unit.index} ({unit.name or 'the root'})"
+                    label(part.params[slot.index], where)
 
     # -- the three states ----------------------------------------------------------------------
     def unshard(self, u: int) -> None:

@@ -1,0 +1,134 @@
+"""Stage 3's placeholders: what a sharded param is while its unit is not gathered.
+
+[Note: placeholders]
+
+Between uses a stage-3 param's ``.data`` is a placeholder tensor (one NaN expanded to the
+param's shape, [Note: buffers own storage] in ``engine/buffer.py``), and the param object
+itself is switched to the class ``Placeholder``, a ``nn.Parameter`` whose ``__torch_function__`` refuses
+every operation that would read or copy its values with a ``ShardedParamError`` naming the
+param, its unit and the operation. So a param read outside the forward of the unit that
+holds it (a weight used in the loss after ``model(x)``, user code holding a tied weight, an
+EMA copy, ``torch.save(model)``) raises before any result exists, where it used to compute
+on NaN (the storage-freeing of FSDP1/FSDP2 is not an option on CPU: a tensor whose storage
+holds no bytes crashes kernels that read it, and a tensor subclass cannot be ``.data``).
+
+Invariants:
+
+* A param is a ``Placeholder`` exactly while its ``.data`` is its placeholder: ``show`` and
+  ``hide`` (called by ``FlatBuffer.point_params``, the only place that swaps ``.data`` at
+  stage 3) change both together. A gathered param is a plain ``nn.Parameter`` again, so
+  inside a unit's forward (eager or compiled) there is no extra dispatch: the cost is one
+  class assignment per param per gather and free, beside the ``.data`` assignment already
+  made there.
+* What stays allowed is what reads no values: shape, dtype, device, ``numel()``,
+  ``requires_grad`` (get, set, ``requires_grad_``), ``.grad`` (get, set), hooks, hashing,
+  ``.data`` assignment, and new tensors of its shape (``torch.zeros_like(p)``,
+  ``p.new_empty(...)``). So ``named_parameters()``, ``model.device`` and ``model.dtype``
+  (as ``transformers`` computes them), counting params and ``zero_grad`` work as before.
+* Only params whose class is exactly ``nn.Parameter`` are switched; a param of another
+  subclass keeps its class and its NaN placeholder.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from flatshard.errors import ShardedParamError
+
+Tensor = torch.Tensor
+
+_READS_NO_VALUES = frozenset(
+    [
+        Tensor.shape.__get__,
+        Tensor.dtype.__get__,
+        Tensor.device.__get__,
+        Tensor.layout.__get__,
+        Tensor.ndim.__get__,
+        Tensor.is_meta.__get__,
+        Tensor.is_cuda.__get__,
+        Tensor.is_sparse.__get__,
+        Tensor.is_leaf.__get__,
+        Tensor.grad_fn.__get__,
+        Tensor.requires_grad.__get__,
+        Tensor.requires_grad.__set__,
+        Tensor.grad.__get__,
+        Tensor.grad.__set__,
+        Tensor.data.__set__,
+        Tensor.size,
+        Tensor.dim,
+        Tensor.numel,
+        Tensor.nelement,
+        Tensor.element_size,
+        Tensor.is_floating_point,
+        Tensor.is_complex,
+        Tensor.get_device,
+        Tensor.requires_grad_,
+        Tensor.register_hook,
+        Tensor.register_post_accumulate_grad_hook,
+        Tensor.__hash__,
+        # new tensors of its shape, dtype and device (an EMA copy starts as zeros_like(p))
+        torch.zeros_like,
+        torch.ones_like,
+        torch.empty_like,
+        torch.full_like,
+        torch.rand_like,
+        torch.randn_like,
+        Tensor.new_zeros,
+        Tensor.new_ones,
+        Tensor.new_empty,
+        Tensor.new_full,
+    ]
+)
+
+
+class Placeholder(nn.Parameter):
+    """A stage-3 param whose values are not gathered: see [Note: placeholders]."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func in _READS_NO_VALUES:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **(kwargs or {}))
+        param = next(a for a in _tensors(args, kwargs) if type(a) is Placeholder)
+        op = getattr(func, "__name__", str(func))
+        if op in ("__get__", "__set__"):  # (a property: name it, as in ``param.data``)
+            op = getattr(func.__self__, "__name__", op)
+        raise ShardedParamError(
+            f"{param.sharded_where} was read by {op!r} while it is sharded (stage 3): only its "
+            "unit's forward and backward, and flatshard.summon_full_params(model), see its values. "
+            "Read it inside a module of that unit, inside summon_full_params, or give the code "
+            "that reads it a module of its own in the same unit"
+        )
+
+    def __repr__(self) -> str:
+        return f"Placeholder({self.sharded_where}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+
+def _tensors(args, kwargs):
+    for a in list(args) + list((kwargs or {}).values()):
+        if isinstance(a, (list, tuple)):
+            yield from _tensors(a, None)
+        elif isinstance(a, Tensor):
+            yield a
+
+
+def label(param: nn.Parameter, where: str) -> None:
+    """What a refused read names: "param 'blocks.0.attn.weight' of unit 3 (blocks.0)"."""
+    param.sharded_where = where
+
+
+def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
+    """Make ``param`` a ``Placeholder`` over ``placeholder``."""
+    param.data = placeholder
+    if type(param) is nn.Parameter:
+        if not hasattr(param, "sharded_where"):
+            param.sharded_where = "a param"
+        param.__class__ = Placeholder
+
+
+def show(param: nn.Parameter, view: torch.Tensor) -> None:
+    """Make ``param`` a plain ``nn.Parameter`` over ``view``, its gathered values."""
+    if type(param) is Placeholder:
+        param.__class__ = nn.Parameter
+    param.data = view
