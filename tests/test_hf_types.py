@@ -2,9 +2,8 @@
 (``models.hf.tiny_config``: the type's own defaults shrunk to fit, key-value heads, head
 size, rotary size, experts and windows included) builds, shards at stage 3 on 2 ranks,
 computes the plain model's loss before training, and trains (AdamW, lr 2e-3, on a fixed
-batch: the loss falls on every rank). Types mistral through phi3 failed to build before; the list is
-the families a fine-tune starts from, not every type ``transformers`` offers (see the
-issue's closing note)."""
+batch: the loss falls on every rank). The list is the families a fine-tune starts from; the
+sweep below tries every type ``transformers`` offers, on one rank."""
 
 import pytest
 import torch

@@ -24,6 +24,7 @@ SMALLER = {  # where a type's config has the field (not None): a value that fits
     "num_local_experts": 4,
     "num_experts": 4,
     "n_routed_experts": 4,
+    "n_shared_experts": 1,
     "num_experts_per_tok": 2,
     "n_group": 1,
     "topk_group": 1,
@@ -38,20 +39,47 @@ SMALLER = {  # where a type's config has the field (not None): a value that fits
     "v_head_dim": HEAD,
     "ffn_dim": TINY["intermediate_size"],
     "word_embed_proj_dim": TINY["hidden_size"],
+    # encoder-decoder families (BART, Marian, Whisper, ...) name their sizes per side
+    "d_model": TINY["hidden_size"],
+    "encoder_layers": TINY["num_hidden_layers"],
+    "decoder_layers": TINY["num_hidden_layers"],
+    "encoder_attention_heads": TINY["num_attention_heads"],
+    "decoder_attention_heads": TINY["num_attention_heads"],
+    "encoder_ffn_dim": TINY["intermediate_size"],
+    "decoder_ffn_dim": TINY["intermediate_size"],
+    # hybrids that place attention every k-th layer (Jamba, Zamba)
+    "attn_layer_period": 2,
+    "attn_layer_offset": 1,
+    "expert_layer_period": 2,
+    "expert_layer_offset": 1,
     "rescale_every": 0,  # (RWKV rescales its weights in place in eval mode: no sharded param allows it)
 }
+DERIVED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "n_shared_experts")
+"""Fields some types leave None (to derive from others that ``TINY`` changes): set anyway."""
+LAYER_KINDS = ("layer_types", "layers_block_type", "block_types", "mlp_layer_types")
+"""Per-layer kinds (attention, linear attention, recurrent; dense or sparse MLP)."""
 
 
 def tiny_config(model_type: str, *, vocab_size: int = 256, seq_len: int = 64, **overrides):
     """A ``transformers`` config of ``model_type`` shrunk to ``TINY``: its defaults (a
     full-size model's), with the width, depth and heads of ``TINY``, and every field that must
-    agree with them (key-value heads, head size, experts, windows) set to fit."""
+    agree with them (key-value heads, head size, experts, windows, a hybrid's layer kinds) set
+    to fit; ``use_cache`` off (a training config: no generation cache)."""
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(model_type)
     fields = {**TINY, "vocab_size": vocab_size, "max_position_embeddings": seq_len}
     settable = [k for k in SMALLER if not isinstance(getattr(type(defaults), k, None), property)]
-    fields.update({k: SMALLER[k] for k in settable if getattr(defaults, k, None) is not None})
+    fields.update(
+        {
+            k: SMALLER[k]
+            for k in settable
+            if getattr(defaults, k, None) is not None or (k in DERIVED and hasattr(defaults, k))
+        }
+    )
+    fields.update(_layer_kinds(defaults, overrides.get("num_hidden_layers", TINY["num_hidden_layers"])))
+    if getattr(defaults, "use_cache", None):  # (training needs no cache; hybrids' caches refuse some layouts)
+        fields["use_cache"] = False
     if getattr(defaults, "sliding_window", None) is not None:
         fields["sliding_window"] = seq_len
     for token in ("bos_token_id", "eos_token_id", "pad_token_id"):
@@ -62,7 +90,28 @@ def tiny_config(model_type: str, *, vocab_size: int = 256, seq_len: int = 64, **
     for key in ("head_dim", "rotary_dim", "v_head_dim"):
         if key in fields and key not in overrides:
             fields[key] = head
+    if "qk_rope_head_dim" in fields and "head_dim" in fields and "head_dim" not in overrides:
+        fields["head_dim"] = fields["qk_rope_head_dim"]  # (multi-head latent attention: rotary size)
     return AutoConfig.for_model(model_type, **fields)
+
+
+def _layer_kinds(defaults, layers: int) -> dict:
+    """One layer of each kind a full-size pattern holds, in the order they first appear (so
+    a tiny hybrid has attention as well as its other kinds), the last repeated up to
+    ``layers``; more layers where a pattern has more kinds."""
+    patterns = {}
+    for key in LAYER_KINDS:
+        kinds = getattr(defaults, key, None)
+        stored = getattr(type(defaults), "attribute_map", {}).get(key, key)  # (an alias of it)
+        if isinstance(getattr(type(defaults), stored, None), property):
+            continue  # (derived from other fields)
+        if isinstance(kinds, (list, tuple)) and kinds and all(isinstance(k, str) for k in kinds):
+            patterns[key] = list(dict.fromkeys(kinds))
+    if not patterns:
+        return {}
+    layers = max(layers, *(len(p) for p in patterns.values()))
+    fields = {key: p + [p[-1]] * (layers - len(p)) for key, p in patterns.items()}
+    return {**fields, "num_hidden_layers": layers}
 
 
 def tiny_model(model_type: str, *, vocab_size: int = 256, seq_len: int = 64, **overrides) -> nn.Module:
