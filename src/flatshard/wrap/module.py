@@ -227,7 +227,8 @@ class ShardedModule(nn.Module):
             yield
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none=set_to_none)
+        with torch._C.DisableTorchFunctionSubclass():  # (a placeholder's .grad: no dispatch)
+            super().zero_grad(set_to_none=set_to_none)
         self._flatshard.grad_sync.zero_grad(set_to_none=set_to_none)
 
 
