@@ -1,0 +1,103 @@
+"""The docs site and the README: every Python block runs, the site builds, the README stays short.
+
+A page's ``python`` blocks are run in order as one script on 2 gloo ranks under torchrun
+(the way a reader runs them), in a fresh directory; a page that says
+``<!-- docs-test: verbatim FILE -->`` shows parts of FILE instead, and each block must
+appear in it word for word (FILE itself runs in ``tests/test_examples.py``). Blocks in any
+other language are output or shell: ``text`` and ``bash`` only, and every ``python -m
+flatshard`` line of a ``bash`` block must parse with the CLI's own parser.
+"""
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from flatshard.app.cli import build_parser
+
+ROOT = Path(__file__).resolve().parent.parent
+PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.M | re.S)
+VERBATIM = re.compile(r"<!-- docs-test: verbatim (\S+) -->")
+README_LINES = 250
+
+
+def _blocks(page: Path) -> list[tuple[str, str]]:
+    return FENCE.findall(page.read_text())
+
+
+def _name(page: Path) -> str:
+    return str(page.relative_to(ROOT))
+
+
+RUNNABLE = [p for p in PAGES if any(lang == "python" for lang, _ in _blocks(p))]
+
+
+@pytest.mark.parametrize("page", RUNNABLE, ids=_name)
+def test_the_python_blocks_of_each_page_run(page, tmp_path):
+    code = [body for lang, body in _blocks(page) if lang == "python"]
+    verbatim = VERBATIM.search(page.read_text())
+    if verbatim:
+        source = (ROOT / verbatim.group(1)).read_text()
+        for body in code:
+            assert body in source, f"{_name(page)}: a block is not in {verbatim.group(1)}:\n{body}"
+        return
+    script = tmp_path / "page.py"
+    script.write_text("\n\n".join(code))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
+    run = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(script),
+    ]
+    done = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
+    assert done.returncode == 0, f"{_name(page)}'s code failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+
+
+def test_every_block_says_its_language():
+    for page in PAGES:
+        for lang, body in _blocks(page):
+            assert lang in ("python", "text", "bash"), (_name(page), lang, body[:200])
+
+
+def test_the_cli_lines_of_bash_blocks_parse():
+    parser = build_parser()
+    lines = [
+        line.split("#")[0].strip()
+        for page in PAGES
+        for lang, body in _blocks(page)
+        if lang == "bash"
+        for line in body.splitlines()
+    ]
+    commands = [line for line in lines if line.startswith("python -m flatshard")]
+    assert commands, "no CLI line found: the pattern is wrong"
+    for line in commands:
+        parser.parse_args(shlex.split(line)[3:])  # (argparse exits on a bad option)
+
+
+def test_the_readme_is_a_short_product_page():
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= README_LINES
+    assert not re.search(r"\bissue \d+", text, re.I), "no issue numbers in the README"
+    assert "../" not in text, "no links outside the repository"
+
+
+def test_the_docs_site_builds_strict(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert (tmp_path / "site" / "api" / "index.html").exists()
