@@ -104,7 +104,7 @@ def _session(preset: str, stage: int, unit_bytes: str, steps: int, warmup: int, 
     torch.manual_seed(0)
     options = {}  # ("default", and stage 2: shard()'s own)
     if stage == 3 and unit_bytes != "default":
-        options["unit_bytes"] = None if unit_bytes == "none" else int(unit_bytes)
+        options["stage3"] = flatshard.Stage3(unit_bytes=None if unit_bytes == "none" else int(unit_bytes))
     model = flatshard.shard(GPT(cfg), stage=stage, **options)
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)

@@ -66,10 +66,35 @@ def test_unit_options_are_checked_once_when_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
         UnitOptions(**kwargs)
     with pytest.raises(ValueError, match=message):
-        StagePolicy.build(3, **kwargs)
+        flatshard.Stage3(**kwargs)
 
 
 @pytest.mark.parametrize("stage", [4, -1, True, "2", 2.0])
 def test_a_stage_that_is_not_0_to_3_is_refused(stage):
     with pytest.raises(ValueError, match=r"stage must be 0, 1, 2 or 3, got"):
         StagePolicy(stage)
+
+
+def test_stage3_options_are_one_validated_policy_and_the_old_keywords_still_work():
+    """``shard(stage=3, stage3=flatshard.Stage3(...))``; the former keywords warn, naming the
+    new spelling, and build the same policy; giving both, or ``stage3`` below stage 3, is an
+    error naming it."""
+    new = flatshard.shard(
+        nn.Linear(2, 2), stage=3, stage3=flatshard.Stage3(unit_bytes=None, forward_prefetch=0)
+    )
+    with pytest.warns(
+        DeprecationWarning, match=r"pass stage3=flatshard\.Stage3\(unit_bytes=\.\.\., forward_"
+    ):
+        old = flatshard.shard(nn.Linear(2, 2), stage=3, unit_bytes=None, forward_prefetch=0)
+    assert new.flatshard_state.policy == old.flatshard_state.policy
+    assert new.flatshard_state.policy.unit_options.forward_prefetch == 0
+    with pytest.raises(TypeError, match="in stage3= only"):
+        flatshard.shard(nn.Linear(2, 2), stage=3, stage3=flatshard.Stage3(), unit_bytes=None)
+    with pytest.raises(
+        ValueError, match=r"^stage3=Stage3\(unit_bytes=None\) applies to stage 3 only .* got stage 2"
+    ):
+        flatshard.shard(nn.Linear(2, 2), stage=2, stage3=flatshard.Stage3(unit_bytes=None))
+    with pytest.raises(TypeError, match="unexpected keyword argument 'unit_byte'"):
+        flatshard.shard(nn.Linear(2, 2), stage=3, unit_byte=None)
+    with pytest.raises(ValueError, match="limit_all_gathers must be an int >= 1, got 0"):
+        flatshard.Stage3(limit_all_gathers=0)

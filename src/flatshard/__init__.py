@@ -39,6 +39,7 @@ from flatshard.optim.grouped import GroupedOptimizer
 from flatshard.optim.hybrid import HybridDeviceOptimizer
 from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
+from flatshard.stage import Stage3
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import ExpertGroup, shard
 from flatshard.wrap.uneven import even_batches
@@ -60,6 +61,7 @@ __all__ = [
     "ParamSpec",
     "ShardedModule",
     "ShardedParamError",
+    "Stage3",
     "StaticLossScaler",
     "even_batches",
     "export_checkpoint",

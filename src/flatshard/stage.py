@@ -16,9 +16,9 @@ grad shard, stage 3 is stage 2 whose param buffer is sharded too. Sharded stages
 buckets so that every rank's shard has the same size (``plan_layout(shard=True)``), need
 ``DistributedOptimizer`` (a torch optimizer over ``model.parameters()`` never sees the grad
 shards) and may shard over a 2-D (replicate, shard) mesh. Only stage 3 gathers params by
-unit, so only it takes the unit options (``UnitOptions``) and a model on the meta device;
-an option that does not apply to the chosen stage is an error naming the option and the
-stage, never silently ignored.
+unit, so only it takes the stage-3 options (``Stage3``, whose gather schedule is
+``UnitOptions``) and a model on the meta device; options given at a stage that does not
+read them are an error naming them and the stage, never silently ignored.
 """
 
 from __future__ import annotations
@@ -72,15 +72,59 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-_UNIT_DEFAULTS = UnitOptions()
-# Options of shard() that only stage 3 reads, with the value that means "not given".
-_STAGE3_ONLY: dict[str, Any] = {
-    "units": None,
-    "ignored_modules": None,
-    "device": None,
-    "param_init_fn": None,
-    **{name: getattr(_UNIT_DEFAULTS, name) for name in UnitOptions.__dataclass_fields__},
-}
+@dataclass(frozen=True)
+class Stage3:
+    """``shard(stage=3, stage3=flatshard.Stage3(...))``: how stage 3 picks, gathers,
+    materializes and frees its units, validated when it is built (a bad value is a
+    ``ValueError`` naming it). Giving it at stages 0-2, where nothing reads it, is an error.
+
+    units: module classes, or a predicate ``(qualified_name, module) -> bool``, that pick the
+        units gathered and freed together; default: the layers a Hugging Face model's
+        ``_no_split_modules`` names, else the children of every ``nn.ModuleList``. The root
+        is a unit too and owns every other param.
+    reshard_after_forward, forward_prefetch, backward_prefetch, limit_all_gathers,
+        unit_bytes: the gather schedule (``UnitOptions``).
+    device: where a model built on the ``meta`` device is materialized (default: the current
+        CUDA device if there is one, else the CPU), unit by unit.
+    param_init_fn: initializes each module of a meta model (default: its own
+        ``reset_parameters()``, a Hugging Face model's ``_init_weights``, zero LoRA B
+        matrices: [Note: default init] in ``wrap/init.py``).
+    ignored_modules: modules whose frozen params stay whole on every rank; every other frozen
+        floating param is sharded and gathered with its unit ([Note: frozen params] in
+        ``stage3/build.py``).
+    """
+
+    units: Any = None
+    reshard_after_forward: bool = True
+    forward_prefetch: int = 1
+    backward_prefetch: str | None = "pre"
+    limit_all_gathers: int = 2
+    unit_bytes: int | None = DEFAULT_UNIT_BYTES
+    device: Any = None
+    param_init_fn: Any = None
+    ignored_modules: Any = None
+
+    def __post_init__(self) -> None:
+        self.schedule  # noqa: B018 (validates the schedule's fields)
+        if self.ignored_modules is not None:
+            object.__setattr__(self, "ignored_modules", tuple(self.ignored_modules))
+        if self.param_init_fn is not None and not callable(self.param_init_fn):
+            raise ValueError(f"param_init_fn must be callable, got {self.param_init_fn!r}")
+
+    def __repr__(self) -> str:
+        fields = Stage3.__dataclass_fields__
+        given = [
+            f"{k}={_short(getattr(self, k))}" for k, f in fields.items() if getattr(self, k) != f.default
+        ]
+        return f"Stage3({', '.join(given)})"
+
+    @property
+    def schedule(self) -> UnitOptions:
+        return UnitOptions(**{name: getattr(self, name) for name in UnitOptions.__dataclass_fields__})
+
+
+STAGE3_OPTIONS = tuple(Stage3.__dataclass_fields__)
+"""``shard()``'s former keywords, now ``Stage3``'s fields."""
 
 
 @dataclass(frozen=True)
@@ -95,25 +139,17 @@ class StagePolicy:
             raise ValueError(f"stage must be 0, 1, 2 or 3, got {self.stage!r}")
 
     @classmethod
-    def build(cls, stage: int, **stage3_options: Any) -> StagePolicy:
-        """The policy of ``stage`` with ``shard()``'s stage-3 options (``units``,
-        ``device``, ``param_init_fn`` and the ``UnitOptions`` fields); raises ``ValueError``
-        naming any option given a value at a stage that does not use it."""
+    def build(cls, stage: int, stage3: Stage3 | None) -> StagePolicy:
+        """The policy of ``stage`` with ``shard()``'s ``stage3`` options; raises
+        ``ValueError`` when they are given at a stage that does not read them."""
         policy = cls(stage)
-        unknown = set(stage3_options) - set(_STAGE3_ONLY)
-        if unknown:
-            raise TypeError(f"not stage-3 options: {sorted(unknown)}")
+        if stage3 is not None and not isinstance(stage3, Stage3):
+            raise TypeError(f"stage3 must be a flatshard.Stage3, got {_short(stage3)}")
         if not policy.gathers_units:
-            for name, value in stage3_options.items():
-                if value != _STAGE3_ONLY[name]:
-                    raise ValueError(
-                        f"{name}={_short(value)} applies to stage 3 only (it says how units are gathered, "
-                        f"materialized or which frozen params they shard); got stage {stage}: "
-                        "drop it or use stage=3"
-                    )
+            if stage3 is not None:
+                raise stage3_only("stage3", stage3, stage)
             return policy
-        fields = {k: v for k, v in stage3_options.items() if k in UnitOptions.__dataclass_fields__}
-        return cls(stage, UnitOptions(**fields))
+        return cls(stage, (stage3 or Stage3()).schedule)
 
     # -- what each rank keeps ----------------------------------------------------------------
     @property
@@ -169,6 +205,14 @@ class StagePolicy:
 
     def __str__(self) -> str:
         return f"stage {self.stage}"
+
+
+def stage3_only(name: str, value: object, stage: int) -> ValueError:
+    """The error for a stage-3 option given at ``stage`` (0-2), which would do nothing there."""
+    return ValueError(
+        f"{name}={_short(value)} applies to stage 3 only (it says how units are gathered, "
+        f"materialized or which frozen params they shard); got stage {stage}: drop it or use stage=3"
+    )
 
 
 def _short(value: object) -> str:

@@ -255,7 +255,7 @@ def _add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
         type=_unit_bytes,
         default=DEFAULT_UNIT_BYTES,
         help="stage 3: adjacent small units merge while their params fit in this many bytes, as "
-        "shard(unit_bytes=...) does; 'none': one unit per module (default %(default)s)",
+        "Stage3(unit_bytes=...) does; 'none': one unit per module (default %(default)s)",
     )
 
 

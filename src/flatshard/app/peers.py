@@ -313,7 +313,9 @@ STAGE_PEERS: dict[str, Peer] = {
     "fsdp2": _fsdp2(False),
     "fsdp2-zero3": _fsdp2(True),
     **{f"flatshard-{s}": _flatshard(s) for s in STAGES},
-    "flatshard-3-no-reshard": _flatshard(3, reshard_after_forward=False),  # as the "fsdp2" peer
+    "flatshard-3-no-reshard": _flatshard(
+        3, stage3=flatshard.Stage3(reshard_after_forward=False)
+    ),  # as "fsdp2"
 }
 OPTIMIZER_PEERS: dict[str, Peer] = {
     "ddp": _ddp,

@@ -6,11 +6,39 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 
 import torch
 from torch import nn
 
+from flatshard.stage import STAGE3_OPTIONS, Stage3, StagePolicy, stage3_only
 from flatshard.wrap.module import ShardedModule
+
+
+def stage3_options(stage: int, stage3: Stage3 | None, keywords: dict) -> Stage3 | None:
+    """``shard()``'s ``stage3``, or the ``Stage3`` its former keywords (``unit_bytes=...``)
+    spell, with a ``DeprecationWarning`` naming the new spelling. As before, at stages 0-2 a
+    keyword given its default passes and any other value is refused naming it."""
+    unknown = sorted(set(keywords) - set(STAGE3_OPTIONS))
+    if unknown:
+        raise TypeError(f"shard() got an unexpected keyword argument {unknown[0]!r}")
+    if not keywords:
+        return stage3
+    if stage3 is not None:
+        raise TypeError(f"give the stage-3 options in stage3= only, not also as {sorted(keywords)}")
+    spelled = ", ".join(f"{k}=..." for k in keywords)
+    warnings.warn(
+        f"shard({spelled}) is deprecated: pass stage3=flatshard.Stage3({spelled})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    if StagePolicy(stage).gathers_units:
+        return Stage3(**keywords)
+    defaults = Stage3.__dataclass_fields__
+    for name, value in keywords.items():
+        if value is not defaults[name].default and value != defaults[name].default:
+            raise stage3_only(name, value, stage)
+    return None
 
 
 def check_arguments(module, bucket_size, buckets_per_group, grad_scale) -> None:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,11 +25,11 @@ from flatshard.engine.grad_sync import (
     build_bucket_groups,
 )
 from flatshard.engine.param_gather import ParamGather
-from flatshard.engine.units import UnitSpec, unsharded_tensors
+from flatshard.engine.units import unsharded_tensors
 from flatshard.layout import plan_layout
 from flatshard.malloc import warn_once_without_tunables
 from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
-from flatshard.stage import DEFAULT_UNIT_BYTES, StagePolicy
+from flatshard.stage import Stage3, StagePolicy
 from flatshard.stage3.build import (
     broadcast_values,
     build_unsharder,
@@ -36,7 +37,7 @@ from flatshard.stage3.build import (
     is_meta_model,
     replace_meta_params,
 )
-from flatshard.wrap.arguments import check_arguments, check_devices, check_flags
+from flatshard.wrap.arguments import check_arguments, check_devices, check_flags, stage3_options
 from flatshard.wrap.changes import WrappedTree
 from flatshard.wrap.init import default_init
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
@@ -81,17 +82,10 @@ def shard(
     broadcast_buffers: bool = True,
     pad_for_high_busbw: bool = False,
     mixed_precision: MixedPrecision | None = None,
-    units: UnitSpec = None,
-    reshard_after_forward: bool = True,
-    forward_prefetch: int = 1,
-    backward_prefetch: str | None = "pre",
-    limit_all_gathers: int = 2,
-    unit_bytes: int | None = DEFAULT_UNIT_BYTES,
-    device: torch.device | str | None = None,
-    param_init_fn: Callable[[nn.Module], None] | None = None,
-    ignored_modules: Iterable[nn.Module] | None = None,
     whole_params: WholeParams = None,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT,
+    stage3: Stage3 | None = None,
+    **stage3_keywords: Any,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -135,44 +129,17 @@ def shard(
             by then raises ``flatshard.DesyncError`` on every rank, naming each rank's step,
             phase and collective ([Note: deadlines] in ``comm/deadline.py``).
 
-    Stage 3 only (see [Note: unsharding] in ``stage3/unshard.py``):
-        units: module classes, or a predicate ``(qualified_name, module) -> bool``, that pick
-            the units gathered and freed together; default: the layers a Hugging Face model's
-            ``_no_split_modules`` names, else the children of every ``nn.ModuleList``. The
-            root is a unit too and owns every other param.
-        reshard_after_forward: free a unit's params after its forward (False: keep them
-            until its backward is done, trading memory for one gather per unit).
-        forward_prefetch: units whose gathers start ahead of the forward (0: none).
-        backward_prefetch: "pre" (start the next unit's gather when a unit's backward
-            starts), "post" (when it ends) or None.
-        limit_all_gathers: prefetches start only while fewer gathers are in flight.
-        unit_bytes: adjacent sibling units (blocks of one list, say) merge into one unit,
-            gathered, freed and reduced together, while their params fit in this many bytes
-            (default 1 MiB; None: one unit per module). A unit's cost per step is mostly
-            fixed, so on models of many small blocks fewer, larger units are faster
-            ([Note: merged units] in ``engine/units.py``).
-        device: where a model built on the ``meta`` device is materialized (default: the
-            current CUDA device if there is one, else the CPU), unit by unit.
-        param_init_fn: initializes each module of a meta model (default: its own
-            ``reset_parameters()``, a Hugging Face model's ``_init_weights``, zero LoRA B
-            matrices: [Note: default init] in ``wrap/init.py``).
-        ignored_modules: modules whose frozen params stay whole on every rank; every other
-            frozen (``requires_grad=False``) floating param is sharded and gathered with its
-            unit, without grads or optimizer state ([Note: frozen params] in
-            ``stage3/build.py``). Trainable params are sharded wherever they are.
+        stage3: at stage 3, which modules are units and how they are gathered, materialized
+            and freed: a ``flatshard.Stage3`` (``units``, ``reshard_after_forward``,
+            ``forward_prefetch``, ``backward_prefetch``, ``limit_all_gathers``,
+            ``unit_bytes``, ``device``, ``param_init_fn``, ``ignored_modules``; [Note:
+            unsharding] in ``stage3/unshard.py``). Refused at stages 0-2. Those fields given
+            to ``shard()`` as keywords still work, with a ``DeprecationWarning``.
     """
-    policy = StagePolicy.build(
-        stage,
-        units=units,
-        ignored_modules=ignored_modules,
-        device=device,
-        param_init_fn=param_init_fn,
-        reshard_after_forward=reshard_after_forward,
-        forward_prefetch=forward_prefetch,
-        backward_prefetch=backward_prefetch,
-        limit_all_gathers=limit_all_gathers,
-        unit_bytes=unit_bytes,
-    )
+    stage3 = stage3_options(stage, stage3, stage3_keywords)
+    policy = StagePolicy.build(stage, stage3)
+    s3 = stage3 or Stage3()
+    units, ignored_modules, unit_bytes = s3.units, s3.ignored_modules, s3.unit_bytes
     check_arguments(module, bucket_size, buckets_per_group, grad_scale)
     check_flags(
         find_unused_parameters=find_unused_parameters,
@@ -188,7 +155,7 @@ def shard(
     mp = mixed_precision or MixedPrecision()
     whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
-    named, meta, device, originals = _prepare_params(module, policy, mp, device, whole)
+    named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, whole)
     unit_list, unit_of = stage3_units(module, named, units, unit_bytes) if policy.gathers_units else ([], {})
     specs_of = partial(param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole)
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
@@ -224,7 +191,7 @@ def shard(
     sharded.flatshard_state.originals = originals or None
     if meta:
         worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
-        init_fn = param_init_fn or default_init(module)  # ([Note: default init] in wrap/init.py)
+        init_fn = s3.param_init_fn or default_init(module)  # ([Note: default init] in wrap/init.py)
         initialize_units(module, sharded.flatshard_state.unsharder, init_fn, device, worlds)
     _add_forward_pre_hooks(sharded, mp, (world, replicate) if broadcast_buffers else None)
     return sharded

@@ -111,7 +111,7 @@ def model_specs(
     unit_bytes: int | None = DEFAULT_UNIT_BYTES,
 ) -> list[ParamSpec]:
     """``param_specs`` of a module's trainable params (``frozen``: of its frozen floating
-    params) as ``shard(module, stage=stage, whole_params=..., unit_bytes=...)`` lays them out
+    params) as ``shard(module, stage=stage, whole_params=..., stage3=Stage3(unit_bytes=...))`` lays them out
     (works on the meta device)."""
     named = [
         (n, p)
