@@ -49,6 +49,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from flatshard.comm.trace import span
 from flatshard.comm.world import AllgatherOptions, World
 
 
@@ -131,7 +132,8 @@ def all_reduce(
     if stats is not None:
         b = _nbytes(tensor)
         stats.record("all_reduce", b, 2 * (world.size - 1) * b // world.size)
-    return world.watch(_all_reduce(tensor, world, reduce_op), "all_reduce")
+    with span("all_reduce", f"{_nbytes(tensor):,} B"):
+        return world.watch(_all_reduce(tensor, world, reduce_op), "all_reduce")
 
 
 def broadcast(tensor: torch.Tensor, world: World, *, src: int = 0, stats: CommStats | None = None) -> Handle:
@@ -141,7 +143,8 @@ def broadcast(tensor: torch.Tensor, world: World, *, src: int = 0, stats: CommSt
     if stats is not None:
         b = _nbytes(tensor)
         stats.record("broadcast", b, b if world.rank == src else 0)
-    return world.watch(_broadcast(tensor, world, src), "broadcast")
+    with span("broadcast", f"{_nbytes(tensor):,} B"):
+        return world.watch(_broadcast(tensor, world, src), "broadcast")
 
 
 def barrier(world: World) -> None:
@@ -292,6 +295,13 @@ def reduce_scatter(
     if world.group is None:
         return DONE
     impl = _prepare("reduce_scatter", tensor, shard, world, impl)
+    with span("reduce_scatter", f"{_nbytes(tensor):,} B ({impl})"):
+        handle = _issue_reduce_scatter(tensor, shard, world, impl)
+    _record(stats, "reduce_scatter", tensor, world, impl)
+    return world.watch(handle, "reduce_scatter")
+
+
+def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str) -> Handle:
     group, n = world.group, world.size
     if impl == "all_reduce":
         handle = _all_reduce(tensor, world)
@@ -307,8 +317,7 @@ def reduce_scatter(
         handle = _Group([work], lambda: shard.copy_(out))
     else:
         raise ValueError(f"unknown reduce-scatter implementation {impl!r}; known: {SCATTER_IMPLS}")
-    _record(stats, "reduce_scatter", tensor, world, impl)
-    return world.watch(handle, "reduce_scatter")
+    return handle
 
 
 def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
@@ -336,6 +345,13 @@ def all_gather(
     if world.group is None:
         return DONE
     impl = _prepare("all_gather", tensor, shard, world, impl)
+    with span("all_gather", f"{_nbytes(tensor):,} B ({impl})"):
+        works = _issue_all_gather(tensor, shard, world, impl)
+    _record(stats, "all_gather", tensor, world, impl)
+    return world.watch(_Group(works), "all_gather")
+
+
+def _issue_all_gather(tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str) -> list[Handle]:
     group, n = world.group, world.size
     if impl == "all_gather_into_tensor":
         works = [_all_gather_single(tensor, shard.clone(), group=group, async_op=True)]
@@ -350,5 +366,4 @@ def all_gather(
         works = [_broadcast(chunk, world, r) for r, chunk in enumerate(tensor.chunk(n))]
     else:
         raise ValueError(f"unknown all-gather implementation {impl!r}; known: {GATHER_IMPLS}")
-    _record(stats, "all_gather", tensor, world, impl)
-    return world.watch(_Group(works), "all_gather")
+    return works

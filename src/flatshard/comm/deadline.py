@@ -39,6 +39,7 @@ from enum import Enum
 
 import torch.distributed as dist
 
+from flatshard.comm.trace import span
 from flatshard.errors import DesyncError
 
 DEFAULT_TIMEOUT = timedelta(minutes=10)
@@ -305,7 +306,8 @@ class Watched:
         HERE.waiting, HERE.waiting_since = self, since
         HERE.version += 1
         try:
-            return self.handle.wait() if timeout is None else self.handle.wait(timeout=timeout)
+            with span("wait", self.op, f"#{self.seq}"):  # ([Note: profiler ranges] in comm/trace.py)
+                return self.handle.wait() if timeout is None else self.handle.wait(timeout=timeout)
         except RuntimeError as err:
             if timeout is not None and not self.handle.is_completed():
                 raise  # a poll that ran out: still in flight

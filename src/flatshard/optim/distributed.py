@@ -48,6 +48,7 @@ from torch import nn
 
 from flatshard.comm.collectives import all_reduce
 from flatshard.comm.deadline import HERE, Phase
+from flatshard.comm.trace import span
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
@@ -386,7 +387,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         if self._sharded.grad_sync.grads is Grads.EMPTY:
             return loss  # no backward since zero_grad: nothing to step, as in torch
         HERE.enter(Phase.STEP)
-        self._update()
+        with span("optimizer step"):  # ([Note: profiler ranges] in comm/trace.py)
+            self._update()
         HERE.step_done()
         return loss
 

@@ -133,6 +133,7 @@ from torch.utils._pytree import tree_leaves
 
 from flatshard.comm.collectives import CommStats, Handle, all_gather, all_reduce
 from flatshard.comm.deadline import HERE
+from flatshard.comm.trace import span
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
@@ -223,7 +224,7 @@ class Unsharder:
         if self.state[u] is not _State.SHARDED:
             return
         handles = []
-        with torch.no_grad():
+        with torch.no_grad(), span("gather unit", u, f"({self.units[u].name or 'root'})"):
             for part in self.parts[u]:
                 full = self.allocate(part)
                 mine = part.buffer.own_part(full, part.bucket)
@@ -238,8 +239,9 @@ class Unsharder:
         self.unshard(u)
         if self.state[u] is not _State.GATHERING:
             return
-        for handle in self._handles.pop(u):
-            handle.wait()
+        with span("wait unit", u, f"({self.units[u].name or 'root'})"):
+            for handle in self._handles.pop(u):
+                handle.wait()
         for part in self.parts[u]:
             part.buffer.point_params(part.bucket, full=True)
         self.state[u] = _State.FULL

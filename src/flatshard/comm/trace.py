@@ -1,0 +1,37 @@
+"""Named ranges in a ``torch.profiler`` trace, so that a user can see where flatshard's
+communication sits against compute.
+
+[Note: profiler ranges]
+
+torch's profiler shows gloo's and NCCL's collectives by their op alone (``gloo:all_reduce``),
+on the backend's own thread: nothing says which bucket or unit they move, or whether the
+training thread waited for them. flatshard adds a range, named ``flatshard::...``, around
+
+* issuing each collective: ``flatshard::reduce_scatter 65,536 B (all_to_all)`` (op, bytes,
+  the implementation chosen, [Note: collective choice] in ``comm/collectives.py``);
+* each wait for one: ``flatshard::wait reduce_scatter #12`` (the collective's number in the
+  step, as a ``DesyncError`` names it). A wait that takes long in the trace is exposed
+  communication; a short one is overlap that worked;
+* stage 3's unit gathers and waits (``flatshard::gather unit 3 (blocks.2)``,
+  ``flatshard::wait unit 3 (blocks.2)``) and the optimizer's step
+  (``flatshard::optimizer step``).
+
+A range costs one check of the profiler's state when no profiler runs (``span`` returns a
+shared no-op context), and its name is built only when one does.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+
+_OFF = nullcontext()
+
+
+def span(what: str, *detail: object):
+    """A ``flatshard::WHAT DETAIL...`` range while a profiler records, else a no-op."""
+    if not torch.autograd._profiler_enabled():
+        return _OFF
+    name = " ".join(["flatshard::" + what, *map(str, detail)])
+    return torch.profiler.record_function(name)

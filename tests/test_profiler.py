@@ -1,0 +1,46 @@
+"""A ``torch.profiler`` trace names flatshard's communication ([Note: profiler ranges] in
+``comm/trace.py``): each collective with its bytes and implementation, each wait, stage 3's
+unit gathers and waits, and the optimizer step; with no profiler running there are none."""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+import flatshard
+from _parity import TiedGPT
+from flatshard.comm import trace
+from flatshard.data import SyntheticCorpus
+from flatshard.testing import run_distributed
+
+
+def _traced_step(stage: int) -> list[str]:
+    torch.manual_seed(0)
+    model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=3000)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = SyntheticCorpus(64, 16).batch(0, dist.get_rank(), 4)
+    model(x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        model(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+        model.wait_for_params()
+    return sorted({e.name for e in prof.events() if e.name.startswith("flatshard::")})
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_trace_names_each_collective_wait_and_unit(stage):
+    for names in run_distributed(_traced_step, 2, stage):
+        assert any(n.startswith("flatshard::reduce_scatter ") and " B (" in n for n in names), names
+        assert any(n.startswith("flatshard::all_gather ") for n in names), names
+        assert any(n.startswith("flatshard::wait reduce_scatter #") for n in names), names
+        assert "flatshard::optimizer step" in names, names
+        if stage == 3:
+            assert any(n.startswith("flatshard::gather unit 1 (blocks.") for n in names), names
+            assert any(n.startswith("flatshard::wait unit ") for n in names), names
+
+
+def test_no_range_is_made_without_a_profiler():
+    assert trace.span("all_gather", 3) is trace.span("wait", "x")  # (the shared no-op)
