@@ -16,8 +16,9 @@ training thread waited for them. flatshard adds a range, named ``flatshard::...`
   ``flatshard::wait unit 3 (blocks.2)``) and the optimizer's step
   (``flatshard::optimizer step``).
 
-A range costs one check of the profiler's state when no profiler runs (``span`` returns a
-shared no-op context), and its name is built only when one does.
+When no profiler runs a range is one check of the profiler's state and a shared no-op
+context (about 1 µs in all, measured; a stage-3 step of the small GPT makes a few dozen);
+its name is built only when a profiler records.
 """
 
 from __future__ import annotations
