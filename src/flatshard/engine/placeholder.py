@@ -4,13 +4,14 @@
 
 Between uses a stage-3 param's ``.data`` is a placeholder tensor (one NaN expanded to the
 param's shape, [Note: buffers own storage] in ``engine/buffer.py``), and the param object
-itself is switched to the class ``Placeholder``, a ``nn.Parameter`` whose ``__torch_function__`` refuses
-every operation that would read or copy its values with a ``ShardedParamError`` naming the
-param, its unit and the operation. So a param read outside the forward of the unit that
-holds it (a weight used in the loss after ``model(x)``, user code holding a tied weight, an
-EMA copy, ``torch.save(model)``) raises before any result exists, where it used to compute
-on NaN (the storage-freeing of FSDP1/FSDP2 is not an option on CPU: a tensor whose storage
-holds no bytes crashes kernels that read it, and a tensor subclass cannot be ``.data``).
+itself is switched to the class ``Placeholder``, a ``nn.Parameter`` whose
+``__torch_function__`` refuses every operation that would read or copy its values with a
+``ShardedParamError`` naming the param, its unit and the operation. So a param read
+outside the forward of the unit that holds it (a weight used in the loss after
+``model(x)``, user code holding a tied weight, an EMA copy, ``torch.save(model)``) raises
+before any result exists, where it used to compute on NaN (the storage-freeing of
+FSDP1/FSDP2 is not an option on CPU: a tensor whose storage holds no bytes crashes kernels
+that read it, and a tensor subclass cannot be ``.data``).
 
 Invariants:
 
@@ -92,15 +93,15 @@ class Placeholder(nn.Parameter):
         if func in _READS_NO_VALUES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        param = next(a for a in _tensors(args, kwargs) if type(a) is Placeholder)
+        param = next((a for a in _tensors(args, kwargs) if type(a) is Placeholder), None)
+        where = getattr(param, "sharded_where", "a sharded param")
         op = getattr(func, "__name__", str(func))
         if op in ("__get__", "__set__"):  # (a property: name it, as in ``param.data``)
             op = getattr(func.__self__, "__name__", op)
         raise ShardedParamError(
-            f"{param.sharded_where} was read by {op!r} while it is sharded (stage 3): only its "
-            "unit's forward and backward, and flatshard.summon_full_params(model), see its values. "
-            "Read it inside a module of that unit, inside summon_full_params, or give the code "
-            "that reads it a module of its own in the same unit"
+            f"{where} was read by {op!r} while it is sharded (stage 3): only its unit's forward "
+            "and backward see its values. Read it inside a module of that unit, or inside "
+            "`with model.summon_full_params():`"
         )
 
     def __repr__(self) -> str:
