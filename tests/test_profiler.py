@@ -43,4 +43,4 @@ def test_a_trace_names_each_collective_wait_and_unit(stage):
 
 
 def test_no_range_is_made_without_a_profiler():
-    assert trace.span("all_gather", 3) is trace.span("wait", "x")  # (the shared no-op)
+    assert trace.span("all_gather {}", 3) is trace.span("wait {}", "x")  # (the shared no-op)

@@ -132,7 +132,7 @@ def all_reduce(
     if stats is not None:
         b = _nbytes(tensor)
         stats.record("all_reduce", b, 2 * (world.size - 1) * b // world.size)
-    with span("all_reduce", f"{_nbytes(tensor):,} B"):
+    with span("all_reduce {:,} B", _nbytes(tensor)):
         return world.watch(_all_reduce(tensor, world, reduce_op), "all_reduce")
 
 
@@ -143,7 +143,7 @@ def broadcast(tensor: torch.Tensor, world: World, *, src: int = 0, stats: CommSt
     if stats is not None:
         b = _nbytes(tensor)
         stats.record("broadcast", b, b if world.rank == src else 0)
-    with span("broadcast", f"{_nbytes(tensor):,} B"):
+    with span("broadcast {:,} B", _nbytes(tensor)):
         return world.watch(_broadcast(tensor, world, src), "broadcast")
 
 
@@ -295,7 +295,7 @@ def reduce_scatter(
     if world.group is None:
         return DONE
     impl = _prepare("reduce_scatter", tensor, shard, world, impl)
-    with span("reduce_scatter", f"{_nbytes(tensor):,} B ({impl})"):
+    with span("reduce_scatter {:,} B ({})", _nbytes(tensor), impl):
         handle = _issue_reduce_scatter(tensor, shard, world, impl)
     _record(stats, "reduce_scatter", tensor, world, impl)
     return world.watch(handle, "reduce_scatter")
@@ -345,7 +345,7 @@ def all_gather(
     if world.group is None:
         return DONE
     impl = _prepare("all_gather", tensor, shard, world, impl)
-    with span("all_gather", f"{_nbytes(tensor):,} B ({impl})"):
+    with span("all_gather {:,} B ({})", _nbytes(tensor), impl):
         works = _issue_all_gather(tensor, shard, world, impl)
     _record(stats, "all_gather", tensor, world, impl)
     return world.watch(_Group(works), "all_gather")

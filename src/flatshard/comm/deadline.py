@@ -306,7 +306,7 @@ class Watched:
         HERE.waiting, HERE.waiting_since = self, since
         HERE.version += 1
         try:
-            with span("wait", self.op, f"#{self.seq}"):  # ([Note: profiler ranges] in comm/trace.py)
+            with span("wait {} #{}", self.op, self.seq):  # ([Note: profiler ranges] in comm/trace.py)
                 return self.handle.wait() if timeout is None else self.handle.wait(timeout=timeout)
         except RuntimeError as err:
             if timeout is not None and not self.handle.is_completed():

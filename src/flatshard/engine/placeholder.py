@@ -105,7 +105,8 @@ class Placeholder(nn.Parameter):
         )
 
     def __repr__(self) -> str:
-        return f"Placeholder({self.sharded_where}, shape={tuple(self.shape)}, dtype={self.dtype})"
+        where = getattr(self, "sharded_where", "a sharded param")  # (labelled once its unit is known)
+        return f"Placeholder({where}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
 def _tensors(args, kwargs):
@@ -125,8 +126,6 @@ def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
     """Make ``param`` a ``Placeholder`` over ``placeholder``."""
     param.data = placeholder
     if type(param) is nn.Parameter:
-        if not hasattr(param, "sharded_where"):
-            param.sharded_where = "a param"
         param.__class__ = Placeholder
 
 

@@ -224,7 +224,7 @@ class Unsharder:
         if self.state[u] is not _State.SHARDED:
             return
         handles = []
-        with torch.no_grad(), span("gather unit", u, f"({self.units[u].name or 'root'})"):
+        with torch.no_grad(), span("gather unit {} ({})", u, self.units[u].name or "root"):
             for part in self.parts[u]:
                 full = self.allocate(part)
                 mine = part.buffer.own_part(full, part.bucket)
@@ -239,7 +239,7 @@ class Unsharder:
         self.unshard(u)
         if self.state[u] is not _State.GATHERING:
             return
-        with span("wait unit", u, f"({self.units[u].name or 'root'})"):
+        with span("wait unit {} ({})", u, self.units[u].name or "root"):
             for handle in self._handles.pop(u):
                 handle.wait()
         for part in self.parts[u]:
