@@ -93,8 +93,9 @@ def _run_steps(trainer, data, zero_last: bool = True) -> list[torch.Tensor]:
             trainer.engine.backward(loss)
             trainer.engine.step()
         else:
-            with torch.autocast(x.device.type, dtype=trainer.autocast or torch.float32,
-                                enabled=trainer.autocast is not None):
+            with torch.autocast(
+                x.device.type, dtype=trainer.autocast or torch.float32, enabled=trainer.autocast is not None
+            ):
                 loss = trainer.model(x, y)
             loss.backward()
             trainer.optimizer.step()
@@ -259,7 +260,11 @@ def part_hybrid() -> dict:
     from flatshard.data import SyntheticCorpus
     from flatshard.models import GPT, PRESETS, GPTConfig
 
-    cfg = PRESETS["small"] if DRY else GPTConfig(vocab_size=32768, seq_len=512, d_model=1536, n_layers=12, n_heads=16)
+    cfg = (
+        PRESETS["small"]
+        if DRY
+        else GPTConfig(vocab_size=32768, seq_len=512, d_model=1536, n_layers=12, n_heads=16)
+    )
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     data = [tuple(t.to(_dev()) for t in corpus.batch(i, 0, 2)) for i in range(HYBRID_STEPS)]
     with torch.device("meta"):
@@ -276,8 +281,11 @@ def part_hybrid() -> dict:
         finally:
             torch.set_default_dtype(default)
         opt = flatshard.HybridDeviceOptimizer(
-            model.parameters(), offload_fraction=offload, cpu_optimizer_class=torch.optim.AdamW,
-            overlap=overlap, **ADAMW,
+            model.parameters(),
+            offload_fraction=offload,
+            cpu_optimizer_class=torch.optim.AdamW,
+            overlap=overlap,
+            **ADAMW,
         )
         return Trainer(model, opt, None)
 
@@ -301,8 +309,11 @@ def part_hybrid() -> dict:
             torch.cuda.reset_peak_memory_stats()
         trainer = build(1.0, overlap)
         losses, ms = steps(trainer)
-        row = {"losses": losses, "step_ms": ms,
-               "max_loss_diff": max(abs(a - b) for a, b in zip(losses, out["device_losses"], strict=True))}
+        row = {
+            "losses": losses,
+            "step_ms": ms,
+            "max_loss_diff": max(abs(a - b) for a, b in zip(losses, out["device_losses"], strict=True)),
+        }
         if CUDA:
             row["peak_bytes"] = torch.cuda.max_memory_allocated()
         if overlap:
@@ -335,13 +346,21 @@ def _trace_overlap(trainer, data) -> dict:
         prof.export_chrome_trace(path)
         subprocess.run(["gzip", "-f", path], check=False)
     events = prof.events()
-    copies = [(e.time_range.start, e.time_range.end) for e in events if "Memcpy" in e.name
-              and ("DtoH" in e.name or "HtoD" in e.name)]
-    host = _merge((e.time_range.start, e.time_range.end) for e in events
-                  if e.name.startswith("Optimizer.step#AdamW"))
+    copies = [
+        (e.time_range.start, e.time_range.end)
+        for e in events
+        if "Memcpy" in e.name and ("DtoH" in e.name or "HtoD" in e.name)
+    ]
+    host = _merge(
+        (e.time_range.start, e.time_range.end) for e in events if e.name.startswith("Optimizer.step#AdamW")
+    )
     overlap = sum(max(0, min(ce, he) - max(cs, hs)) for cs, ce in copies for hs, he in host)
-    return {"copies": len(copies), "copy_us": sum(e - s for s, e in copies),
-            "host_steps_us": sum(e - s for s, e in host), "copy_us_during_host_steps": overlap}
+    return {
+        "copies": len(copies),
+        "copy_us": sum(e - s for s, e in copies),
+        "host_steps_us": sum(e - s for s, e in host),
+        "copy_us_during_host_steps": overlap,
+    }
 
 
 def _merge(intervals) -> list[list[float]]:
@@ -387,11 +406,16 @@ def part_desync() -> dict:
 
     out = {}
     for stage in (2, 3):
-        res = run_distributed(_skip_backward, 2, stage, backend="cpu:gloo,cuda:gloo" if CUDA else "gloo", timeout=45)
+        res = run_distributed(
+            _skip_backward, 2, stage, backend="cpu:gloo,cuda:gloo" if CUDA else "gloo", timeout=45
+        )
         named = all(r["error"] is None or ("rank 0" in r["error"] and "rank 1" in r["error"]) for r in res)
         out[f"stage-{stage}"] = {"ranks": res, "raised": any(r["error"] for r in res), "names_ranks": named}
-        print(f"desync stage {stage}: raised {out[f'stage-{stage}']['raised']}, names both ranks {named}, "
-              f"after {[round(r['after_s'], 2) for r in res]} s", flush=True)
+        print(
+            f"desync stage {stage}: raised {out[f'stage-{stage}']['raised']}, names both ranks {named}, "
+            f"after {[round(r['after_s'], 2) for r in res]} s",
+            flush=True,
+        )
     return out
 
 
@@ -400,12 +424,24 @@ def part_generate() -> dict:
     import flatshard
     from flatshard.models import tiny_model
 
-    dims = ({"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2}
-            if DRY else {"hidden_size": 2048, "intermediate_size": 5632, "num_attention_heads": 16,
-                         "num_hidden_layers": 8})
+    dims = (
+        {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2}
+        if DRY
+        else {
+            "hidden_size": 2048,
+            "intermediate_size": 5632,
+            "num_attention_heads": 16,
+            "num_hidden_layers": 8,
+        }
+    )
     torch.manual_seed(0)
-    model = tiny_model("llama", vocab_size=32000, seq_len=2048, num_key_value_heads=4,
-                       initializer_range=0.1, **dims).to(_dev()).eval()
+    model = (
+        tiny_model(
+            "llama", vocab_size=32000, seq_len=2048, num_key_value_heads=4, initializer_range=0.1, **dims
+        )
+        .to(_dev())
+        .eval()
+    )
     prompt = torch.randint(1, 32000, (1, 16), generator=torch.Generator().manual_seed(1)).to(_dev())
     new = 8 if DRY else 64
 
@@ -420,17 +456,30 @@ def part_generate() -> dict:
     expected, plain_ms = timed_generate(model)
     sharded = flatshard.shard(model, stage=3)
     got, sharded_ms = timed_generate(sharded)
-    out = {"params": sum(p.numel() for p in model.parameters()), "new_tokens": new,
-           "equal": got == expected, "plain_ms_per_token": plain_ms, "stage3_ms_per_token": sharded_ms,
-           "expected": expected, "got": got}
-    print(f"generate: tokens equal {out['equal']}, ms/token plain {plain_ms:.2f}, stage 3 {sharded_ms:.2f}",
-          flush=True)
+    out = {
+        "params": sum(p.numel() for p in model.parameters()),
+        "new_tokens": new,
+        "equal": got == expected,
+        "plain_ms_per_token": plain_ms,
+        "stage3_ms_per_token": sharded_ms,
+        "expected": expected,
+        "got": got,
+    }
+    print(
+        f"generate: tokens equal {out['equal']}, ms/token plain {plain_ms:.2f}, stage 3 {sharded_ms:.2f}",
+        flush=True,
+    )
     return out
 
 
 # -- driver ----------------------------------------------------------------------------------
-PARTS = {"step": part_step, "memory": part_memory, "hybrid": part_hybrid, "generate": part_generate,
-         "desync": part_desync}
+PARTS = {
+    "step": part_step,
+    "memory": part_memory,
+    "hybrid": part_hybrid,
+    "generate": part_generate,
+    "desync": part_desync,
+}
 
 
 def _one(part: str, path: str) -> None:
@@ -459,9 +508,15 @@ def main() -> None:
         if part == "desync":  # (its own ranks)
             _one(part, os.path.join(out_dir, f"gpu-{part}.json"))
         else:
-            run_distributed(_one, 1, part, os.path.join(out_dir, f"gpu-{part}.json"),
-                            backend="nccl" if CUDA else "gloo", timeout=DEADLINES[part],
-                            threads=os.cpu_count() if part == "hybrid" else 1)
+            run_distributed(
+                _one,
+                1,
+                part,
+                os.path.join(out_dir, f"gpu-{part}.json"),
+                backend="nccl" if CUDA else "gloo",
+                timeout=DEADLINES[part],
+                threads=os.cpu_count() if part == "hybrid" else 1,
+            )
         return
     for part in parts:  # each in its own process, under its own deadline
         start = time.perf_counter()
