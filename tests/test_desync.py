@@ -4,6 +4,7 @@ group's timeout (here the harness's 60 s, which would fail the run as a timeout)
 
 from __future__ import annotations
 
+import os
 import re
 import time
 
@@ -65,6 +66,49 @@ def test_ranks_out_of_step_raise_a_desync_error_naming_every_rank(stage, case, t
         assert all(r["error"] is not None for r in results), results
         assert "rank 0: step 1, save_checkpoint, waiting" in errors[1], errors[1]
         assert not (tmp_path / "ckpt").exists()
+
+
+def _skip_a_backward(stage: int, native: bool) -> dict:
+    """Rank 1 skips step 2's backward; what each rank's error says and the collectives'
+    implementations this world chose (``native``: the backend's own reduce-scatter and
+    all-gather, chosen in this rank: the harness's processes do not see the test's env)."""
+    if native:
+        os.environ["FLATSHARD_REDUCE_SCATTER"] = "reduce_scatter_tensor"
+        os.environ["FLATSHARD_ALL_GATHER"] = "all_gather_into_tensor"
+    result = _out_of_step(stage, "skip_backward", "")
+    from flatshard.comm.collectives import choose_impl
+    from flatshard.comm.world import resolve_world
+
+    world = resolve_world(None)
+    result["impls"] = [
+        choose_impl(world, op, 4096, torch.device("cpu")) for op in ("reduce_scatter", "all_gather")
+    ]
+    return result
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("how", ["cpu:gloo", "native ops"])
+def test_the_deadline_holds_for_a_per_device_backend_and_the_native_ops(stage, how):
+    """A group made with ``"cpu:gloo"`` (the form of ``"cpu:gloo,cuda:nccl"``) takes gloo's
+    implementations, and the native reduce-scatter and all-gather carry the deadline too:
+    each case hung until the harness gave up (the native ops had no per-op timeout, and the
+    backend string picked them for gloo; seen first with CUDA tensors over gloo on a GPU)."""
+    native = how == "native ops"
+    results = run_distributed(
+        _skip_a_backward, 2, stage, native, backend="gloo" if native else how, timeout=60
+    )
+    errors = [r["error"] for r in results if r["error"] is not None]
+    assert errors, results
+    for r in results:
+        assert r["after"] < DEADLINE + 3, results
+    for error in errors:
+        assert "Where each rank is" in error and "rank 0: step" in error and "rank 1: " in error, error
+    expected = (
+        ["all_to_all", "broadcast"]
+        if how == "cpu:gloo"
+        else ["reduce_scatter_tensor", "all_gather_into_tensor"]
+    )
+    assert results[0]["impls"] == expected
 
 
 def _uneven(stage: int, batches: list[int]) -> dict:

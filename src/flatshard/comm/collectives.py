@@ -220,11 +220,6 @@ def wait_until(handle: Handle, deadline: float) -> bool:
     return True
 
 
-# torch 2.13 renamed the single-tensor collectives; 2.9 has only the old names. Neither takes
-# a per-op timeout: these two implementations (NCCL's defaults) wait as long as the group's.
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
 SCATTER_IMPLS = ("reduce_scatter_tensor", "all_reduce", "reduce", "all_to_all")
 """Ways to reduce-scatter: the native op, an all-reduce of the whole bucket (twice the wire
 bytes), or one reduce per shard to its owner (``benchmarks/collectives.py`` times them)."""
@@ -248,13 +243,15 @@ IMPLS: dict[str, dict[str, list[tuple[float, str]]]] = {
 """Per backend and op: (largest bucket in bytes, implementation), the first that fits."""
 
 
-def choose_impl(world: World, op: str, nbytes: int) -> str:
-    """The implementation of ``op`` on a bucket of ``nbytes`` for ``world``'s backend; the
-    environment variable ``FLATSHARD_REDUCE_SCATTER`` or ``FLATSHARD_ALL_GATHER`` overrides it."""
+def choose_impl(world: World, op: str, nbytes: int, device: torch.device | None = None) -> str:
+    """The implementation of ``op`` on a bucket of ``nbytes`` of ``device`` tensors, for the
+    backend of ``world`` that carries them (a ``"cpu:gloo,cuda:nccl"`` group has one per
+    device type; None: the host's); the environment variable ``FLATSHARD_REDUCE_SCATTER`` or
+    ``FLATSHARD_ALL_GATHER`` overrides it."""
     override = os.environ.get(f"FLATSHARD_{op.upper()}")
     if override:
         return override
-    backend = str(dist.get_backend(world.group))
+    backend = world.backend_for(device or torch.device("cpu"))
     return next(impl for limit, impl in IMPLS.get(backend, IMPLS["default"])[op] if nbytes <= limit)
 
 
@@ -271,7 +268,7 @@ def _own(tensor: torch.Tensor, shard: torch.Tensor, world: World) -> None:
 
 def _prepare(op: str, tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str | None) -> str:
     _own(tensor, shard, world)
-    return impl or choose_impl(world, op, _nbytes(tensor))
+    return impl or choose_impl(world, op, _nbytes(tensor), tensor.device)
 
 
 def _record(stats: CommStats | None, op: str, tensor: torch.Tensor, world: World, impl: str) -> None:
@@ -313,7 +310,7 @@ def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: Worl
         handle = _Group([work], lambda: sum_rows(received.view(n, -1), shard))
     elif impl == "reduce_scatter_tensor":
         out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
-        work = _reduce_scatter_single(out, tensor, group=group, async_op=True)
+        work = group._reduce_scatter_base(out, tensor, world.options(dist.ReduceScatterOptions))
         handle = _Group([work], lambda: shard.copy_(out))
     else:
         raise ValueError(f"unknown reduce-scatter implementation {impl!r}; known: {SCATTER_IMPLS}")
@@ -354,7 +351,7 @@ def all_gather(
 def _issue_all_gather(tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str) -> list[Handle]:
     group, n = world.group, world.size
     if impl == "all_gather_into_tensor":
-        works = [_all_gather_single(tensor, shard.clone(), group=group, async_op=True)]
+        works = [group._allgather_base(tensor, shard.clone(), world.options(AllgatherOptions))]
     elif impl == "all_gather":
         works = [group.allgather([list(tensor.chunk(n))], [shard.clone()], world.options(AllgatherOptions))]
     elif impl == "all_reduce":

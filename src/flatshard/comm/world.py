@@ -44,6 +44,15 @@ class World:
     def backend(self) -> str:
         return "none" if self.group is None else str(dist.get_backend(self.group))
 
+    def backend_for(self, device: torch.device) -> str:
+        """The backend that carries ``device`` tensors on this world: a group made with
+        ``"cpu:gloo,cuda:nccl"`` names one per device type; ``"gloo"`` alone carries both."""
+        name = self.backend
+        if ":" not in name:
+            return name
+        pairs = dict(part.split(":", 1) for part in name.split(","))
+        return pairs.get(device.type, name)
+
     @property
     def control_device(self) -> torch.device:
         """Where the small tensors of this world's control collectives (digests, flags) live:
