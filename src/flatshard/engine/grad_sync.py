@@ -38,6 +38,7 @@ finished (waited for; at stage 3 only where that cannot deadlock with the param 
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -49,6 +50,23 @@ from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.bucket_group import BucketGroup, ScratchPool
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Backward, Grads, advance
+
+
+class WeakHook:
+    """A param hook that calls ``method`` without keeping its object alive. Autograd holds a
+    param's hooks on the C++ side, which Python's collector cannot see into, so a hook bound
+    to the object that owns the param (param -> hook -> GradSync -> buffers -> param) would
+    keep the model, its optimizer and their device memory alive after the user drops them."""
+
+    __slots__ = ("method",)
+
+    def __init__(self, method) -> None:
+        self.method = weakref.WeakMethod(method)
+
+    def __call__(self, *args):
+        method = self.method()
+        return None if method is None else method(*args)
+
 
 MAX_SCRATCH_IN_FLIGHT = 2
 """Stage 2: launched bucket groups whose scratch may be alive at once."""
@@ -141,9 +159,10 @@ class GradSync:
         self._pool = self.groups[0].pool if self.groups else ScratchPool(0)
         self._next = 0  # first group not yet launched in this backward
         self._done = 0  # groups before this one have finished their reduction
+        hook = WeakHook(self._on_grad)
         for bset in sets:
             for p in bset.params:
-                p.register_post_accumulate_grad_hook(self._on_grad)
+                p.register_post_accumulate_grad_hook(hook)
 
     # -- lifecycles ([Note: lifecycles]) -----------------------------------------------------
     def _move(self, new: Backward) -> None:
