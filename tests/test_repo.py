@@ -130,6 +130,10 @@ TORCH_PRIVATE = {
     "_orig_mod",
     "_get_backend",
     "_replace",
+    # ProcessGroup's single-tensor gather and reduce-scatter: the only spelling of them that
+    # takes per-op options, which carry the deadline ([Note: deadlines])
+    "_allgather_base",
+    "_reduce_scatter_base",
 }
 # transformers' per-module initializer: its public init_weights() re-initializes the whole
 # model, where a meta model is initialized one unit at a time ([Note: default init])

@@ -28,8 +28,11 @@ the formula of the implementation that ran (``CommStats.impls``):
 [Note: collective choice]
 
 Each backend has the implementation of reduce-scatter and all-gather that measured fastest
-on it (``IMPLS``; the environment variables ``FLATSHARD_REDUCE_SCATTER`` and
-``FLATSHARD_ALL_GATHER`` override it): on gloo, reduce-scatter is an all-to-all of the
+on it (``IMPLS``, looked up for the backend that carries the bucket's device: a group made
+with ``"cpu:gloo,cuda:nccl"`` has one per device type, and gloo carries CUDA tensors too;
+the environment variables ``FLATSHARD_REDUCE_SCATTER`` and ``FLATSHARD_ALL_GATHER``
+override it). Every implementation takes the backend's per-op options, so each carries the
+world's deadline. On gloo, reduce-scatter is an all-to-all of the
 bucket's shards and a local sum up to 16 MiB and an all-reduce above, and all-gather is a
 broadcast per shard. Every implementation of an op leaves the same values; wire bytes
 follow the one that ran (``CommStats.impls``). The measurements behind the choice:
