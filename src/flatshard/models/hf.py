@@ -53,6 +53,18 @@ SMALLER = {  # where a type's config has the field (not None): a value that fits
     "expert_layer_period": 2,
     "expert_layer_offset": 1,
     "rescale_every": 0,  # (RWKV rescales its weights in place in eval mode: no sharded param allows it)
+    # sizes one family names its own way (CPM-Ant, RoCBert, BLT, Phi-4's audio encoder, GOT-OCR2)
+    "dim_ff": TINY["intermediate_size"],
+    "shape_vocab_size": 256,
+    "shape_embed_dim": TINY["hidden_size"],
+    "pronunciation_vocab_size": 256,
+    "pronunciation_embed_dim": TINY["hidden_size"],
+    "encoder_hash_byte_group_vocab": 256,
+    "hidden_size_global": TINY["hidden_size"],
+    "ext_pw_out_channel": TINY["hidden_size"],
+    "depthwise_separable_out_channel": TINY["hidden_size"],
+    "nemo_conv_channels": TINY["hidden_size"],
+    "output_channels": TINY["hidden_size"],  # (GOT-OCR2's vision neck)
 }
 DERIVED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "n_shared_experts")
 """Fields some types leave None (to derive from others that ``TINY`` changes): set anyway."""
@@ -64,11 +76,20 @@ def tiny_config(model_type: str, *, vocab_size: int = 256, seq_len: int = 64, **
     """A ``transformers`` config of ``model_type`` shrunk to ``TINY``: its defaults (a
     full-size model's), with the width, depth and heads of ``TINY``, and every field that must
     agree with them (key-value heads, head size, experts, windows, a hybrid's layer kinds) set
-    to fit; ``use_cache`` off (a training config: no generation cache)."""
+    to fit; ``use_cache`` off (a training config: no generation cache). A composite config
+    (a multimodal model's text and vision configs, ...) has each of its parts shrunk alike."""
     from transformers import AutoConfig
 
     defaults = AutoConfig.for_model(model_type)
+    fields = _tiny_fields(defaults, vocab_size, seq_len, overrides)
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def _tiny_fields(defaults, vocab_size: int, seq_len: int, overrides: dict) -> dict:
+    """The fields that shrink the config ``defaults`` (and its sub-configs) to ``TINY``."""
     fields = {**TINY, "vocab_size": vocab_size, "max_position_embeddings": seq_len}
+    if getattr(defaults, "unpadded_vocab_size", None) is not None:  # (the head's share of a padded vocab)
+        fields["unpadded_vocab_size"] = vocab_size
     settable = [k for k in SMALLER if not isinstance(getattr(type(defaults), k, None), property)]
     fields.update(
         {
@@ -92,7 +113,11 @@ def tiny_config(model_type: str, *, vocab_size: int = 256, seq_len: int = 64, **
             fields[key] = head
     if "qk_rope_head_dim" in fields and "head_dim" in fields and "head_dim" not in overrides:
         fields["head_dim"] = fields["qk_rope_head_dim"]  # (multi-head latent attention: rotary size)
-    return AutoConfig.for_model(model_type, **fields)
+    for name in getattr(type(defaults), "sub_configs", {}):
+        part = getattr(defaults, name, None)
+        if part is not None and hasattr(part, "to_dict"):
+            fields[name] = type(part)(**_tiny_fields(part, vocab_size, seq_len, overrides))
+    return fields
 
 
 def _layer_kinds(defaults, layers: int) -> dict:
