@@ -384,7 +384,9 @@ def _skip_backward(stage: int) -> dict:
     cfg = PRESETS["small"]
     torch.manual_seed(0)
     rank = dist.get_rank()
-    model = flatshard.shard(GPT(cfg).to(_dev()), stage=stage, bucket_size=3000, timeout=2.0)
+    model = flatshard.shard(
+        GPT(cfg).to(_dev()), stage=stage, buckets=flatshard.Buckets(size=3000), timeout=2.0
+    )
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
     start = time.monotonic()

@@ -98,3 +98,37 @@ def test_stage3_options_are_one_validated_policy_and_the_old_keywords_still_work
         flatshard.shard(nn.Linear(2, 2), stage=3, unit_byte=None)
     with pytest.raises(ValueError, match="limit_all_gathers must be an int >= 1, got 0"):
         flatshard.Stage3(limit_all_gathers=0)
+
+
+def test_bucket_options_are_one_validated_policy_and_the_old_keywords_still_work():
+    """``shard(buckets=flatshard.Buckets(...))``: the former keywords warn, naming the new
+    spelling, and lay out the same buckets; giving both is an error; a bad value is refused
+    naming it; ``shard()`` keeps 12 keywords."""
+    import inspect
+
+    def layout(model):
+        return [
+            (b.layout.numel, len(b.layout.buckets))
+            for s in model.flatshard_state.sets.values()
+            for b in s.buffers
+        ]
+
+    new = flatshard.shard(nn.Linear(64, 64), buckets=flatshard.Buckets(size=50, per_group=None))
+    with pytest.warns(
+        DeprecationWarning, match=r"pass buckets=flatshard\.Buckets\(size=\.\.\., per_group=\.\.\.\)"
+    ):
+        old = flatshard.shard(nn.Linear(64, 64), bucket_size=50, buckets_per_group=None)
+    assert layout(new) == layout(old) and layout(new)[0][1] == 2  # (the bias, 64 elements, then the weight)
+    assert len(new.flatshard_state.grad_sync.groups) == len(old.flatshard_state.grad_sync.groups) == 1
+    with pytest.raises(TypeError, match="in buckets= only"):
+        flatshard.shard(nn.Linear(2, 2), buckets=flatshard.Buckets(), bucket_size=10)
+    with pytest.raises(TypeError, match=r"buckets must be a flatshard\.Buckets, got int"):
+        flatshard.shard(nn.Linear(2, 2), buckets=1000)
+    with pytest.raises(
+        ValueError, match=r"Buckets.size\) must be a positive number of elements or None, got 0"
+    ):
+        flatshard.Buckets(size=0)
+    with pytest.raises(TypeError, match="pad_for_high_busbw must be True or False, got 'no'"):
+        flatshard.Buckets(pad_for_high_busbw="no")
+    keywords = [p for p in inspect.signature(flatshard.shard).parameters.values() if p.kind is p.KEYWORD_ONLY]
+    assert len(keywords) == 12, [p.name for p in keywords]

@@ -39,12 +39,13 @@ from flatshard.optim.grouped import GroupedOptimizer
 from flatshard.optim.hybrid import HybridDeviceOptimizer
 from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
-from flatshard.stage import Stage3
+from flatshard.stage import Buckets, Stage3
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import ExpertGroup, shard
 from flatshard.wrap.uneven import even_batches
 
 __all__ = [
+    "Buckets",
     "CheckpointError",
     "ChecksumError",
     "CommStats",

@@ -72,6 +72,50 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+DEFAULT_BUCKET_SIZE = 2**22
+"""Elements per bucket by default (16 MiB of fp32 grads)."""
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """``shard(..., buckets=flatshard.Buckets(...))``: how the flat buffers are cut into
+    buckets and how the buckets are reduced, validated when it is built (a bad value is a
+    ``ValueError`` naming it). The same at every stage.
+
+    size: elements per bucket (a bucket closes once it holds at least this many); None for
+        one bucket per buffer.
+    per_group: buckets reduced by one collective; None puts all of a buffer's buckets in one
+        group.
+    pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 elements as well (for
+        collectives whose bus bandwidth is highest at such sizes).
+    """
+
+    size: int | None = DEFAULT_BUCKET_SIZE
+    per_group: int | None = 1
+    pad_for_high_busbw: bool = False
+
+    def __post_init__(self) -> None:
+        if self.size is not None and (not _is_int(self.size) or self.size < 1):
+            raise ValueError(
+                f"bucket_size (Buckets.size) must be a positive number of elements or None, got {self.size!r}"
+            )
+        if self.per_group is not None and (not _is_int(self.per_group) or self.per_group < 1):
+            raise ValueError(
+                f"buckets_per_group (Buckets.per_group) must be a positive int or None, "
+                f"got {self.per_group!r}"
+            )
+        if not isinstance(self.pad_for_high_busbw, bool):
+            raise TypeError(f"pad_for_high_busbw must be True or False, got {self.pad_for_high_busbw!r}")
+
+
+BUCKET_KEYWORDS = {
+    "bucket_size": "size",
+    "buckets_per_group": "per_group",
+    "pad_for_high_busbw": "pad_for_high_busbw",
+}
+"""``shard()``'s former keywords, and the ``Buckets`` field each became."""
+
+
 @dataclass(frozen=True)
 class Stage3:
     """``shard(stage=3, stage3=flatshard.Stage3(...))``: how stage 3 picks, gathers,

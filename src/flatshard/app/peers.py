@@ -139,7 +139,11 @@ def _flatshard(stage: int, **options) -> Peer:
     (torch's AdamW itself at stage 0 in fp32)."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        kwargs = dict(options) if bucket_size is None else {**options, "bucket_size": bucket_size}
+        kwargs = (
+            dict(options)
+            if bucket_size is None
+            else {**options, "buckets": flatshard.Buckets(size=bucket_size)}
+        )
         if compute is not None:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, **kwargs)
@@ -265,7 +269,7 @@ def _flatshard_muon(stage: int) -> Peer:
     with a Muon group and an AdamW group."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        kwargs = {} if bucket_size is None else {"bucket_size": bucket_size}
+        kwargs = {} if bucket_size is None else {"buckets": flatshard.Buckets(size=bucket_size)}
         if compute is not None:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, whole_params=is_hidden_matrix, **kwargs)

@@ -115,7 +115,11 @@ def build(cfg: TrainConfig, device: torch.device):
     if cfg.dtype != "fp32":
         kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
     model = flatshard.shard(
-        module, stage=cfg.stage, bucket_size=cfg.bucket_size, timeout=cfg.timeout, **kwargs
+        module,
+        stage=cfg.stage,
+        buckets=flatshard.Buckets(size=cfg.bucket_size),
+        timeout=cfg.timeout,
+        **kwargs,
     )
     return model, corpus
 

@@ -11,8 +11,27 @@ import warnings
 import torch
 from torch import nn
 
-from flatshard.stage import STAGE3_OPTIONS, Stage3, StagePolicy, stage3_only
+from flatshard.stage import BUCKET_KEYWORDS, STAGE3_OPTIONS, Buckets, Stage3, StagePolicy, stage3_only
 from flatshard.wrap.module import ShardedModule
+
+
+def bucket_options(buckets: Buckets | None, keywords: dict) -> Buckets:
+    """``shard()``'s ``buckets``, or the ``Buckets`` its former keywords (``bucket_size=...``,
+    taken out of ``keywords``) spell, with a ``DeprecationWarning`` naming the new spelling."""
+    given = {k: keywords.pop(k) for k in list(keywords) if k in BUCKET_KEYWORDS}
+    if buckets is not None and not isinstance(buckets, Buckets):
+        raise TypeError(f"buckets must be a flatshard.Buckets, got {type(buckets).__name__}")
+    if not given:
+        return buckets or Buckets()
+    if buckets is not None:
+        raise TypeError(f"give the bucket options in buckets= only, not also as {sorted(given)}")
+    new = ", ".join(f"{BUCKET_KEYWORDS[k]}=..." for k in given)
+    warnings.warn(
+        f"shard({', '.join(f'{k}=...' for k in given)}) is deprecated: pass buckets=flatshard.Buckets({new})",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+    return Buckets(**{BUCKET_KEYWORDS[k]: v for k, v in given.items()})
 
 
 def stage3_options(stage: int, stage3: Stage3 | None, keywords: dict) -> Stage3 | None:
@@ -41,15 +60,11 @@ def stage3_options(stage: int, stage3: Stage3 | None, keywords: dict) -> Stage3 
     return None
 
 
-def check_arguments(module, bucket_size, buckets_per_group, grad_scale) -> None:
+def check_arguments(module, grad_scale) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ShardedModule):
         raise ValueError(f"{type(module).__name__} is already sharded")
-    if bucket_size is not None and (not isinstance(bucket_size, int) or bucket_size < 1):
-        raise ValueError(f"bucket_size must be a positive number of elements or None, got {bucket_size!r}")
-    if buckets_per_group is not None and (not isinstance(buckets_per_group, int) or buckets_per_group < 1):
-        raise ValueError(f"buckets_per_group must be a positive int or None, got {buckets_per_group!r}")
     if grad_scale is not None and (
         isinstance(grad_scale, bool)
         or not isinstance(grad_scale, numbers.Real)

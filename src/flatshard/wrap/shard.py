@@ -29,7 +29,7 @@ from flatshard.engine.units import unsharded_tensors
 from flatshard.layout import plan_layout
 from flatshard.malloc import warn_once_without_tunables
 from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
-from flatshard.stage import Stage3, StagePolicy
+from flatshard.stage import DEFAULT_BUCKET_SIZE, Buckets, Stage3, StagePolicy  # noqa: F401 (DEFAULT_BUCKET_SIZE: its old home)
 from flatshard.stage3.build import (
     broadcast_values,
     build_unsharder,
@@ -37,14 +37,18 @@ from flatshard.stage3.build import (
     is_meta_model,
     replace_meta_params,
 )
-from flatshard.wrap.arguments import check_arguments, check_devices, check_flags, stage3_options
+from flatshard.wrap.arguments import (
+    bucket_options,
+    check_arguments,
+    check_devices,
+    check_flags,
+    stage3_options,
+)
 from flatshard.wrap.changes import WrappedTree
 from flatshard.wrap.init import default_init
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
 
-DEFAULT_BUCKET_SIZE = 2**22
-"""Elements per bucket by default (16 MiB of fp32 grads)."""
 FROZEN = "frozen"
 """The key of stage 3's frozen params' ``ParamPart`` (a buffer set without grads)."""
 
@@ -73,19 +77,17 @@ def shard(
     *,
     stage: int = 0,
     group: object = None,
-    bucket_size: int | None = DEFAULT_BUCKET_SIZE,
-    buckets_per_group: int | None = 1,
+    buckets: Buckets | None = None,
     grad_scale: float | None = None,
     expert: ExpertGroup | None = None,
     find_unused_parameters: bool = False,
     sync_module_states: bool = True,
     broadcast_buffers: bool = True,
-    pad_for_high_busbw: bool = False,
     mixed_precision: MixedPrecision | None = None,
     whole_params: WholeParams = None,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT,
     stage3: Stage3 | None = None,
-    **stage3_keywords: Any,
+    **deprecated: Any,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -101,10 +103,10 @@ def shard(
             one when torch.distributed is not initialized); at stages >= 1 also a 2-D
             DeviceMesh (replicate, shard): hybrid sharding, where buckets are sharded over
             the inner dimension and each shard's grads are all-reduced over the outer one.
-        bucket_size: elements per bucket (a bucket closes once it holds at least this
-            many); None for one bucket per buffer.
-        buckets_per_group: buckets reduced by one collective; None puts all of a buffer's
-            buckets in one group.
+        buckets: how the flat buffers are cut into buckets and reduced: a
+            ``flatshard.Buckets`` (``size``, default 2**22 elements; ``per_group``;
+            ``pad_for_high_busbw``). The keywords ``bucket_size``, ``buckets_per_group`` and
+            ``pad_for_high_busbw`` still work, with a ``DeprecationWarning``.
         grad_scale: factor applied to grads before the sum over ranks; None averages
             (``1 / world size``, all ranks of a 2-D mesh); e.g. 1.0 for a loss already
             summed over tokens.
@@ -118,7 +120,6 @@ def shard(
             ``no_sync``), copy rank 0's buffers (BatchNorm's running statistics, ...) to every
             rank in one coalesced broadcast per dtype, as torch DDP does by default; False
             leaves each rank's buffers its own.
-        pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 as well.
         mixed_precision: store and compute params in ``param_dtype`` (see ``MixedPrecision``).
         whole_params: params (or a predicate ``(name, param) -> bool``) that a sharded layout
             keeps whole in one rank's shard, so that ``DistributedOptimizer`` can step them
@@ -136,16 +137,17 @@ def shard(
             unsharding] in ``stage3/unshard.py``). Refused at stages 0-2. Those fields given
             to ``shard()`` as keywords still work, with a ``DeprecationWarning``.
     """
-    stage3 = stage3_options(stage, stage3, stage3_keywords)
+    buckets = bucket_options(buckets, deprecated)
+    bucket_size, buckets_per_group = buckets.size, buckets.per_group
+    stage3 = stage3_options(stage, stage3, deprecated)
     policy = StagePolicy.build(stage, stage3)
     s3 = stage3 or Stage3()
     units, ignored_modules, unit_bytes = s3.units, s3.ignored_modules, s3.unit_bytes
-    check_arguments(module, bucket_size, buckets_per_group, grad_scale)
+    check_arguments(module, grad_scale)
     check_flags(
         find_unused_parameters=find_unused_parameters,
         sync_module_states=sync_module_states,
         broadcast_buffers=broadcast_buffers,
-        pad_for_high_busbw=pad_for_high_busbw,
     )
     world, replicate = _worlds(group, policy, timeout)
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
@@ -173,14 +175,14 @@ def shard(
         find_unused_parameters=find_unused_parameters,
         sync_module_states=sync_module_states,
         broadcast_buffers=broadcast_buffers,
-        pad_for_high_busbw=pad_for_high_busbw,
+        pad_for_high_busbw=buckets.pad_for_high_busbw,
     )
     _check_agreement(parts, config, specs_of)
     if sync_module_states and policy.shards_params and not meta:  # rank 0's values, then bind
         _broadcast_before_binding(module, parts, originals, (world, replicate))
     sets = {}
     for part in parts:
-        sets[part.key] = _build_set(part, specs_of, policy, bucket_size, pad_for_high_busbw)
+        sets[part.key] = _build_set(part, specs_of, policy, bucket_size, buckets.pad_for_high_busbw)
     if sync_module_states and not policy.shards_params:
         for w in (world, replicate):  # shard rows first, then across them: all from rank 0
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
