@@ -323,7 +323,7 @@ def balance(sizes: Sequence[int], ranks: int, loads: list[int] | None = None) ->
 
 class _Pending(NamedTuple):
     spec: ParamSpec
-    index: int
+    position: int  # (in registration order)
 
 
 def _plan_buckets(
@@ -354,7 +354,8 @@ def _plan_buckets(
         pending.append(_Pending(spec, index))
         cursor = (_round_up(cursor, PARAM_ALIGN) if shard else cursor) + spec.numel
         full = bucket_size is not None and cursor >= bucket_size
-        if full and by_owner and any(p.spec.whole for p in pending) and 0 < left[i] < bucket_size // 2:
+        small_tail = bucket_size is not None and 0 < left[i] < bucket_size // 2
+        if full and by_owner and small_tail and any(p.spec.whole for p in pending):
             full = False  # no small whole-param tail: its few params would pad every shard
         if spec.own_bucket or full:
             close()
@@ -382,7 +383,7 @@ def _place(
     slots, cursor = [], start
     for p in pending:
         param_start = _round_up(cursor, PARAM_ALIGN) if shard else cursor
-        slots.append(ParamSlot(p.spec.name, p.index, param_start, param_start + p.spec.numel, index))
+        slots.append(ParamSlot(p.spec.name, p.position, param_start, param_start + p.spec.numel, index))
         cursor = param_start + p.spec.numel
     end = _round_up(cursor, multiple) if shard else cursor
     return BucketLayout(index, start, end, cursor - start, tuple(slots), world_size, shard)
@@ -399,7 +400,7 @@ def _place_by_owner(
     cursors = [start + r * shard_size for r in range(world_size)]
     slots = []
     for p, size, owner in zip(pending, sizes, owners, strict=True):
-        slots.append(ParamSlot(p.spec.name, p.index, cursors[owner], cursors[owner] + p.spec.numel, index))
+        slots.append(ParamSlot(p.spec.name, p.position, cursors[owner], cursors[owner] + p.spec.numel, index))
         cursors[owner] += size
     slots.sort(key=lambda slot: slot.start)
     end = start + world_size * shard_size

@@ -18,7 +18,9 @@ the sum and by ``post`` after it (``post``: the largest power of two <= sqrt(N))
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -66,13 +68,13 @@ def cast_params(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor
     return originals
 
 
-def input_cast_hook(dtype: torch.dtype):
+def input_cast_hook(dtype: torch.dtype) -> Callable[..., tuple[Any, Any]]:
     """A forward pre-hook (with kwargs) casting floating tensor inputs to ``dtype``."""
 
-    def cast(t):
+    def cast(t: object) -> object:
         return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
-    def hook(module: nn.Module, args: tuple, kwargs: dict):
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any]:
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     return hook

@@ -16,12 +16,12 @@ counted) ahead of its implementation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
 
-from flatshard.layout import ParamSpec, plan_layout
+from flatshard.layout import BucketLayout, ParamSpec, plan_layout
 from flatshard.mixed_precision import HALF_DTYPES
 from flatshard.shard_map import plan_runs
 from flatshard.stage import STAGES, StagePolicy
@@ -74,7 +74,7 @@ def _comm(
     return int(ring * numel * policy.wire_bytes_per_element(param_bytes, grad_bytes, gathers))
 
 
-def _gathers_per_bucket(specs: Sequence[ParamSpec]):
+def _gathers_per_bucket(specs: Sequence[ParamSpec]) -> Callable[[BucketLayout], int]:
     """Stage-3 gathers per step of a bucket with the default options: once for the root unit
     ("0") and the last two units (they stay full into backward, [Note: unsharding]), twice
     for the others (and without units)."""
@@ -166,7 +166,13 @@ def plan_from_specs(
 
 
 def _add_frozen(
-    totals, policy: StagePolicy, specs, trainable, world_size: int, bucket_size, rank: int
+    totals: dict[str, int],
+    policy: StagePolicy,
+    specs: Sequence[ParamSpec],
+    trainable: Sequence[ParamSpec],
+    world_size: int,
+    bucket_size: int | None,
+    rank: int,
 ) -> None:
     """Frozen params ([Note: frozen params] in ``stage3/build.py``): their bytes, whole or
     (stage 3) this rank's shard, and at stage 3 their gathers."""

@@ -74,7 +74,7 @@ def plan_runs(
                 runs.append(Run(bucket.index, current[0], Range(current[1], piece.in_shard.start)))
                 cursor = piece.in_shard.start
                 current = None
-            if shape is not None:
+            if shape is not None and group is not None:
                 runs.append(_whole_run(bucket.index, group, piece, shape))
                 cursor = piece.in_shard.end
             elif group is None:

@@ -19,6 +19,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,7 +34,7 @@ from flatshard.engine.units import find_units
 from flatshard.memory import memory_report
 from flatshard.stage import STAGES
 
-ADAMW = {"lr": 1e-3, "weight_decay": 0.1}
+ADAMW: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1}
 
 
 @dataclass
@@ -41,7 +42,7 @@ class Trainer:
     model: nn.Module
     optimizer: torch.optim.Optimizer
     counted: torch.optim.Optimizer | None  # whose state memory_report counts (None: not countable)
-    engine: object | None = None  # a DeepSpeed engine, which runs backward and step itself
+    engine: Any = None  # a DeepSpeed engine, which runs backward and step itself
     model_state_bytes: int | None = None  # measured at the last step with measure=True
     autocast: torch.dtype | None = None  # forward under torch.autocast to this dtype
 
@@ -139,14 +140,13 @@ def _flatshard(stage: int, **options) -> Peer:
     (torch's AdamW itself at stage 0 in fp32)."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        kwargs = (
-            dict(options)
-            if bucket_size is None
-            else {**options, "buckets": flatshard.Buckets(size=bucket_size)}
-        )
+        kwargs: dict[str, Any] = dict(options)
+        if bucket_size is not None:
+            kwargs["buckets"] = flatshard.Buckets(size=bucket_size)
         if compute is not None:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, **kwargs)
+        optimizer: torch.optim.Optimizer
         if not model.flatshard_state.policy.shards_optimizer and compute is None:
             optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         else:
@@ -189,7 +189,7 @@ def _owner(bucket_cap_bytes: int) -> Peer:
 
 
 # -- Muon on the blocks' matrices, AdamW on the rest (embeddings, norms, biases, head) --------
-MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
+MUON: dict[str, Any] = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.1}
 
 
 def is_hidden_matrix(name: str, param: nn.Parameter) -> bool:
@@ -269,7 +269,7 @@ def _flatshard_muon(stage: int) -> Peer:
     with a Muon group and an AdamW group."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        kwargs = {} if bucket_size is None else {"buckets": flatshard.Buckets(size=bucket_size)}
+        kwargs: dict[str, Any] = {} if bucket_size is None else {"buckets": flatshard.Buckets(size=bucket_size)}
         if compute is not None:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, whole_params=is_hidden_matrix, **kwargs)

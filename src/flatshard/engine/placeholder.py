@@ -34,30 +34,33 @@ Invariants:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from flatshard.errors import ShardedParamError
 
 Tensor = torch.Tensor
+_Descriptors: Any = torch.Tensor  # (its properties' __get__/__set__, which the stubs type as values)
 
 _READS_NO_VALUES = frozenset(
     [
-        Tensor.shape.__get__,
-        Tensor.dtype.__get__,
-        Tensor.device.__get__,
-        Tensor.layout.__get__,
-        Tensor.ndim.__get__,
-        Tensor.is_meta.__get__,
-        Tensor.is_cuda.__get__,
-        Tensor.is_sparse.__get__,
-        Tensor.is_leaf.__get__,
-        Tensor.grad_fn.__get__,
-        Tensor.requires_grad.__get__,
-        Tensor.requires_grad.__set__,
-        Tensor.grad.__get__,
-        Tensor.grad.__set__,
-        Tensor.data.__set__,
+        _Descriptors.shape.__get__,
+        _Descriptors.dtype.__get__,
+        _Descriptors.device.__get__,
+        _Descriptors.layout.__get__,
+        _Descriptors.ndim.__get__,
+        _Descriptors.is_meta.__get__,
+        _Descriptors.is_cuda.__get__,
+        _Descriptors.is_sparse.__get__,
+        _Descriptors.is_leaf.__get__,
+        _Descriptors.grad_fn.__get__,
+        _Descriptors.requires_grad.__get__,
+        _Descriptors.requires_grad.__set__,
+        _Descriptors.grad.__get__,
+        _Descriptors.grad.__set__,
+        _Descriptors.data.__set__,
         Tensor.size,
         Tensor.dim,
         Tensor.numel,
@@ -104,7 +107,7 @@ class Placeholder(nn.Parameter):
             "`with model.summon_full_params():`"
         )
 
-    def __repr__(self) -> str:
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         where = getattr(self, "sharded_where", "a sharded param")  # (labelled once its unit is known)
         return f"Placeholder({where}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
@@ -119,7 +122,7 @@ def _tensors(args, kwargs):
 
 def label(param: nn.Parameter, where: str) -> None:
     """What a refused read names: "param 'blocks.0.attn.weight' of unit 3 (blocks.0)"."""
-    param.sharded_where = where
+    setattr(param, "sharded_where", where)  # noqa: B010 (an attribute of our own on a torch param)
 
 
 def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
@@ -132,5 +135,5 @@ def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
 def show(param: nn.Parameter, view: torch.Tensor) -> None:
     """Make ``param`` a plain ``nn.Parameter`` over ``view``, its gathered values."""
     if type(param) is Placeholder:
-        param.__class__ = nn.Parameter
+        setattr(param, "__class__", nn.Parameter)  # noqa: B010 (mypy narrows the class otherwise)
     param.data = view
