@@ -269,7 +269,9 @@ def _flatshard_muon(stage: int) -> Peer:
     with a Muon group and an AdamW group."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
-        kwargs: dict[str, Any] = {} if bucket_size is None else {"buckets": flatshard.Buckets(size=bucket_size)}
+        kwargs: dict[str, Any] = (
+            {} if bucket_size is None else {"buckets": flatshard.Buckets(size=bucket_size)}
+        )
         if compute is not None:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, whole_params=is_hidden_matrix, **kwargs)

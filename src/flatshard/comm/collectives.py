@@ -159,21 +159,21 @@ def barrier(world: World) -> None:
 def _all_reduce(tensor: torch.Tensor, world: World, op=dist.ReduceOp.SUM) -> Handle:
     opts = world.options(dist.AllreduceOptions)
     opts.reduceOp = op
-    return world.group.allreduce([tensor], opts)
+    return world.pg.allreduce([tensor], opts)
 
 
 def _broadcast(tensor: torch.Tensor, world: World, root: int) -> Handle:
     """From ``root``, a rank within ``world``."""
     opts = world.options(dist.BroadcastOptions)
     opts.rootRank, opts.rootTensor = root, 0
-    return world.group.broadcast([tensor], opts)
+    return world.pg.broadcast([tensor], opts)
 
 
 def _reduce(tensor: torch.Tensor, world: World, root: int) -> Handle:
     """Sum into ``root``'s ``tensor`` (a rank within ``world``)."""
     opts = world.options(dist.ReduceOptions)
     opts.rootRank, opts.rootTensor = root, 0
-    return world.group.reduce([tensor], opts)
+    return world.pg.reduce([tensor], opts)
 
 
 class _Group:
@@ -302,7 +302,7 @@ def reduce_scatter(
 
 
 def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str) -> Handle:
-    group, n = world.group, world.size
+    group, n = world.pg, world.size
     if impl == "all_reduce":
         handle = _all_reduce(tensor, world)
     elif impl == "reduce":
@@ -352,7 +352,8 @@ def all_gather(
 
 
 def _issue_all_gather(tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str) -> list[Handle]:
-    group, n = world.group, world.size
+    group, n = world.pg, world.size
+    works: list[Handle]
     if impl == "all_gather_into_tensor":
         works = [group._allgather_base(tensor, shard.clone(), world.options(AllgatherOptions))]
     elif impl == "all_gather":

@@ -125,11 +125,12 @@ class Position:
         self.version += 1
         return self.seq
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         """What the other ranks read: ``step`` is the step in progress (steps done + 1); the
         op is the one waited on (``waiting_since`` set), else the last one issued."""
         step = self.steps + 1
-        out = {"step": step, "phase": self.phase.value, "op": self.op, "op_step": step, "seq": self.seq}
+        out: dict[str, object] = {"step": step, "phase": self.phase.value, "op": self.op, "op_step": step}
+        out["seq"] = self.seq
         out["waiting_since"] = None
         if self.waiting is not None:
             w = self.waiting
@@ -196,8 +197,11 @@ def _key(rank: int) -> str:
 def _default_store() -> dist.Store | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
+    world = dist.group.WORLD
+    if world is None:
+        return None
     try:
-        return dist.group.WORLD.get_group_store()
+        return world.get_group_store()
     except (AttributeError, RuntimeError, ValueError):  # pragma: no cover - a torch without it
         return None
 
@@ -211,7 +215,7 @@ def publish_positions() -> None:
         return
     if _PUBLISHER is not None:
         _PUBLISHER.stopped.set()
-        HERE.__init__()
+        Position.__init__(HERE)  # (a fresh position, in the object every module imported)
     _PUBLISHER = _Publisher(store, dist.get_rank())
     _PUBLISHER.publish()
     _PUBLISHER.start()
@@ -292,7 +296,7 @@ class Watched:
 
     __slots__ = ("group", "handle", "op", "seq", "step", "timeout")
 
-    def __init__(self, handle, group: dist.ProcessGroup, timeout: timedelta | None, op: str) -> None:
+    def __init__(self, handle, group: dist.ProcessGroup | None, timeout: timedelta | None, op: str) -> None:
         self.handle, self.group, self.timeout, self.op = handle, group, timeout, op
         self.seq, self.step = HERE.issued(op), HERE.steps + 1
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from flatshard.comm.deadline import Watched
 
 # torch.distributed does not export it; the backend's options classes all live here
 AllgatherOptions = torch._C._distributed_c10d.AllgatherOptions
+Options = TypeVar("Options")
 
 
 @dataclass(frozen=True)
@@ -27,13 +29,20 @@ class World:
     size: int
     timeout: timedelta | None = field(default=None, compare=False)
 
-    def options(self, kind: type) -> object:
+    def options(self, kind: type[Options]) -> Options:
         """A fresh options object of the backend's ``kind`` (``dist.AllreduceOptions``, ...),
         carrying this world's deadline."""
         opts = kind()
         if self.timeout is not None:
-            opts.timeout = self.timeout
+            opts.timeout = self.timeout  # type: ignore[attr-defined]  # (every options class has one)
         return opts
+
+    @property
+    def pg(self) -> ProcessGroup:
+        """The process group of a world of more than one rank (the collectives' own)."""
+        if self.group is None:
+            raise RuntimeError(f"{self} has no process group: a world of one runs no collective")
+        return self.group
 
     def watch(self, handle: object, op: str) -> Watched:
         """``handle`` of ``op`` (just issued on this world), whose failed wait raises
@@ -90,8 +99,10 @@ def resolve_worlds(group: object = None, timeout: timedelta | None = None) -> tu
     shard), as in FSDP2's hybrid sharding; anything else shards over ``resolve_world(group)``
     and replicates over a world of one."""
     mesh_type = _device_mesh_type()
-    if mesh_type is not None and isinstance(group, mesh_type) and group.ndim == 2:
-        return _of_group(group.get_group(1), timeout), _of_group(group.get_group(0), timeout)
+    if mesh_type is not None and isinstance(group, mesh_type):
+        mesh: Any = group
+        if mesh.ndim == 2:
+            return _of_group(mesh.get_group(1), timeout), _of_group(mesh.get_group(0), timeout)
     return resolve_world(group, timeout), ONE
 
 
@@ -112,12 +123,13 @@ def resolve_world(group: object = None, timeout: timedelta | None = None) -> Wor
         group = dist.group.WORLD
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(group, mesh_type):
-        if group.ndim != 1:
+        mesh: Any = group
+        if mesh.ndim != 1:
             raise ValueError(
-                f"group: a DeviceMesh must be 1-D here, got a {group.ndim}-D mesh of shape "
-                f"{tuple(group.shape)} (2-D replicate x shard meshes need stage >= 1 hybrid sharding)"
+                f"group: a DeviceMesh must be 1-D here, got a {mesh.ndim}-D mesh of shape "
+                f"{tuple(mesh.shape)} (2-D replicate x shard meshes need stage >= 1 hybrid sharding)"
             )
-        group = group.get_group()
+        group = mesh.get_group()
     if not isinstance(group, ProcessGroup):
         raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None, got {type(group).__name__}")
     return _of_group(group, timeout)
@@ -210,6 +222,6 @@ def all_gather_bytes(data: bytes, world: World) -> list[bytes]:
 def _all_gather(tensor: torch.Tensor, world: World) -> list[torch.Tensor]:
     """Every rank's ``tensor`` (same shape on all), within ``world``'s deadline."""
     everyone = [torch.empty_like(tensor) for _ in range(world.size)]
-    work = world.group.allgather([everyone], [tensor], world.options(AllgatherOptions))
+    work = world.pg.allgather([everyone], [tensor], world.options(AllgatherOptions))
     world.watch(work, "all_gather (control)").wait()
     return everyone

@@ -23,6 +23,9 @@ cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance``
 from __future__ import annotations
 
 from enum import Enum
+from typing import TypeVar
+
+E = TypeVar("E", bound=Enum)
 
 
 class IllegalTransition(RuntimeError):
@@ -64,7 +67,7 @@ TRANSITIONS: dict[Enum, frozenset[Enum]] = {
 }
 
 
-def advance(state: Enum, new: Enum, what: str) -> Enum:
+def advance(state: E, new: E, what: str) -> E:
     """``new``, if ``TRANSITIONS`` allows ``state`` -> ``new``; else ``IllegalTransition``
     naming ``what`` moved."""
     if new not in TRANSITIONS[state]:
