@@ -181,3 +181,13 @@ def test_merged_units_run_twice_or_recomputed(model_cls, options):
         train_optimizer_side_by_side, 3, {"stage": 3, **options}, **SGD, clip=0.5, model_cls=model_cls
     )
     check_parity(result, params=1e-5)
+
+
+def test_units_may_name_one_class():
+    """``Stage3(units=Block)`` picks the same units as ``units=[Block]`` (a single class was a
+    ``TypeError: 'type' object is not iterable``)."""
+    model = GPT(SIX)
+    one, listed = find_units(model, Block), find_units(model, [Block])
+    assert [u.names for u in one] == [u.names for u in listed] and len(one) == 1 + SIX.n_layers
+    sharded = flatshard.shard(GPT(SIX), stage=3, stage3=flatshard.Stage3(units=Block, unit_bytes=None))
+    assert len(sharded.flatshard_state.unsharder.units) == 1 + SIX.n_layers

@@ -47,7 +47,7 @@ from torch import nn
 
 from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_scatter, wait_until
 from flatshard.comm.world import ONE, World
-from flatshard.engine.buffer import FlatBuffer
+from flatshard.engine.buffer import FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import Reduction, advance
 from flatshard.layout import BucketLayout
 from flatshard.mixed_precision import split_scale
@@ -105,7 +105,7 @@ class BucketGroup:
         index: int,
         buffer: FlatBuffer,
         buckets: Sequence[BucketLayout],
-        params: Sequence[nn.Parameter],
+        params: Sequence[FlatParam],
         names: Sequence[str],
         world: World,
         scale: float,
@@ -170,7 +170,15 @@ class BucketGroup:
         self._pending.discard(id(param))
         return not self._pending
 
-    def pending_params(self) -> list[tuple[str, nn.Parameter]]:
+    @property
+    def live_grad(self) -> torch.Tensor:
+        """``grad`` while the group holds one (a full buffer's range, or scratch from ``begin``
+        until it is released)."""
+        if self.grad is None:
+            raise RuntimeError("a bucket group's grads were read before begin() took its scratch")
+        return self.grad
+
+    def pending_params(self) -> list[tuple[str, FlatParam]]:
         """Params that got no grad in this backward (unused in forward), in buffer order."""
         return [(n, p) for n, p in zip(self.names, self.params, strict=True) if id(p) in self._pending]
 
@@ -228,8 +236,8 @@ class BucketGroup:
     def _reduced_data(self) -> torch.Tensor:
         """What the collectives run on: ``grad``, or its copy in ``reduce_dtype``."""
         if self.reduce_dtype is None:
-            return self.grad
-        low = self.grad * self._post if self._post != 1.0 else self.grad
+            return self.live_grad
+        low = self.live_grad * self._post if self._post != 1.0 else self.live_grad
         self._low = low.to(self.reduce_dtype)
         return self._low
 
@@ -237,15 +245,17 @@ class BucketGroup:
         """Where this rank's reduced values sit, relative to the group's start."""
         if not self.sharded:
             return [(0, self.numel)]
-        return [tuple(self.buffer.shard_range(b).shift(self.start)) for b in self.buckets]
+        return [
+            (r.start, r.end) for r in (self.buffer.shard_range(b).shift(self.start) for b in self.buckets)
+        ]
 
     def _copy_back(self) -> None:
         if self._low is None:
             return
         for lo, hi in self._own_ranges():
-            self.grad[lo:hi].copy_(self._low[lo:hi])
+            self.live_grad[lo:hi].copy_(self._low[lo:hi])
             if self._post != 1.0:
-                self.grad[lo:hi].div_(self._post)
+                self.live_grad[lo:hi].div_(self._post)
         self._low = None
 
     def replicate_shards(self) -> None:
@@ -255,7 +265,7 @@ class BucketGroup:
             return
         for handle in self._handles:
             handle.wait()
-        data = self.grad if self._low is None else self._low
+        data = self.live_grad if self._low is None else self._low
         self._handles = [
             all_reduce(data[lo:hi], self.replicate, stats=self.stats) for lo, hi in self._own_ranges()
         ]
@@ -316,7 +326,7 @@ class BucketGroup:
             return
         for bucket in self.buckets:
             shard = self.buffer.shard_range(bucket)
-            reduced = self.grad[shard.start - self.start : shard.end - self.start]
+            reduced = self.live_grad[shard.start - self.start : shard.end - self.start]
             if self._shard_fresh:  # (its storage may have been freed by zero_grad)
                 self.buffer.allocate_grad_shard(bucket).copy_(reduced)
             else:

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, TypeAlias
 
 import torch
 from torch import nn
@@ -56,6 +57,10 @@ from torch import nn
 from flatshard.comm.world import ONE, World
 from flatshard.engine.placeholder import hide, show
 from flatshard.layout import BucketLayout, BufferLayout, Layout, Range
+
+FlatParam: TypeAlias = Any
+"""An ``nn.Parameter`` bound to a flat buffer. flatshard sets ``main_grad`` on it (a view of
+the buffer's grads), an attribute torch's stubs do not know, so it is typed as Any."""
 
 
 class FlatBuffer:
@@ -109,7 +114,7 @@ class FlatBuffer:
                 for b in layout.buckets
             ]
 
-    def bind(self, params: Sequence[nn.Parameter]) -> None:
+    def bind(self, params: Sequence[FlatParam]) -> None:
         """Move each param's values into the buffer and rebind it as a view.
 
         ``params[slot.index]`` is the param of every slot (the order given to plan_layout).
@@ -125,6 +130,7 @@ class FlatBuffer:
                 if self.param_shard_data is not None:
                     self._bind_sharded(slot, param)
                     continue
+                assert self.param_data is not None  # (stages 0-2: the whole buffer)
                 view = self.param_data[slot.start : slot.end].view(param.shape)
                 view.copy_(param.data)
                 param.data = view
@@ -138,7 +144,7 @@ class FlatBuffer:
         for full in self._full:  # (stage 3) a full bucket holds memory only while its unit is gathered
             _release(full)
 
-    def _bind_sharded(self, slot, param: nn.Parameter) -> None:
+    def _bind_sharded(self, slot, param: FlatParam) -> None:
         """Stage 3: keep this rank's pieces of ``param`` in the shard frame; ``.data`` becomes
         the placeholder (a meta param keeps no values: it is initialized unit by unit)."""
         bucket = self.layout.buckets[slot.bucket]
@@ -163,6 +169,7 @@ class FlatBuffer:
         frame = self.frame_range(bucket)
         flat = values.detach().reshape(-1)
         target = self.main_frame if self.shard_dropped else self.param_shard_data
+        assert target is not None  # (a sharded buffer holds its shard, or its main params do)
         for piece in bucket.local_ranges(self.rank):
             if piece.name == slot.name:
                 lo, hi = piece.in_shard
@@ -192,7 +199,7 @@ class FlatBuffer:
 
     def materialize_shard(self) -> None:
         """Give the buffer a 16-bit shard again: the main params rounded."""
-        if self.shard_dropped:
+        if self.shard_dropped and self.main_frame is not None:
             self.param_shard_data = self.main_frame.to(self.layout.dtype)
 
     def release_shard(self) -> bool:
@@ -282,7 +289,7 @@ class FlatBuffer:
         """This rank's shard of ``bucket``'s params (a view of ``param_data``, or at stage 3
         of ``param_shard_data``)."""
         if self.param_data is None:
-            if self.shard_dropped:
+            if self.param_shard_data is None:  # (dropped: the main params hold it)
                 raise RuntimeError(
                     "the main params hold this stage-3 shard: read or write it inside "
                     "ShardState.param_dtype_shards() ([Note: main-backed shards])"
@@ -345,7 +352,7 @@ class BufferSet:
     world: World  # the shard world: buckets are reduce-scattered and params gathered over it
     layout: Layout
     buffers: list[FlatBuffer]
-    params: list[nn.Parameter]  # in layout-spec order (slot.index)
+    params: list[FlatParam]  # in layout-spec order (slot.index)
     names: list[str]
     scale: float  # multiplier applied to grads before the sum over ``world`` (and ``replicate``)
     replicate: World = ONE  # hybrid sharding: shards are all-reduced over this world too

@@ -48,8 +48,9 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, all_reduce
 from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.bucket_group import BucketGroup, ScratchPool
-from flatshard.engine.buffer import BufferSet
+from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import Backward, Grads, advance
+from flatshard.layout import BucketLayout
 
 
 class WeakHook:
@@ -98,6 +99,7 @@ def build_bucket_groups(
     reduce_dtype: torch.dtype | None = None,
 ) -> list[BucketGroup]:
     """Bucket groups of every buffer, in launch order (see [Note: grad sync])."""
+    found: list[tuple[int, int, BufferSet, FlatBuffer, tuple[BucketLayout, ...], list[FlatParam], list[str]]]
     found = []
     for bset in sets:
         for buffer in bset.buffers:
@@ -155,7 +157,7 @@ class GradSync:
                 if exposed:
                     self._exposed.add(id(p))
         self._written: set[int] = set()  # hidden params whose main_grad holds a sum
-        self._fired: list[nn.Parameter] = []  # exposed params whose grad returns after sync
+        self._fired: list[FlatParam] = []  # exposed params whose grad returns after sync
         self._pool = self.groups[0].pool if self.groups else ScratchPool(0)
         self._next = 0  # first group not yet launched in this backward
         self._done = 0  # groups before this one have finished their reduction
@@ -204,7 +206,7 @@ class GradSync:
         if self.gathers is not None:  # (one hook per param serves both: they cost per call)
             self.gathers.grad_ready(param)
 
-    def _accumulate(self, param: nn.Parameter) -> None:
+    def _accumulate(self, param: FlatParam) -> None:
         """Add the new grad into ``main_grad`` unscaled (a backward that does not sync)."""
         key = id(param)
         grad, main_grad = param.grad, param.main_grad
@@ -216,7 +218,7 @@ class GradSync:
             main_grad.add_(grad)
         param.grad = main_grad if key in self._exposed else None
 
-    def _accumulate_scaled(self, param: nn.Parameter, group: BucketGroup) -> None:
+    def _accumulate_scaled(self, param: FlatParam, group: BucketGroup) -> None:
         """Fold the new grad into ``main_grad`` and apply the group's scale in the same pass.
 
         From a param's first grad in a syncing backward until the sync finishes,
@@ -240,7 +242,7 @@ class GradSync:
                 self._fired.append(param)
         param.grad = None
 
-    def _accumulate_prescaled(self, param: nn.Parameter, group: BucketGroup) -> None:
+    def _accumulate_prescaled(self, param: FlatParam, group: BucketGroup) -> None:
         """``main_grad += scale * grad`` (stages 1 and 2, synced or not): what a shard holds is
         then always a scaled sum, ready to be reduced as it is."""
         grad, main_grad = param.grad, param.main_grad
@@ -335,7 +337,7 @@ class GradSync:
     def _finish_sync(self) -> None:
         if self.gathers is not None:
             self.gathers.issue_backward()  # before waiting on any reduction
-        locally_unused: list[nn.Parameter] = []
+        locally_unused: list[FlatParam] = []
         for group in self.groups[self._next :]:
             group.begin()
             for _, param in group.pending_params():
@@ -361,7 +363,7 @@ class GradSync:
             if id(param) not in globally_unused:
                 param.grad = param.main_grad
 
-    def _holds_grad(self, param: nn.Parameter) -> bool:
+    def _holds_grad(self, param: FlatParam) -> bool:
         """Whether ``main_grad`` holds a real sum; adopts a grad the user assigned directly."""
         key = id(param)
         if key not in self._exposed:
@@ -416,7 +418,7 @@ class GradSync:
         else:
             for bset in self.sets:
                 for buffer in bset.buffers:
-                    if buffer.full_grads:
+                    if buffer.full_grads and buffer.grad_data is not None:
                         buffer.grad_data.zero_()
             for bset in self.sets:
                 for p in bset.params:

@@ -101,7 +101,7 @@ def _waiters(module: nn.Module) -> dict[int, nn.Module]:
     units = find_units(module)
     waiter = {id(m): m for m in module.modules()}
     for unit in units[1:]:  # pre-order: an outer block comes first and keeps its modules
-        if units[unit.parent].parent is None:  # (directly inside the root unit)
+        if unit.parent is not None and units[unit.parent].parent is None:  # (directly inside the root)
             (block,) = unit.modules  # (find_units: one module per unit)
             for m in block.modules():
                 waiter[id(m)] = block

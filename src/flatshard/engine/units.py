@@ -91,7 +91,7 @@ def _matcher(root: nn.Module, units: UnitSpec) -> Callable[[str, nn.Module], boo
         return lambda name, m: id(m) in children
     if callable(units) and not isinstance(units, type):
         return lambda name, m: bool(units(name, m))
-    classes = tuple(units)
+    classes = (units,) if isinstance(units, type) else tuple(units)  # (one class, or several)
     for cls in classes:
         if not (isinstance(cls, type) and issubclass(cls, nn.Module)):
             raise TypeError(
