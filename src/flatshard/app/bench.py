@@ -119,8 +119,9 @@ def _peer_session(
     dist.barrier()
     rss = _rss()
     sent = None
-    if start_sent is not None and barrier_bytes is not None:
-        sent = (_bytes_written() - start_sent - (steps + 1) * barrier_bytes) / steps
+    end_sent = _bytes_written()
+    if start_sent is not None and end_sent is not None and barrier_bytes is not None:
+        sent = (end_sent - start_sent - (steps + 1) * barrier_bytes) / steps
     final = torch.tensor([loss], dtype=torch.float64)
     dist.all_reduce(final)
     return {
@@ -174,9 +175,9 @@ def run_bench(
             progress(f" {_step_median(per_rank) * 1e3:.1f} ms/step, loss {per_rank[0]['final_loss']:.4f}")
     results = {name: _summarize(runs) for name, runs in sessions.items()}
     ddp = results.get("ddp", {}).get("median_step_s")
-    for name, r in results.items():
-        r["ratio_to_ddp"] = r["median_step_s"] / ddp if ddp else None
-        r["ratio_to_ddp_by_round"] = (
+    for name, row in results.items():
+        row["ratio_to_ddp"] = row["median_step_s"] / ddp if ddp else None
+        row["ratio_to_ddp_by_round"] = (
             [_step_median(a) / _step_median(b) for a, b in zip(sessions[name], sessions["ddp"], strict=True)]
             if ddp
             else None

@@ -10,6 +10,7 @@ import shutil
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from flatshard.data import ByteCorpus, SyntheticCorpus
 from flatshard.malloc import retain_freed_cpu_memory
 from flatshard.memory import memory_report
 from flatshard.models import lm_loss, model_dims, model_factory
+from flatshard.stage import DEFAULT_BUCKET_SIZE
 
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints kept under --checkpoint-dir
 
@@ -36,7 +38,7 @@ class TrainConfig:
     lr: float = 3e-3
     warmup: int = 20
     clip: float = 1.0
-    bucket_size: int | None = flatshard.wrap.shard.DEFAULT_BUCKET_SIZE
+    bucket_size: int | None = DEFAULT_BUCKET_SIZE
     seed: int = 0
     device: str = "auto"
     offload_fraction: float = 0.0  # share of this rank's optimizer updates run on the host
@@ -101,6 +103,7 @@ def build(cfg: TrainConfig, device: torch.device):
     seq_len = cfg.seq_len or model_seq_len
     if seq_len is None:
         raise ValueError(f"--model {cfg.model} has no cfg.seq_len: pass --seq-len")
+    corpus: ByteCorpus | SyntheticCorpus
     if cfg.data is not None:
         corpus = ByteCorpus(cfg.data, seq_len, seed=1234)
         if vocab is not None and vocab < ByteCorpus.vocab_size:
@@ -111,7 +114,7 @@ def build(cfg: TrainConfig, device: torch.device):
         raise ValueError(f"--model {cfg.model} has no cfg.vocab_size for the built-in corpus: pass --data")
     else:
         corpus = SyntheticCorpus(vocab, seq_len, seed=1234)
-    kwargs = {}
+    kwargs: dict[str, Any] = {}
     if cfg.dtype != "fp32":
         kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
     model = flatshard.shard(
@@ -221,7 +224,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         }
         metrics.add(record)
         progress.update(step + 1, record["loss"])
-        if _checkpoint_due(cfg, step + 1):
+        if cfg.checkpoint_dir is not None and _checkpoint_due(cfg, step + 1):
             _save(cfg.checkpoint_dir, step + 1, model, optimizer, schedule, rank)
     tokens_per_s = (cfg.steps - first_step) * tokens / (time.perf_counter() - start)
     model.wait_for_params()  # the last step's gathers, before the process group goes away

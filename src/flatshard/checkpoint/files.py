@@ -37,7 +37,7 @@ import struct
 import zipfile
 import zlib
 from collections.abc import Callable, Iterator, Mapping
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -203,7 +203,7 @@ def _write_safetensors(path: str, entries: list[Entry], read: Reader) -> None:
 def _write_pt(path: str, entries: list[Entry], read: Reader) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    first = {}  # source -> its first entry: torch numbers storages in the order it meets them
+    first: dict[Any, Any] = {}  # source -> its first entry: torch numbers storages in the order it meets them
     for entry in entries:
         first.setdefault(entry.source, entry)
     distinct = list(first.values())

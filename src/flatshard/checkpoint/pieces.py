@@ -138,6 +138,7 @@ class PieceLoadPlanner(DefaultLoadPlanner):
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()
         items: list[ReadItem] = []
+        assert self.metadata is not None  # (set_up_planner ran: DCP's load sets it first)
         saved = self.metadata.state_dict_metadata
         for fqn, piece in self.pieces.items():
             if piece.numel == 0:

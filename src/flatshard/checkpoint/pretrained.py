@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -142,7 +143,7 @@ def save_pretrained(
             raise CheckpointError(f"save_pretrained to {directory} failed on rank 0: {first.decode()}")
 
 
-def _write(model: nn.Module, directory: str, state: dict, *, merged: bool, peft: bool, dtype) -> None:
+def _write(model: Any, directory: str, state: dict, *, merged: bool, peft: bool, dtype) -> None:
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise FileExistsError(f"{directory} exists and is not empty: save_pretrained writes a new directory")
     if peft and merged:
@@ -171,12 +172,12 @@ def merged_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> di
     return {_base_name(k): v for k, v in out.items() if ".lora_" not in k}
 
 
-def _active(layer: nn.Module) -> list[str]:
+def _active(layer: Any) -> list[str]:  # (a peft LoRA layer)
     active = getattr(layer, "active_adapters", None) or getattr(layer, "active_adapter", [])
     return [active] if isinstance(active, str) else [a for a in active if a in layer.lora_A]
 
 
-def _check_mergeable(prefix: str, layer: nn.Module, adapter: str) -> None:
+def _check_mergeable(prefix: str, layer: Any, adapter: str) -> None:
     base = getattr(layer, "base_layer", None)
     dora = bool(getattr(layer, "use_dora", {}).get(adapter, False))
     if dora or not isinstance(base, nn.Linear) or not isinstance(layer.lora_A[adapter], nn.Linear):

@@ -291,7 +291,7 @@ def _apply_groups(groups: list[dict], saved: list[dict], names: list[list[str]],
 def _owned(opt: torch.optim.Optimizer, param: torch.Tensor) -> bool:
     owner_of = getattr(opt, "owner_of", None)
     world = getattr(opt, "world", None)
-    return owner_of is None or owner_of(param) == world.rank
+    return owner_of is None or (world is not None and owner_of(param) == world.rank)
 
 
 def param_optimizer_to_save(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
@@ -300,7 +300,7 @@ def param_optimizer_to_save(opt: torch.optim.Optimizer, model: nn.Module) -> dic
     names = param_names(model)
     out: dict[str, Any] = {}
     groups = []
-    masters = getattr(opt, "masters", dict)()
+    masters: dict[Any, Any] = getattr(opt, "masters", dict)()
     for group in opt.param_groups:
         members = []
         for p in group["params"]:
@@ -335,7 +335,7 @@ def param_optimizer_to_load(
     state: dict[int, dict[str, torch.Tensor]] = {}
     masters: dict[int, torch.Tensor] = {}
     index = 0
-    member_names = []
+    member_names: list[list[str]] = []
     for group in opt.param_groups:
         member_names.append([])
         for p in group["params"]:

@@ -13,11 +13,12 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Mapping
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint import state as cs
@@ -61,7 +62,10 @@ def export_checkpoint(
         key = cs.MAIN + name if weights == "main" and cs.MAIN + name in saved else cs.MODEL + name
         if key not in saved:
             raise ValueError(f"checkpoint {path} is corrupted: it has no data for {name!r}")
-        stored = saved[key].properties.dtype
+        stored_meta = saved[key]
+        if not isinstance(stored_meta, TensorStorageMetadata):
+            raise ValueError(f"checkpoint {path} is corrupted: its data for {name!r} is not a tensor")
+        stored = stored_meta.properties.dtype
         cast = dtype if dtype is not None and stored.is_floating_point else stored
         entries[name] = Entry(name, tuple(shape), cast, key)
     for alias, name in manifest.get("aliases", {}).items():
@@ -148,7 +152,7 @@ def load_source(
             _copy(src, {key: piece for key, piece, _ in cs.main_pieces(optimizer)}, cs.MAIN)
             optimizer.main_params_changed()
         elif optimizer is not None and hasattr(optimizer, "masters"):
-            optimizer.reload_model_params()
+            cast(Any, optimizer).reload_model_params()  # (a HybridDeviceOptimizer: host masters)
             names = cs.param_names(model)
             masters = optimizer.masters().items()
             _copy(src, {cs.MAIN + names[id(p)]: Piece(p.numel(), 0, m.view(-1)) for p, m in masters}, cs.MAIN)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
@@ -142,7 +142,8 @@ class GradSync:
         self.grads = Grads.EMPTY  # since the last zero_grad ([Note: lifecycles])
         self.backward = Backward.IDLE
         self.generation = 0  # counts backwards that changed grads
-        self.on_synced = None  # called after each synced backward (the optimizer's check)
+        # called after each synced backward (the optimizer's check)
+        self.on_synced: Callable[[], None] | None = None
         self.counts_steps = True  # a synced backward ends a step: no flatshard optimizer counts them
         self.gathers: BackwardGathers | None = None  # stage 3: the param gathers of backward
         self._group_of: dict[int, BucketGroup] = {}

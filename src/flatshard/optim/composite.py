@@ -136,7 +136,10 @@ class CompositeOptimizer(torch.optim.Optimizer):
         by_group: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         for g, param, stand_in in pairs:
             by_group.setdefault(g, []).append((param, stand_in))
-        groups, params, stand_ins, sub_groups = [], [], [], []
+        groups: list[dict[str, Any]] = []
+        params: list[torch.Tensor] = []
+        stand_ins: list[torch.Tensor] = []
+        sub_groups: list[Any] = []
         for g in sorted(by_group):
             members = by_group[g]
             groups.append({**self._sub_hyper(g, kind), "params": [s for _, s in members]})

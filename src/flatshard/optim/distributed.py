@@ -99,6 +99,8 @@ class BufferShards:
 
     def main_pieces(self) -> Iterator[tuple[ShardRanges, torch.Tensor]]:
         """Each param piece of this rank's shards with its view of the main params."""
+        if self.main_data is None:
+            return
         for bucket in self.buckets:
             frame = self.buffer.frame_range(bucket)
             for piece in bucket.local_ranges(self.buffer.rank):
@@ -464,9 +466,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
 
     def main_params(self) -> list[torch.Tensor]:
         """The tensors the inner optimizer updates (fp32 main params, or param views)."""
-        return [
+        held = (
             s.main_data if s.main_data is not None else s.buffer.param_storage() for s in self._buffer_shards
-        ]
+        )
+        return [t for t in held if t is not None]  # (a buffer without main params holds its params)
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

@@ -24,7 +24,7 @@ from flatshard.optim.composite import CompositeOptimizer, class_defaults, run_cl
 def accepted(optimizer_class: type, defaults: dict[str, Any]) -> dict[str, Any]:
     """The keys of ``defaults`` that ``optimizer_class``'s constructor takes (all of them if
     it takes ``**kwargs``)."""
-    parameters = inspect.signature(optimizer_class.__init__).parameters.values()
+    parameters = inspect.signature(optimizer_class).parameters.values()
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters):
         return dict(defaults)
     names = {p.name for p in parameters}

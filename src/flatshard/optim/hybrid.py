@@ -182,7 +182,7 @@ class HybridDeviceOptimizer(CompositeOptimizer):
             if c.downloaded is not None:
                 c.downloaded.synchronize()
                 c.downloaded = None
-            if c.half:
+            if c.half and c.master.grad is not None:  # (a 16-bit param's master has its fp32 grad)
                 c.master.grad.copy_(c.grad)
             if c.uploaded is not None and not c.half:
                 c.uploaded.synchronize()  # the master is about to change under the last upload

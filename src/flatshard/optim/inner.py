@@ -86,7 +86,7 @@ def check_optimizer_class(
         check_grouped(groups, classes, defaults)
 
 
-def _check_class(cls: object) -> None:
+def _check_class(cls: Any) -> None:
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise TypeError(f"optimizer_class must be a torch.optim.Optimizer subclass, got {cls!r}")
     for name, reason in UNSUPPORTED.items():
@@ -95,7 +95,7 @@ def _check_class(cls: object) -> None:
             raise ValueError(f"{cls.__name__} cannot step a rank's shards: it {reason}")
 
 
-def _check_hybrid_class(cls: object, elementwise: bool) -> None:
+def _check_hybrid_class(cls: Any, elementwise: bool) -> None:
     """The host and device classes of a ``HybridDeviceOptimizer`` step flat runs only."""
     _check_class(cls)
     if cls not in ELEMENTWISE and not elementwise:
@@ -131,7 +131,9 @@ def param_groups(
         raise ValueError("params is an empty list")
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
-    hypers, group_of, classes = [], {}, []
+    hypers: list[dict[Any, Any]] = []
+    group_of: dict[str, int] = {}
+    classes: list[type] = []
     for index, group in enumerate(groups):
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(

@@ -206,7 +206,8 @@ class OwnerShardedOptimizer(CompositeOptimizer):
         self.push_hyperparameters()
         if not self.overlap:
             for bucket in self._buckets[self.world.rank]:
-                bucket.sub.step()
+                if bucket.sub is not None:  # (set on its owner: this rank)
+                    bucket.sub.step()
         pending = []
         for bucket in self._order:
             if self.overlap and bucket.sub is not None:
@@ -236,12 +237,12 @@ class OwnerShardedOptimizer(CompositeOptimizer):
             raise ValueError(f"to must be a rank in [0, {self.world.size}), got {to!r}")
         mine = super().state_dict()
         local = {i: _to_cpu(entry) for i, entry in mine["state"].items()}
-        parts: list[Any] = [local]
+        parts: list[Any] | None = [local]
         if self.world.group is not None:
             parts = [None] * self.world.size if self.world.rank == to else None
             dst = dist.get_global_rank(self.world.group, to)
             dist.gather_object(local, parts, dst=dst, group=self.world.group)
-        if self.world.rank != to:
+        if self.world.rank != to or parts is None:
             return None
         state = {i: entry for part in parts for i, entry in part.items()}
         return {"state": dict(sorted(state.items())), "param_groups": mine["param_groups"]}

@@ -31,8 +31,11 @@ from flatshard.stage3.unshard import Part, Unsharder
 class Stage3State(Protocol):
     """What these functions read of a wrapped stage-3 module's state (``ShardState``)."""
 
-    unsharder: Unsharder
-    sets: Mapping[str, BufferSet]
+    @property
+    def unsharder(self) -> Unsharder | None: ...  # (set at stage 3, where these functions run)
+
+    @property
+    def sets(self) -> Mapping[str, BufferSet]: ...
 
     def param_dtype_shards(self) -> AbstractContextManager[None]: ...
 
@@ -50,7 +53,7 @@ def summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads:
 
 @contextmanager
 def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
-    unsharder = state.unsharder
+    unsharder = _unsharder(state)
     if writeback and rank0_only:
         raise ValueError(
             "summon_full_params: writeback=True with rank0_only=True would lose other ranks' writes"
@@ -116,11 +119,13 @@ def _gather_grads(parts: list[Part]) -> None:
 
 
 def full_state_dict(
-    state: Stage3State, plain_state_dict: Callable[..., dict[str, Any]], skip: set[int] = frozenset()
-) -> dict[str, torch.Tensor]:
+    state: Stage3State,
+    plain_state_dict: Callable[..., dict[str, Any]],
+    skip: frozenset[int] | set[int] = frozenset(),
+) -> dict[str, Any]:
     """Rank 0: every entry of the module's state dict on the CPU, the params whose ids are in
     ``skip`` (taken from elsewhere) as they are; other ranks: ``{}``."""
-    unsharder = state.unsharder
+    unsharder = _unsharder(state)
     unsharder.settle()
     entries = plain_state_dict(keep_vars=True)
     unit_of = {
@@ -130,7 +135,7 @@ def full_state_dict(
         for slot in part.bucket.params
     }
     rank0 = _rank([p for ps in unsharder.parts for p in ps]) == 0 and replicate_rank(state) == 0
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, Any] = {}  # (None where ``skip`` leaves it to the caller)
     for u in range(len(unsharder.units)):
         keys = [k for k, t in entries.items() if unit_of.get(id(t)) == u and id(t) not in skip]
         if not keys:
@@ -151,6 +156,12 @@ def full_state_dict(
     return {k: out[k] for k in entries}
 
 
+def _unsharder(state: Stage3State) -> Unsharder:
+    if state.unsharder is None:
+        raise RuntimeError("full params are gathered by unit at stage 3 only")
+    return state.unsharder
+
+
 def replicate_rank(state: Stage3State) -> int:
     return min((bset.replicate.rank for bset in state.sets.values()), default=0)
 
@@ -164,7 +175,7 @@ def load_full_state_dict(
 ) -> tuple[list[str], list[str]]:
     """Copy this rank's pieces of each sharded param from ``state_dict``; the rest (frozen
     params, buffers) loads as usual. Returns torch's (missing_keys, unexpected_keys)."""
-    state.unsharder.settle()
+    _unsharder(state).settle()
     slots = {}
     for bset in state.param_sets():
         for buffer in bset.buffers:

@@ -68,7 +68,7 @@ def check_arguments(module, grad_scale) -> None:
     if grad_scale is not None and (
         isinstance(grad_scale, bool)
         or not isinstance(grad_scale, numbers.Real)
-        or not (math.isfinite(grad_scale) and grad_scale > 0)
+        or not (math.isfinite(grad_scale) and float(grad_scale) > 0)
     ):
         raise ValueError(f"grad_scale must be a positive finite number or None, got {grad_scale!r}")
     _check_not_wrapped(module)

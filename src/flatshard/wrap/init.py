@@ -22,6 +22,7 @@ hold (adapters, non-persistent buffers) keeps this initialization.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,7 +34,7 @@ def default_init(root: nn.Module) -> Callable[[nn.Module], None]:
     hf = next((m for m in root.modules() if callable(getattr(m, "_init_weights", None))), None)
 
     def init(module: nn.Module) -> None:
-        reset = getattr(module, "reset_parameters", None)
+        reset: Any = getattr(module, "reset_parameters", None)
         if id(module) in lora_b:
             with torch.no_grad():
                 for p in module.parameters(recurse=False):
@@ -48,7 +49,8 @@ def default_init(root: nn.Module) -> Callable[[nn.Module], None]:
         else:
             if callable(reset):
                 reset()
-            hf._init_weights(module)
+            hf_init: Any = hf._init_weights  # (transformers' per-module initializer)
+            hf_init(module)
 
     return init
 

@@ -269,5 +269,5 @@ def make_sharded(module: nn.Module, state: ShardState) -> ShardedModule:
         new_cls = type(cls.__name__, (*mixins, cls), names)
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls
-    module._flatshard = state
+    setattr(module, "_flatshard", state)  # noqa: B010 (nn.Module.__setattr__'s stub types values as tensors or modules)
     return module  # type: ignore[return-value]

@@ -194,7 +194,9 @@ def shard(
     if meta:
         worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
         init_fn = s3.param_init_fn or default_init(module)  # ([Note: default init] in wrap/init.py)
-        initialize_units(module, sharded.flatshard_state.unsharder, init_fn, device, worlds)
+        unsharder = sharded.flatshard_state.unsharder
+        assert unsharder is not None  # (a meta model is sharded at stage 3 only)
+        initialize_units(module, unsharder, init_fn, device, worlds)
     _add_forward_pre_hooks(sharded, mp, (world, replicate) if broadcast_buffers else None)
     return sharded
 
@@ -322,7 +324,7 @@ def _buffer_broadcast_hook(worlds: tuple[World, World]):
     not under ``no_sync``: when DDP syncs them), within each shard row, then across rows,
     coalesced. The buffers are looked up each time, so one a module replaces is broadcast too."""
 
-    def hook(module: nn.Module, args: tuple) -> None:
+    def hook(module: ShardedModule, args: tuple) -> None:
         if not (torch.is_grad_enabled() and module.flatshard_state.grad_sync.sync_enabled):
             return  # (an eval forward, generate(), a no_sync micro-batch: as DDP, no broadcast)
         buffers = list(module.buffers())
@@ -493,7 +495,7 @@ def _broadcast_states(
         pairs = [(b.param_data, s.world) for s in sets for b in s.buffers]
     pairs += [(p.data, world) for p in module.parameters() if id(p) not in in_buffers]
     pairs += [(t, world) for t in module.buffers()]
-    handles = [broadcast(t, w) for t, w in pairs]
+    handles = [broadcast(t, w) for t, w in pairs if t is not None]  # (stages 0-2: every buffer has its data)
     for h in handles:
         h.wait()
 

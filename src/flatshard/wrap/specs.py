@@ -39,16 +39,15 @@ def whole_param_names(module: nn.Module, whole_params: WholeParams) -> frozenset
     named = list(module.named_parameters())
     if callable(whole_params):
         return frozenset(n for n, p in named if whole_params(n, p))
-    if isinstance(whole_params, torch.Tensor):
-        whole_params = [whole_params]
-    if isinstance(whole_params, (str, bytes)) or not isinstance(whole_params, Iterable):
+    if isinstance(whole_params, (str, bytes)) or not isinstance(whole_params, (Iterable, torch.Tensor)):
         raise TypeError(
             f"whole_params must be params of the model or a predicate (name, param) -> bool, "
             f"got {type(whole_params).__name__}"
         )
     name_of = {id(p): n for n, p in named}
     names = []
-    for i, p in enumerate(whole_params):
+    given = [whole_params] if isinstance(whole_params, torch.Tensor) else list(whole_params)
+    for i, p in enumerate(given):
         if id(p) not in name_of:
             what = f"a tensor of shape {tuple(p.shape)}" if isinstance(p, torch.Tensor) else repr(p)[:60]
             raise ValueError(f"whole_params[{i}] is {what}, not a param of {type(module).__name__}")

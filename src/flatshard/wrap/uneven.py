@@ -12,7 +12,7 @@ trained on, as with a ``DistributedSampler(drop_last=True)``.
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TypeVar
+from typing import TypeVar, cast
 
 import torch
 from torch import nn
@@ -44,7 +44,7 @@ def even_batches(batches: Iterable[T], model: nn.Module | None = None) -> Iterat
         all_reduce(has, world, op="min").wait()
         if not int(has):
             return
-        yield batch
+        yield cast(T, batch)
 
 
 _END = object()
