@@ -23,15 +23,21 @@ def bucket_options(buckets: Buckets | None, keywords: dict) -> Buckets:
         raise TypeError(f"buckets must be a flatshard.Buckets, got {type(buckets).__name__}")
     if not given:
         return buckets or Buckets()
-    if buckets is not None:
-        raise TypeError(f"give the bucket options in buckets= only, not also as {sorted(given)}")
-    new = ", ".join(f"{BUCKET_KEYWORDS[k]}=..." for k in given)
-    warnings.warn(
-        f"shard({', '.join(f'{k}=...' for k in given)}) is deprecated: pass buckets=flatshard.Buckets({new})",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+    _deprecated(given, buckets, "bucket", "buckets", "Buckets", BUCKET_KEYWORDS)
     return Buckets(**{BUCKET_KEYWORDS[k]: v for k, v in given.items()})
+
+
+def _deprecated(given: dict, policy: object, what: str, keyword: str, cls: str, renamed: dict) -> None:
+    """Former keywords of ``shard()`` (``given``): refused beside the ``keyword=`` policy
+    object, else a ``DeprecationWarning`` (pointing at the caller of ``shard``) naming the new
+    spelling, fields renamed by ``renamed``."""
+    if policy is not None:
+        raise TypeError(f"give the {what} options in {keyword}= only, not also as {sorted(given)}")
+    old = ", ".join(f"{k}=..." for k in given)
+    new = ", ".join(f"{renamed.get(k, k)}=..." for k in given)
+    warnings.warn(
+        f"shard({old}) is deprecated: pass {keyword}=flatshard.{cls}({new})", DeprecationWarning, stacklevel=4
+    )
 
 
 def stage3_options(stage: int, stage3: Stage3 | None, keywords: dict) -> Stage3 | None:
@@ -43,14 +49,7 @@ def stage3_options(stage: int, stage3: Stage3 | None, keywords: dict) -> Stage3 
         raise TypeError(f"shard() got an unexpected keyword argument {unknown[0]!r}")
     if not keywords:
         return stage3
-    if stage3 is not None:
-        raise TypeError(f"give the stage-3 options in stage3= only, not also as {sorted(keywords)}")
-    spelled = ", ".join(f"{k}=..." for k in keywords)
-    warnings.warn(
-        f"shard({spelled}) is deprecated: pass stage3=flatshard.Stage3({spelled})",
-        DeprecationWarning,
-        stacklevel=3,
-    )
+    _deprecated(keywords, stage3, "stage-3", "stage3", "Stage3", {})
     if StagePolicy(stage).gathers_units:
         return Stage3(**keywords)
     defaults = Stage3.__dataclass_fields__
