@@ -14,6 +14,8 @@ import torch.distributed as dist
 
 import flatshard
 from _parity import CFG
+from flatshard.comm.collectives import choose_impl
+from flatshard.comm.world import resolve_world
 from flatshard.data import SyntheticCorpus
 from flatshard.models import GPT
 from flatshard.testing import run_distributed
@@ -76,9 +78,6 @@ def _skip_a_backward(stage: int, native: bool) -> dict:
         os.environ["FLATSHARD_REDUCE_SCATTER"] = "reduce_scatter_tensor"
         os.environ["FLATSHARD_ALL_GATHER"] = "all_gather_into_tensor"
     result = _out_of_step(stage, "skip_backward", "")
-    from flatshard.comm.collectives import choose_impl
-    from flatshard.comm.world import resolve_world
-
     world = resolve_world(None)
     result["impls"] = [
         choose_impl(world, op, 4096, torch.device("cpu")) for op in ("reduce_scatter", "all_gather")

@@ -224,8 +224,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
         }
         metrics.add(record)
         progress.update(step + 1, record["loss"])
-        if cfg.checkpoint_dir is not None and _checkpoint_due(cfg, step + 1):
-            _save(cfg.checkpoint_dir, step + 1, model, optimizer, schedule, rank)
+        directory = _checkpoint_due(cfg, step + 1)
+        if directory is not None:
+            _save(directory, step + 1, model, optimizer, schedule, rank)
     tokens_per_s = (cfg.steps - first_step) * tokens / (time.perf_counter() - start)
     model.wait_for_params()  # the last step's gathers, before the process group goes away
     progress.close()
@@ -233,10 +234,12 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     return _finish(cfg, model, optimizer, corpus, metrics.records, first_step, tokens_per_s, rank, world)
 
 
-def _checkpoint_due(cfg: TrainConfig, done: int) -> bool:
+def _checkpoint_due(cfg: TrainConfig, done: int) -> str | None:
+    """The checkpoint directory if a checkpoint is due after ``done`` steps, else None."""
     if cfg.checkpoint_dir is None:
-        return False
-    return done == cfg.steps or (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0)
+        return None
+    due = done == cfg.steps or (cfg.checkpoint_every > 0 and done % cfg.checkpoint_every == 0)
+    return cfg.checkpoint_dir if due else None
 
 
 def _save(directory: str, done: int, model, optimizer, schedule, rank: int) -> None:

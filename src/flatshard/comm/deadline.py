@@ -129,9 +129,14 @@ class Position:
         """What the other ranks read: ``step`` is the step in progress (steps done + 1); the
         op is the one waited on (``waiting_since`` set), else the last one issued."""
         step = self.steps + 1
-        out: dict[str, object] = {"step": step, "phase": self.phase.value, "op": self.op, "op_step": step}
-        out["seq"] = self.seq
-        out["waiting_since"] = None
+        out: dict[str, object] = {
+            "step": step,
+            "phase": self.phase.value,
+            "op": self.op,
+            "op_step": step,
+            "seq": self.seq,
+            "waiting_since": None,
+        }
         if self.waiting is not None:
             w = self.waiting
             out.update(op=w.op, op_step=w.step, seq=w.seq, waiting_since=self.waiting_since)

@@ -54,13 +54,17 @@ class World:
         return "none" if self.group is None else str(dist.get_backend(self.group))
 
     def backend_for(self, device: torch.device) -> str:
-        """The backend that carries ``device`` tensors on this world: a group made with
-        ``"cpu:gloo,cuda:nccl"`` names one per device type; ``"gloo"`` alone carries both."""
-        name = self.backend
-        if ":" not in name:
-            return name
-        pairs = dict(part.split(":", 1) for part in name.split(","))
-        return pairs.get(device.type, name)
+        """The name of the backend that carries ``device`` tensors on this world (``"gloo"``,
+        ``"nccl"``, ...): a group made with ``"cpu:gloo,cuda:nccl"`` has one per device type,
+        and gloo alone carries both. ``"none"`` in a world of one, or where no backend takes
+        that device type."""
+        if self.group is None:
+            return "none"
+        try:
+            backend = self.group._get_backend(device)
+        except RuntimeError:  # no backend for that device type
+            return "none"
+        return type(backend).__name__.removeprefix("ProcessGroup").lower()
 
     @property
     def control_device(self) -> torch.device:
@@ -81,11 +85,8 @@ class World:
         ``wait()`` only orders streams."""
         if self.group is None:
             return True
-        try:
-            backend = self.group._get_backend(device)
-        except RuntimeError:  # no backend for that device type
-            return device.type == "cpu"
-        return any(name in type(backend).__name__ for name in ("Gloo", "MPI"))
+        name = self.backend_for(device)
+        return name in ("gloo", "mpi") or (name == "none" and device.type == "cpu")
 
     def __str__(self) -> str:
         return f"world(rank {self.rank} of {self.size}, {self.backend})"

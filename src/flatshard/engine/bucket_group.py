@@ -49,7 +49,7 @@ from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_sca
 from flatshard.comm.world import ONE, World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import Reduction, advance
-from flatshard.layout import BucketLayout
+from flatshard.layout import BucketLayout, Range
 from flatshard.mixed_precision import split_scale
 
 FIRST_PAUSE = 2e-5
@@ -235,27 +235,27 @@ class BucketGroup:
 
     def _reduced_data(self) -> torch.Tensor:
         """What the collectives run on: ``grad``, or its copy in ``reduce_dtype``."""
+        grad = self.live_grad
         if self.reduce_dtype is None:
-            return self.live_grad
-        low = self.live_grad * self._post if self._post != 1.0 else self.live_grad
+            return grad
+        low = grad * self._post if self._post != 1.0 else grad
         self._low = low.to(self.reduce_dtype)
         return self._low
 
-    def _own_ranges(self) -> list[tuple[int, int]]:
+    def _own_ranges(self) -> list[Range]:
         """Where this rank's reduced values sit, relative to the group's start."""
         if not self.sharded:
-            return [(0, self.numel)]
-        return [
-            (r.start, r.end) for r in (self.buffer.shard_range(b).shift(self.start) for b in self.buckets)
-        ]
+            return [Range(0, self.numel)]
+        return [self.buffer.shard_range(b).shift(self.start) for b in self.buckets]
 
     def _copy_back(self) -> None:
         if self._low is None:
             return
+        grad = self.live_grad
         for lo, hi in self._own_ranges():
-            self.live_grad[lo:hi].copy_(self._low[lo:hi])
+            grad[lo:hi].copy_(self._low[lo:hi])
             if self._post != 1.0:
-                self.live_grad[lo:hi].div_(self._post)
+                grad[lo:hi].div_(self._post)
         self._low = None
 
     def replicate_shards(self) -> None:

@@ -57,16 +57,18 @@ class WeakHook:
     """A param hook that calls ``method`` without keeping its object alive. Autograd holds a
     param's hooks on the C++ side, which Python's collector cannot see into, so a hook bound
     to the object that owns the param (param -> hook -> GradSync -> buffers -> param) would
-    keep the model, its optimizer and their device memory alive after the user drops them."""
+    keep the model, its optimizer and their device memory alive after the user drops them.
+    (It runs once per param per backward: it holds the plain function and a weak reference,
+    so a call makes no bound method.)"""
 
-    __slots__ = ("method",)
+    __slots__ = ("function", "owner")
 
     def __init__(self, method) -> None:
-        self.method = weakref.WeakMethod(method)
+        self.function, self.owner = method.__func__, weakref.ref(method.__self__)
 
     def __call__(self, *args):
-        method = self.method()
-        return None if method is None else method(*args)
+        owner = self.owner()
+        return None if owner is None else self.function(owner, *args)
 
 
 MAX_SCRATCH_IN_FLIGHT = 2
