@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from flatshard.comm.collectives import GATHER_IMPLS, SCATTER_IMPLS, all_gather, reduce_scatter
 from flatshard.comm.world import World
-from flatshard.testing import run_distributed
+from flatshard.toolkit.testing import run_distributed
 
 
 def _run(op, tensor: torch.Tensor, *, own: slice, world: World, impl: str) -> None:

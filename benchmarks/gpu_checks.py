@@ -54,7 +54,7 @@ def _sync() -> None:
 
 
 def _gpt_config():
-    from flatshard.models import PRESETS, GPTConfig
+    from flatshard.toolkit.models import PRESETS, GPTConfig
 
     if DRY:
         return PRESETS["small"]
@@ -124,8 +124,8 @@ def _batches(corpus, first: int, count: int):
 
 
 def part_step() -> dict:
-    from flatshard.data import SyntheticCorpus
-    from flatshard.models import GPT
+    from flatshard.toolkit.data import SyntheticCorpus
+    from flatshard.toolkit.models import GPT
 
     cfg = _gpt_config()
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
@@ -182,8 +182,8 @@ def _step_rows(entries: dict, dtype: str) -> dict:
 
 # -- memory ----------------------------------------------------------------------------------
 def _planned(model_cfg, stage: int, dtype: torch.dtype) -> dict:
-    from flatshard.models import GPT
-    from flatshard.plan import plan_from_specs
+    from flatshard.planner.plan import plan_from_specs
+    from flatshard.toolkit.models import GPT
     from flatshard.wrap.specs import model_specs
 
     with torch.device("meta"):
@@ -194,9 +194,9 @@ def _planned(model_cfg, stage: int, dtype: torch.dtype) -> dict:
 
 
 def part_memory() -> dict:
-    from flatshard.data import SyntheticCorpus
     from flatshard.memory import memory_report
-    from flatshard.models import GPT
+    from flatshard.toolkit.data import SyntheticCorpus
+    from flatshard.toolkit.models import GPT
 
     cfg = _gpt_config()
     corpus = SyntheticCorpus(cfg.vocab_size, cfg.seq_len)
@@ -257,8 +257,8 @@ def part_hybrid() -> dict:
     under the 8 bytes a param of the moments alone."""
     import flatshard
     from flatshard.app.peers import ADAMW, Trainer
-    from flatshard.data import SyntheticCorpus
-    from flatshard.models import GPT, PRESETS, GPTConfig
+    from flatshard.toolkit.data import SyntheticCorpus
+    from flatshard.toolkit.models import GPT, PRESETS, GPTConfig
 
     cfg = (
         PRESETS["small"]
@@ -376,8 +376,8 @@ def _merge(intervals) -> list[list[float]]:
 # -- desync ----------------------------------------------------------------------------------
 def _skip_backward(stage: int) -> dict:
     import flatshard
-    from flatshard.data import SyntheticCorpus
-    from flatshard.models import GPT, PRESETS
+    from flatshard.toolkit.data import SyntheticCorpus
+    from flatshard.toolkit.models import GPT, PRESETS
 
     if CUDA:
         torch.cuda.set_device(0)
@@ -404,7 +404,7 @@ def _skip_backward(stage: int) -> dict:
 
 
 def part_desync() -> dict:
-    from flatshard.testing import run_distributed
+    from flatshard.toolkit.testing import run_distributed
 
     out = {}
     for stage in (2, 3):
@@ -424,7 +424,7 @@ def part_desync() -> dict:
 # -- generate --------------------------------------------------------------------------------
 def part_generate() -> dict:
     import flatshard
-    from flatshard.models import tiny_model
+    from flatshard.toolkit.models import tiny_model
 
     dims = (
         {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_hidden_layers": 2}
@@ -504,7 +504,7 @@ def main() -> None:
     out_dir, parts = args[0], args[1:] or list(PARTS)
     os.makedirs(out_dir, exist_ok=True)
     if len(parts) == 1 and os.environ.get("GPU_CHECKS_CHILD"):
-        from flatshard.testing import run_distributed
+        from flatshard.toolkit.testing import run_distributed
 
         part = parts[0]
         if part == "desync":  # (its own ranks)

@@ -35,8 +35,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT, PRESETS, GPTConfig
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT, PRESETS, GPTConfig
 
 MODELS = {"gpt150m": GPTConfig(vocab_size=32768, seq_len=1024, d_model=1024, n_layers=12, n_heads=16)}
 BATCH, WARMUP, ROUNDS, STEPS = 8, 3, 8, 8
@@ -183,6 +183,6 @@ def _main(model_names: list[str], path: str) -> None:
 
 
 if __name__ == "__main__":
-    from flatshard.testing import run_distributed
+    from flatshard.toolkit.testing import run_distributed
 
     run_distributed(_main, 1, sys.argv[1].split(","), sys.argv[2], backend="nccl", timeout=580)

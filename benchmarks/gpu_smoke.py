@@ -15,10 +15,10 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from flatshard.data import SyntheticCorpus
-from flatshard.mixed_precision import MixedPrecision
-from flatshard.models import GPT, PRESETS
-from flatshard.testing import run_distributed
+from flatshard.planner.mixed_precision import MixedPrecision
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT, PRESETS
+from flatshard.toolkit.testing import run_distributed
 
 STEPS = 8
 

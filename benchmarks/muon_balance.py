@@ -1,4 +1,4 @@
-"""Load balance of whole-param buckets ([Note: whole-param buckets] in flatshard/layout.py).
+"""Load balance of whole-param buckets ([Note: whole-param buckets] in flatshard/planner/layout.py).
 
 For a GPT preset with Muon on the blocks' matrices (``whole_params``), at each world size and
 stage: the Muon elements and Newton-Schulz work (~ m * n * min(m, n) per matrix) each rank
@@ -17,9 +17,9 @@ import json
 import torch
 
 from flatshard.app.peers import is_hidden_matrix
-from flatshard.layout import plan_layout
-from flatshard.models import GPT, PRESETS
-from flatshard.stage import StagePolicy
+from flatshard.planner.layout import plan_layout
+from flatshard.planner.stage import StagePolicy
+from flatshard.toolkit.models import GPT, PRESETS
 from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
 from flatshard.wrap.specs import model_specs
 

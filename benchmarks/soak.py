@@ -35,8 +35,8 @@ def rank_main(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import flatshard
-    from flatshard.data import SyntheticCorpus
-    from flatshard.models import GPT, PRESETS
+    from flatshard.toolkit.data import SyntheticCorpus
+    from flatshard.toolkit.models import GPT, PRESETS
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -93,9 +93,9 @@ def _session(preset: str, stage: int, unit_bytes: str, steps: int, warmup: int, 
     import torch.distributed as dist
 
     import flatshard
-    from flatshard.data import SyntheticCorpus
-    from flatshard.malloc import retain_freed_cpu_memory
-    from flatshard.models import GPT, PRESETS
+    from flatshard.toolkit.data import SyntheticCorpus
+    from flatshard.toolkit.malloc import retain_freed_cpu_memory
+    from flatshard.toolkit.models import GPT, PRESETS
 
     retain_freed_cpu_memory()
     clock = HookClock()
@@ -153,7 +153,7 @@ def main() -> None:
     parser.add_argument("--out", default=os.path.join(ROOT, "bench-results", "unit-cost.json"))
     args = parser.parse_args()
 
-    from flatshard.testing import run_distributed
+    from flatshard.toolkit.testing import run_distributed
 
     configs = [(m, 3, ub) for m in args.models for ub in args.unit_bytes]
     configs += [(m, 2, "-") for m in args.models] if args.stage2 else []

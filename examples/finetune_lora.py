@@ -18,7 +18,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from transformers import AutoConfig, AutoModelForCausalLM
 
 import flatshard
-from flatshard.data import SyntheticCorpus
+from flatshard.toolkit.data import SyntheticCorpus
 
 
 # -- 1. load: build on the meta device, add LoRA, shard, fill from the pretrained directory -------

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from flatshard.models import tiny_model
+from flatshard.toolkit.models import tiny_model
 
 VOCAB = 96
 DIMS = {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 2, "num_hidden_layers": 3}

@@ -33,8 +33,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT, GPTConfig
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT, GPTConfig
 
 SGD = {"optimizer_class": torch.optim.SGD, "opt_kwargs": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01}}
 

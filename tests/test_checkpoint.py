@@ -14,9 +14,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatshard
 from _parity import CFG, NormalizedSGD, TiedGPT, decay_groups, full_params, is_matrix
 from flatshard import DistributedOptimizer, load_checkpoint, save_checkpoint
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPTConfig
-from flatshard.testing import RankError, run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPTConfig
+from flatshard.toolkit.testing import RankError, run_distributed
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
 GLOBAL_BATCH = 12  # split evenly at world sizes 1-4, so every world size takes the same steps

@@ -19,7 +19,7 @@ import flatshard
 _SAVER = textwrap.dedent(
     """
     import os, sys, torch, flatshard
-    from flatshard.testing import run_distributed
+    from flatshard.toolkit.testing import run_distributed
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from kill_model import build
 

@@ -17,7 +17,7 @@ from _parity import TiedGPT
 from flatshard import CheckpointError, ChecksumError, export_checkpoint, load_weights, verify_checkpoint
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint.pieces import Crc32Trailer
-from flatshard.testing import run_distributed
+from flatshard.toolkit.testing import run_distributed
 from test_checkpoint import ADAMW, _build, _load_step_case, _save_case
 
 

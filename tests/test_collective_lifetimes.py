@@ -20,8 +20,8 @@ import flatshard.engine.bucket_group as bucket_group
 import flatshard.engine.buffer as buffer_module
 import flatshard.stage3.unshard as unshard
 from _parity import CheckpointedGPT, RankSkippingGPT, SharedBlockGPT
-from flatshard.data import SyntheticCorpus
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
 
 
 class _Watch:

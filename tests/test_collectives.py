@@ -17,7 +17,7 @@ from flatshard.comm.collectives import (
     wait_until,
 )
 from flatshard.comm.world import World
-from flatshard.testing import run_distributed
+from flatshard.toolkit.testing import run_distributed
 
 
 def _case(op: str, impl: str, numel: int) -> dict:

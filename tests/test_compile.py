@@ -15,9 +15,9 @@ from torch._dynamo.utils import counters
 
 import flatshard
 from _parity import CFG, SGD, TiedGPT, check_parity, full_params, max_rel_diff, train_optimizer_side_by_side
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT
+from flatshard.toolkit.testing import run_distributed
 
 SLOW_SIZES = [pytest.param(n, marks=pytest.mark.slow) for n in (3, 4)]
 

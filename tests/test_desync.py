@@ -16,9 +16,9 @@ import flatshard
 from _parity import CFG
 from flatshard.comm.collectives import choose_impl
 from flatshard.comm.world import resolve_world
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT
+from flatshard.toolkit.testing import run_distributed
 
 DEADLINE = 2.0
 
@@ -145,8 +145,8 @@ def test_a_timeout_that_is_not_a_positive_duration_is_refused(bad):
 _RANK_0_DIES = """
 import os, signal, sys, torch, torch.distributed as dist
 import flatshard
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT, GPTConfig
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT, GPTConfig
 torch.set_num_threads(1)
 rank, stage = int(os.environ["RANK"]), int(sys.argv[1])
 dist.init_process_group("gloo")  # env://: rank 0 hosts the store, as without torchrun's agent

@@ -18,8 +18,8 @@ import torch
 
 import flatshard
 from _finetune import LORA_TARGETS, prompt, tiny_llama
-from flatshard.models import lm_loss
-from flatshard.testing import run_distributed
+from flatshard.toolkit.models import lm_loss
+from flatshard.toolkit.testing import run_distributed
 
 peft = pytest.importorskip("peft")  # (in the dev extras: CI has it)
 transformers = pytest.importorskip("transformers")

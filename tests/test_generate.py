@@ -9,7 +9,7 @@ import torch
 
 import flatshard
 from _finetune import prompt, tiny_llama, tiny_lora
-from flatshard.testing import run_distributed
+from flatshard.toolkit.testing import run_distributed
 
 pytest.importorskip("peft")  # (in the dev extras: CI has it)
 

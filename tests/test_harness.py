@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 
 from flatshard.app.launch import rank_env
-from flatshard.malloc import cpu_malloc_env
-from flatshard.testing import RankError, run_distributed
+from flatshard.toolkit.malloc import cpu_malloc_env
+from flatshard.toolkit.testing import RankError, run_distributed
 
 
 def _rank_and_sum():

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import flatshard
-from flatshard.models import lm_loss, model_factory, tiny_model
-from flatshard.testing import run_distributed
+from flatshard.toolkit.models import lm_loss, model_factory, tiny_model
+from flatshard.toolkit.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
 
@@ -77,7 +77,7 @@ def _why_not(kind: str) -> str | None:
     """Why the tiny config of ``kind`` cannot train even without flatshard, or None."""
     from transformers import AutoModelForCausalLM
 
-    from flatshard.models.hf import tiny_config
+    from flatshard.toolkit.models.hf import tiny_config
 
     try:
         config = tiny_config(kind, seq_len=32)

@@ -23,9 +23,9 @@ from _parity import (
     train_optimizer_side_by_side,
 )
 from flatshard import DistributedOptimizer, HybridDeviceOptimizer
-from flatshard.data import SyntheticCorpus
 from flatshard.optim.hybrid import _offloaded
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}

@@ -1,4 +1,4 @@
-"""Invariants of the pure layout planner ([Note: layout] in flatshard/layout.py)."""
+"""Invariants of the pure layout planner ([Note: layout] in flatshard/planner/layout.py)."""
 
 import dataclasses
 import math
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatshard import ParamSpec, plan_layout
-from flatshard.layout import PARAM_ALIGN, balance
+from flatshard.planner.layout import PARAM_ALIGN, balance
 
 DTYPES = [
     (torch.float32, torch.float32),

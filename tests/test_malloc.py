@@ -10,8 +10,8 @@ import pytest
 from torch import nn
 
 import flatshard
-from flatshard import malloc
-from flatshard.testing import run_distributed
+from flatshard.toolkit import malloc
+from flatshard.toolkit.testing import run_distributed
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 

@@ -20,11 +20,11 @@ from _parity import (
     decay_groups,
     train_optimizer_side_by_side,
 )
-from flatshard.data import SyntheticCorpus
 from flatshard.engine.units import assign_params, find_units, merge_units
-from flatshard.models import GPT, GPTConfig
-from flatshard.models.gpt import Block
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT, GPTConfig
+from flatshard.toolkit.models.gpt import Block
+from flatshard.toolkit.testing import run_distributed
 from flatshard.wrap.specs import stage3_units
 
 SIX = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=6, n_heads=2)

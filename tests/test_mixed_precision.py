@@ -11,8 +11,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatshard
 from _parity import CFG, TiedGPT
 from flatshard import DistributedOptimizer, MixedPrecision
-from flatshard.data import SyntheticCorpus
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
 BF16 = MixedPrecision(param_dtype=torch.bfloat16)
@@ -149,7 +149,7 @@ def test_reduce_dtype_halves_the_bytes_reduced(stage):
 
 
 def test_split_scale_divides_by_a_power_of_two_near_sqrt_n_after_the_sum():
-    from flatshard.mixed_precision import split_scale
+    from flatshard.planner.mixed_precision import split_scale
 
     assert [split_scale(1 / n, torch.bfloat16) for n in (1, 2, 4, 8, 16, 64)] == [1, 1, 2, 2, 4, 8]
     assert (

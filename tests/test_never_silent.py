@@ -18,9 +18,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatshard
 from _parity import TiedGPT, decay_groups, full_params, max_rel_diff
 from flatshard import DistributedOptimizer
-from flatshard.data import SyntheticCorpus
 from flatshard.optim import agreement
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
 
 CORPUS = SyntheticCorpus(64, 16)
 

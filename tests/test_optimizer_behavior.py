@@ -13,11 +13,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatshard
 from _parity import CFG, NormalizedSGD, TiedGPT, full_params
 from flatshard import DistributedOptimizer, DynamicLossScaler, memory_report
-from flatshard.data import SyntheticCorpus
 from flatshard.engine.grad_sync import MAX_SCRATCH_IN_FLIGHT
-from flatshard.models import GPT
 from flatshard.optim.agreement import RIDING
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT
+from flatshard.toolkit.testing import run_distributed
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from _parity import SGD, check_parity, decay_groups, train_optimizer_side_by_side
-from flatshard.testing import run_distributed
+from flatshard.toolkit.testing import run_distributed
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

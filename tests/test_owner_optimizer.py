@@ -12,8 +12,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatshard
 from _parity import CFG, SGD, AwkwardGPT, decay_groups, max_rel_diff
 from flatshard import OwnerShardedOptimizer
-from flatshard.data import SyntheticCorpus
-from flatshard.testing import RankError, run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import RankError, run_distributed
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
 ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})

@@ -9,10 +9,10 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard import DistributedOptimizer, memory_report
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT, GPTConfig
-from flatshard.plan import plan_from_count, plan_from_specs
-from flatshard.testing import run_distributed
+from flatshard.planner.plan import plan_from_count, plan_from_specs
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT, GPTConfig
+from flatshard.toolkit.testing import run_distributed
 from flatshard.wrap.specs import model_specs
 from test_cli import _flatshard
 

@@ -10,8 +10,8 @@ from torch.profiler import ProfilerActivity, profile
 import flatshard
 from _parity import TiedGPT
 from flatshard.comm import trace
-from flatshard.data import SyntheticCorpus
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
 
 
 def _traced_step(stage: int) -> list[str]:

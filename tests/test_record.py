@@ -7,9 +7,9 @@ import torch
 
 import flatshard
 from _parity import CFG
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT
+from flatshard.toolkit.testing import run_distributed
 
 BF16 = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
 

@@ -18,9 +18,9 @@ import torch.distributed as dist
 
 import flatshard
 from _parity import CFG
-from flatshard.data import SyntheticCorpus
-from flatshard.models import GPT
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT
+from flatshard.toolkit.testing import run_distributed
 
 
 def _dropped(stage: int, bf16: bool, hybrid: bool, path: str) -> list[str]:

@@ -40,7 +40,7 @@ def test_no_module_over_600_lines():
 
 
 def test_only_the_stage_policy_compares_the_stage_number():
-    """[Note: stage policy]: what a stage means lives in flatshard/stage.py alone; elsewhere
+    """[Note: stage policy]: what a stage means lives in flatshard/planner/stage.py alone; elsewhere
     code asks the policy (``policy.shards_grads``), never ``stage == 3`` or ``stage > 0``."""
     compare = re.compile(r"\bstage\s*(==|!=|<=|>=|<|>)\s*\d|\bstage\s+(not\s+)?in\s*[(\[{]")
     found = [
@@ -56,10 +56,7 @@ def test_only_the_stage_policy_compares_the_stage_number():
 # [Note: package layers] in flatshard/__init__.py, lowest first. A module's layer is that of
 # the longest prefix of its dotted name listed here.
 LAYERS = [
-    [
-        f"flatshard.{m}"
-        for m in ("errors", "layout", "stage", "shard_map", "plan", "mixed_precision", "malloc")
-    ],
+    ["flatshard.errors", "flatshard.planner", "flatshard.toolkit.malloc"],
     ["flatshard.comm"],
     ["flatshard.engine"],
     ["flatshard.stage3"],
@@ -67,7 +64,7 @@ LAYERS = [
     ["flatshard.optim"],
     ["flatshard.checkpoint"],
     ["flatshard", "flatshard.memory"],
-    ["flatshard.app", "flatshard.models", "flatshard.data", "flatshard.testing", "flatshard.__main__"],
+    ["flatshard.app", "flatshard.toolkit", "flatshard.__main__"],
 ]
 
 

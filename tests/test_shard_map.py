@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from flatshard import ParamSpec, plan_layout
-from flatshard.shard_map import plan_runs
+from flatshard.planner.shard_map import plan_runs
 from test_layout import layouts
 
 

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from flatshard.testing import RankError, run_distributed
+from flatshard.toolkit.testing import RankError, run_distributed
 
 
 class TwoPaths(nn.Module):

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _parity import train_side_by_side
-from flatshard.testing import run_distributed
+from flatshard.toolkit.testing import run_distributed
 
 BUCKETINGS = {
     "one_bucket": {"bucket_size": None},

@@ -21,7 +21,7 @@ from _parity import (
     train_against_fsdp2,
     train_optimizer_side_by_side,
 )
-from flatshard.testing import run_distributed
+from flatshard.toolkit.testing import run_distributed
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])

@@ -5,7 +5,7 @@ import pytest
 from torch import nn
 
 import flatshard
-from flatshard.stage import STAGES, StagePolicy, UnitOptions
+from flatshard.planner.stage import STAGES, StagePolicy, UnitOptions
 
 
 def test_the_table_of_the_note():

@@ -13,12 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 STRICT = [
     "errors.py",
-    "layout.py",
-    "stage.py",
-    "shard_map.py",
-    "plan.py",
-    "mixed_precision.py",
-    "malloc.py",
+    "planner",
+    "toolkit/malloc.py",
     "memory.py",
     "__init__.py",
 ]

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 import flatshard
 from _parity import CFG, TiedGPT, full_params
 from flatshard import export_checkpoint, load_weights, save_checkpoint
-from flatshard.data import SyntheticCorpus
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
 from test_checkpoint import ADAMW, SGD, _build, _train
 
 X, Y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(99, 0, 4)

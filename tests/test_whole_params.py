@@ -40,8 +40,8 @@ from _parity import (
     max_rel_diff,
 )
 from flatshard import DistributedOptimizer
-from flatshard.data import SyntheticCorpus
-from flatshard.testing import run_distributed
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
 
 MUON = {"lr": 0.02, "momentum": 0.95, "weight_decay": 0.01}
 ADAMW = {"lr": 1e-2, "weight_decay": 0.1}

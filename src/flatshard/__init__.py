@@ -5,11 +5,11 @@
 The package is cut into layers; a module imports only from its own layer and the layers
 listed before it (``tests/test_repo.py`` checks every import):
 
-0. pure planning, no process group and no wrapped module: ``errors``, ``layout`` (the flat
-   layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),
+0. ``planner/``, pure planning with no process group and no wrapped module: ``layout``
+   (the flat layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),
    ``shard_map`` (which parts of a shard an optimizer run covers), ``plan`` (memory and
-   bytes per rank before running anything), ``mixed_precision``, ``malloc`` (glibc malloc
-   settings for ranks on CPU);
+   bytes per rank before running anything), ``mixed_precision``; beside it ``errors`` and
+   ``toolkit.malloc`` (glibc malloc settings for ranks on CPU, a leaf);
 1. ``comm/``: worlds, collectives, deadlines;
 2. ``engine/``: flat buffers, bucket groups, grad sync, param gathers, units, hook wrappers;
 3. ``stage3/``: unsharding units, meta init, full params;
@@ -19,11 +19,11 @@ listed before it (``tests/test_repo.py`` checks every import):
 7. the public surface: this module (``flatshard.__all__``) and ``memory``
    (``memory_report``, which reads a wrapped module and its optimizer);
 8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings)
-   and the toolkit modules ``models`` (the demo GPT), ``data`` (the
+   and ``toolkit/``: ``models`` (the demo GPT, Hugging Face configs), ``data`` (the
    synthetic corpus) and ``testing`` (the multi-process test harness).
 
-Public: the names in ``__all__``, the modules of layer 0, ``memory``, ``models``, ``data``
-and ``testing``, and the CLI. Everything else may move between releases.
+Public: the names in ``__all__``, the modules of ``planner/``, ``memory``, ``toolkit/``
+and the CLI. Everything else may move between releases.
 """
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
@@ -31,15 +31,15 @@ from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
 from flatshard.checkpoint.weights import export_checkpoint, load_weights
 from flatshard.comm.collectives import CommStats
 from flatshard.errors import CheckpointError, ChecksumError, DesyncError, ShardedParamError
-from flatshard.layout import Layout, ParamSpec, plan_layout
 from flatshard.memory import MemoryReport, memory_report
-from flatshard.mixed_precision import MixedPrecision
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.optim.grouped import GroupedOptimizer
 from flatshard.optim.hybrid import HybridDeviceOptimizer
 from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
-from flatshard.stage import Buckets, Stage3
+from flatshard.planner.layout import Layout, ParamSpec, plan_layout
+from flatshard.planner.mixed_precision import MixedPrecision
+from flatshard.planner.stage import Buckets, Stage3
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import ExpertGroup, shard
 from flatshard.wrap.uneven import even_batches

@@ -32,15 +32,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard import plan
 from flatshard.app.peers import PEERS, Peer, default_peers, prepare
-from flatshard.data import SyntheticCorpus
-from flatshard.malloc import retain_freed_cpu_memory
 from flatshard.memory import mib
-from flatshard.models import PRESETS, CausalLMLoss, is_hf_model, model_dims, model_factory
-from flatshard.testing import run_distributed
+from flatshard.planner import plan
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.malloc import retain_freed_cpu_memory
+from flatshard.toolkit.models import PRESETS, CausalLMLoss, is_hf_model, model_dims, model_factory
+from flatshard.toolkit.testing import run_distributed
 
-DTYPES = ("fp32", "bf16")  # names in flatshard.plan.DTYPES
+DTYPES = ("fp32", "bf16")  # names in flatshard.planner.plan.DTYPES
 
 
 def _proc_counter(path: str, key: str) -> int | None:

@@ -8,7 +8,7 @@ import os
 import sys
 
 from flatshard.app import launch
-from flatshard.stage import DEFAULT_UNIT_BYTES, STAGES, StagePolicy
+from flatshard.planner.stage import DEFAULT_UNIT_BYTES, STAGES, StagePolicy
 from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
 
 MODEL_HELP = (
@@ -56,7 +56,7 @@ def _fraction(text: str) -> float:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from flatshard.models import PRESETS
+    from flatshard.toolkit.models import PRESETS
 
     parser = argparse.ArgumentParser(prog="flatshard", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -227,7 +227,7 @@ def _add_layout(sub) -> None:
 
 def _add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
     """The options ``plan`` and ``layout`` share: ranks, param dtype, bucket size."""
-    from flatshard.plan import DTYPE_BYTES
+    from flatshard.planner.plan import DTYPE_BYTES
 
     parser.add_argument(
         "--world-size",
@@ -260,7 +260,7 @@ def _add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
 
 
 def _add_plan(sub) -> None:
-    from flatshard.plan import DTYPE_BYTES, OPTIMIZERS
+    from flatshard.planner.plan import DTYPE_BYTES, OPTIMIZERS
 
     plan = sub.add_parser(
         "plan",
@@ -360,7 +360,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
 def _check_train_args(args: argparse.Namespace) -> str | None:
     """Why the options cannot work (before any rank starts), or None."""
     from flatshard.app.train import resume_problem
-    from flatshard.models import model_factory
+    from flatshard.toolkit.models import model_factory
 
     try:
         model_factory(args.model)
@@ -389,7 +389,7 @@ def _check_train_args(args: argparse.Namespace) -> str | None:
 def _plan(args: argparse.Namespace) -> int:
     import json
 
-    from flatshard import plan
+    from flatshard.planner import plan
 
     if args.params is not None:
         plans = plan.plan_from_count(
@@ -433,9 +433,9 @@ def _plan(args: argparse.Namespace) -> int:
 
 
 def _layout(args: argparse.Namespace) -> int:
-    from flatshard import plan
     from flatshard.app import draw
-    from flatshard.layout import plan_layout
+    from flatshard.planner import plan
+    from flatshard.planner.layout import plan_layout
 
     try:
         specs, stage3_specs, units, frozen = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
@@ -472,8 +472,8 @@ def _layout(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from flatshard import plan
     from flatshard.checkpoint.weights import export_checkpoint
+    from flatshard.planner import plan
 
     dtype = None if args.dtype is None else plan.DTYPES[args.dtype]
     try:
@@ -513,7 +513,7 @@ def _model_specs(model: str, dtype, args: argparse.Namespace):
     import torch
 
     from flatshard.app.draw import format_units
-    from flatshard.models import model_factory
+    from flatshard.toolkit.models import model_factory
     from flatshard.wrap.specs import model_specs, stage3_units, unit_nbytes
 
     build = model_factory(model)

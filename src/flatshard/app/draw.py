@@ -8,7 +8,7 @@ rank's shard starts. matplotlib is imported only to draw.
 
 from __future__ import annotations
 
-from flatshard.layout import Layout, format_layout
+from flatshard.planner.layout import Layout, format_layout
 
 
 def format_shards(layout: Layout) -> str:

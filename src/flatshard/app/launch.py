@@ -12,7 +12,7 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-from flatshard.malloc import cpu_malloc_env
+from flatshard.toolkit.malloc import cpu_malloc_env
 
 
 def launched() -> bool:
@@ -36,7 +36,7 @@ def run_ranks(
     others are stopped at once and its failure is returned as a shell reports it (its exit
     code, or 128 + the signal that killed it), after a line on stderr naming the rank and how
     it ended. Ranks that train on ``cpu`` start with ``CPU_MALLOC_TUNABLES`` (see
-    ``flatshard.malloc``).
+    ``flatshard.toolkit.malloc``).
 
     Like torchrun's agent, this process hosts the rendezvous store (on a port the OS picks,
     so no race for a free port) and outlives every rank, so no rank loses the store while

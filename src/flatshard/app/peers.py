@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import flatshard
 from flatshard.engine.units import find_units
 from flatshard.memory import memory_report
-from flatshard.stage import STAGES
+from flatshard.planner.stage import STAGES
 
 ADAMW: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1}
 

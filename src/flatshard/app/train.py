@@ -16,14 +16,14 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-from flatshard import plan
 from flatshard.app.train_report import Metrics, Progress, format_summary, plot_losses
 from flatshard.checkpoint.directory import MANIFEST
-from flatshard.data import ByteCorpus, SyntheticCorpus
-from flatshard.malloc import retain_freed_cpu_memory
 from flatshard.memory import memory_report
-from flatshard.models import lm_loss, model_dims, model_factory
-from flatshard.stage import DEFAULT_BUCKET_SIZE
+from flatshard.planner import plan
+from flatshard.planner.stage import DEFAULT_BUCKET_SIZE
+from flatshard.toolkit.data import ByteCorpus, SyntheticCorpus
+from flatshard.toolkit.malloc import retain_freed_cpu_memory
+from flatshard.toolkit.models import lm_loss, model_dims, model_factory
 
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints kept under --checkpoint-dir
 

@@ -1,4 +1,4 @@
-"""Layer 2, the engine of every stage: flat buffers laid out by ``flatshard.layout``
+"""Layer 2, the engine of every stage: flat buffers laid out by ``flatshard.planner.layout``
 (``buffer``), bucket groups and their reductions (``bucket_group``), the backward's grad-sync
 state machine (``grad_sync``), the param all-gathers after a step at stages 1-2
 (``param_gather``), the module tree's units (``units``) and the hook wrappers that keep

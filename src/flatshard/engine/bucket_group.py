@@ -49,8 +49,8 @@ from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_sca
 from flatshard.comm.world import ONE, World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import Reduction, advance
-from flatshard.layout import BucketLayout, Range
-from flatshard.mixed_precision import split_scale
+from flatshard.planner.layout import BucketLayout, Range
+from flatshard.planner.mixed_precision import split_scale
 
 FIRST_PAUSE = 2e-5
 LONGEST_PAUSE = 2.5e-4

@@ -56,7 +56,7 @@ from torch import nn
 
 from flatshard.comm.world import ONE, World
 from flatshard.engine.placeholder import hide, show
-from flatshard.layout import BucketLayout, BufferLayout, Layout, Range
+from flatshard.planner.layout import BucketLayout, BufferLayout, Layout, Range
 
 FlatParam: TypeAlias = Any
 """An ``nn.Parameter`` bound to a flat buffer. flatshard sets ``main_grad`` on it (a view of

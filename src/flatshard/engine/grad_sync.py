@@ -50,7 +50,7 @@ from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.bucket_group import BucketGroup, ScratchPool
 from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import Backward, Grads, advance
-from flatshard.layout import BucketLayout
+from flatshard.planner.layout import BucketLayout
 
 
 class WeakHook:

@@ -53,13 +53,13 @@ from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
-from flatshard.layout import ShardRanges
-from flatshard.mixed_precision import HALF_DTYPES
 from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
-from flatshard.shard_map import Run, plan_runs
+from flatshard.planner.layout import ShardRanges
+from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.shard_map import Run, plan_runs
 from flatshard.wrap.arguments import check_flags
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
 

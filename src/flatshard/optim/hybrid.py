@@ -28,8 +28,8 @@ from typing import Any
 
 import torch
 
-from flatshard.mixed_precision import HALF_DTYPES
 from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
+from flatshard.planner.mixed_precision import HALF_DTYPES
 
 
 @dataclass

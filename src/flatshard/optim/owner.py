@@ -31,8 +31,8 @@ import torch.distributed as dist
 from flatshard.comm.collectives import CommStats, Handle, broadcast
 from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase, publish_positions
 from flatshard.comm.world import World, check_ranks_agree, resolve_world
-from flatshard.layout import balance
 from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
+from flatshard.planner.layout import balance
 
 ASSIGNMENTS = ("balanced", "round_robin")
 FORMAT = "OwnerShardedOptimizer/1"

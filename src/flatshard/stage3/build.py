@@ -49,7 +49,7 @@ from flatshard.comm.collectives import CommStats, broadcast
 from flatshard.comm.world import World, side_world
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.units import Unit, module_units, unsharded_tensors
-from flatshard.stage import UnitOptions
+from flatshard.planner.stage import UnitOptions
 from flatshard.stage3.unshard import Part, Unsharder
 
 COALESCE_NUMEL = 2**22

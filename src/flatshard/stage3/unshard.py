@@ -139,8 +139,8 @@ from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
 from flatshard.engine.placeholder import label
 from flatshard.engine.units import Unit, entry_points
-from flatshard.layout import BucketLayout
-from flatshard.stage import UnitOptions
+from flatshard.planner.layout import BucketLayout
+from flatshard.planner.stage import UnitOptions
 
 
 class _State(Enum):

@@ -11,7 +11,7 @@ import warnings
 import torch
 from torch import nn
 
-from flatshard.stage import BUCKET_KEYWORDS, STAGE3_OPTIONS, Buckets, Stage3, StagePolicy, stage3_only
+from flatshard.planner.stage import BUCKET_KEYWORDS, STAGE3_OPTIONS, Buckets, Stage3, StagePolicy, stage3_only
 from flatshard.wrap.module import ShardedModule
 
 

@@ -21,8 +21,8 @@ from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
-from flatshard.layout import Layout
-from flatshard.stage import StagePolicy
+from flatshard.planner.layout import Layout
+from flatshard.planner.stage import StagePolicy
 from flatshard.stage3.full_params import full_state_dict, load_full_state_dict, replicate_rank, summon
 from flatshard.stage3.unshard import Unsharder
 from flatshard.wrap.record import cast, check_dtype, main_values

@@ -26,10 +26,9 @@ from flatshard.engine.grad_sync import (
 )
 from flatshard.engine.param_gather import ParamGather
 from flatshard.engine.units import unsharded_tensors
-from flatshard.layout import plan_layout
-from flatshard.malloc import warn_once_without_tunables
-from flatshard.mixed_precision import MixedPrecision, cast_params, input_cast_hook
-from flatshard.stage import DEFAULT_BUCKET_SIZE, Buckets, Stage3, StagePolicy  # noqa: F401 (DEFAULT_BUCKET_SIZE: its old home)
+from flatshard.planner.layout import plan_layout
+from flatshard.planner.mixed_precision import MixedPrecision, cast_params, input_cast_hook
+from flatshard.planner.stage import DEFAULT_BUCKET_SIZE, Buckets, Stage3, StagePolicy  # noqa: F401 (DEFAULT_BUCKET_SIZE: its old home)
 from flatshard.stage3.build import (
     broadcast_values,
     build_unsharder,
@@ -37,6 +36,7 @@ from flatshard.stage3.build import (
     is_meta_model,
     replace_meta_params,
 )
+from flatshard.toolkit.malloc import warn_once_without_tunables
 from flatshard.wrap.arguments import (
     bucket_options,
     check_arguments,

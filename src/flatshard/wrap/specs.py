@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from flatshard.engine.units import UnitSpec, assign_params, find_units, merge_units, names_by_param
-from flatshard.layout import ParamSpec
-from flatshard.mixed_precision import HALF_DTYPES
-from flatshard.stage import DEFAULT_UNIT_BYTES, StagePolicy
+from flatshard.planner.layout import ParamSpec
+from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.stage import DEFAULT_UNIT_BYTES, StagePolicy
 
 WholeParams = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter] | None
 """Params a sharded layout keeps whole: a predicate ``(name, param) -> bool``, or params."""

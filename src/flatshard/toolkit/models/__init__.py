@@ -9,8 +9,15 @@ from functools import partial
 
 from torch import nn
 
-from flatshard.models.gpt import GPT, PRESETS, GPTConfig
-from flatshard.models.hf import CausalLMLoss, is_hf_model, lm_loss, model_dims, pretrained_model, tiny_model
+from flatshard.toolkit.models.gpt import GPT, PRESETS, GPTConfig
+from flatshard.toolkit.models.hf import (
+    CausalLMLoss,
+    is_hf_model,
+    lm_loss,
+    model_dims,
+    pretrained_model,
+    tiny_model,
+)
 
 __all__ = [
     "GPT",

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from flatshard.malloc import cpu_malloc_env
+from flatshard.toolkit.malloc import cpu_malloc_env
 
 _CONTEXT: Any = None
 

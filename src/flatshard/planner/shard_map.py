@@ -34,7 +34,7 @@ import math
 from collections.abc import Mapping
 from typing import NamedTuple
 
-from flatshard.layout import BufferLayout, Range, ShardRanges
+from flatshard.planner.layout import BufferLayout, Range, ShardRanges
 
 
 class Run(NamedTuple):

@@ -21,10 +21,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flatshard.layout import BucketLayout, ParamSpec, plan_layout
-from flatshard.mixed_precision import HALF_DTYPES
-from flatshard.shard_map import plan_runs
-from flatshard.stage import STAGES, StagePolicy
+from flatshard.planner.layout import BucketLayout, ParamSpec, plan_layout
+from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.shard_map import plan_runs
+from flatshard.planner.stage import STAGES, StagePolicy
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
