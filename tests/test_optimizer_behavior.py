@@ -519,8 +519,8 @@ def test_expert_params_step_over_their_group_and_count_once_in_the_norm(stage):
         assert norm == pytest.approx(expected, rel=1e-6)
 
 
-# -- hybrid sharding -----------------------------------------------------------------------------
-def _hybrid_case() -> dict:
+# -- replicated sharding -----------------------------------------------------------------------------
+def _replicated_case() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
@@ -542,8 +542,8 @@ def _hybrid_case() -> dict:
     }
 
 
-def test_hybrid_mesh_shards_over_rows_and_reduces_across_them():
-    results = run_distributed(_hybrid_case, 4)
+def test_replicated_mesh_shards_over_rows_and_reduces_across_them():
+    results = run_distributed(_replicated_case, 4)
     for r in results:
         assert torch.equal(r["params"], results[0]["params"]), "sync_module_states reaches every rank"
         assert r["layout_world"] == 2

@@ -91,7 +91,7 @@ def test_other_elementwise_optimizers(optimizer_class):
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (4, 1)])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_hybrid_sharding_over_a_2d_mesh(mesh_shape, stage):
+def test_replicated_sharding_over_a_2d_mesh(mesh_shape, stage):
     """A (replicate, shard) mesh at 4 ranks: shards reduce-scattered within each row and
     all-reduced across rows follow DDP over all 4 ranks."""
     (result, *_) = run_distributed(

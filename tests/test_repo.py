@@ -97,6 +97,15 @@ def _modules():
         yield p, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def test_hybrid_names_only_the_host_device_optimizer():
+    """One meaning per word (docs/concepts.md): a 2-D mesh is "replicated sharding"."""
+    paths = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    found = [
+        f"{p.relative_to(ROOT)}" for p in paths if re.search(r"hybrid[ -_]?(shard|mesh)", p.read_text(), re.I)
+    ]
+    assert not found, found
+
+
 def test_imports_point_down_the_layers():
     """No module imports from a layer above its own, so the folder tree is the dependency
     picture (e.g. the engine never reaches into stage 3 or the optimizers)."""

@@ -88,7 +88,7 @@ def test_follows_fsdp2(world_size, reshard_after_forward):
 
 
 @pytest.mark.parametrize("mesh_shape", [(2, 2), (1, 4)])
-def test_hybrid_sharding(mesh_shape):
+def test_replicated_sharding(mesh_shape):
     """A 2-D (replicate, shard) mesh: units gathered within a row, grad shards all-reduced
     across rows; parity with DDP over all 4 ranks."""
     (result, *_) = run_distributed(

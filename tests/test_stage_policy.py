@@ -20,7 +20,7 @@ def test_the_table_of_the_note():
         3: (True, True, True, "reduce_scatter", False),
     }
     assert [StagePolicy(s).gathers_units for s in STAGES] == [False, False, False, True]
-    assert [StagePolicy(s).allows_hybrid_mesh for s in STAGES] == [False, True, True, True]
+    assert [StagePolicy(s).allows_replicated_mesh for s in STAGES] == [False, True, True, True]
     # fp32 params and grads (4 bytes): all-reduce 2x grads; reduce-scatter + one or two gathers
     assert [StagePolicy(s).wire_bytes_per_element(4, 4) for s in STAGES] == [8, 8, 8, 12]
     assert StagePolicy(3).wire_bytes_per_element(2, 4, gathers=1) == 6

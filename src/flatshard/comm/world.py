@@ -97,7 +97,7 @@ ONE = World(None, 0, 1)
 
 def resolve_worlds(group: object = None, timeout: timedelta | None = None) -> tuple[World, World]:
     """``(shard world, replicate world)`` of ``group``: a 2-D DeviceMesh is (replicate,
-    shard), as in FSDP2's hybrid sharding; anything else shards over ``resolve_world(group)``
+    shard), replicated sharding as in FSDP2's HSDP; anything else shards over ``resolve_world(group)``
     and replicates over a world of one."""
     mesh_type = _device_mesh_type()
     if mesh_type is not None and isinstance(group, mesh_type):
@@ -128,7 +128,7 @@ def resolve_world(group: object = None, timeout: timedelta | None = None) -> Wor
         if mesh.ndim != 1:
             raise ValueError(
                 f"group: a DeviceMesh must be 1-D here, got a {mesh.ndim}-D mesh of shape "
-                f"{tuple(mesh.shape)} (2-D replicate x shard meshes need stage >= 1 hybrid sharding)"
+                f"{tuple(mesh.shape)} (2-D replicate x shard meshes need stage >= 1 replicated sharding)"
             )
         group = mesh.get_group()
     if not isinstance(group, ProcessGroup):

@@ -21,7 +21,7 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
   grad is copied in (not added), unused params are zeroed before the reduction, and
   ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
 
-With a replicate world (hybrid sharding), buckets are laid out and reduce-scattered over
+With a replicate world (replicated sharding), buckets are laid out and reduce-scattered over
 the shard world, and once a group's reduce-scatter is done its shards are all-reduced
 across the replicate world (every group's all-reduce is launched before any is waited).
 Params are gathered over the shard world only, and the grad norm is summed over it alone,
@@ -259,7 +259,7 @@ class BucketGroup:
         self._low = None
 
     def replicate_shards(self) -> None:
-        """Hybrid sharding: once the reduce-scatter is done, all-reduce this rank's shards
+        """Replicated sharding: once the reduce-scatter is done, all-reduce this rank's shards
         over the replicate world (launched; ``finish_sync`` waits)."""
         if self.reduction is not Reduction.REDUCING or self.replicate.size == 1:
             return

@@ -355,4 +355,4 @@ class BufferSet:
     params: list[FlatParam]  # in layout-spec order (slot.index)
     names: list[str]
     scale: float  # multiplier applied to grads before the sum over ``world`` (and ``replicate``)
-    replicate: World = ONE  # hybrid sharding: shards are all-reduced over this world too
+    replicate: World = ONE  # replicated sharding: shards are all-reduced over this world too

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Protocol
 
 import torch
@@ -51,6 +51,7 @@ from flatshard.engine.bucket_group import BucketGroup, ScratchPool
 from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import Backward, Grads, advance
 from flatshard.planner.layout import BucketLayout
+from flatshard.planner.stage import StagePolicy
 
 
 class WeakHook:
@@ -131,12 +132,18 @@ class GradSync:
         sets: Sequence[BufferSet],
         groups: Sequence[BucketGroup],
         *,
+        policy: StagePolicy,
         find_unused_parameters: bool,
         stats: CommStats,
-        scratch_in_flight: int = MAX_SCRATCH_IN_FLIGHT,
+        gathers: BackwardGathers | None = None,
     ) -> None:
+        """``gathers``: at stage 3, the unsharder whose param gathers backward issues (one
+        hook per param serves both). Until ``attach_optimizer``, a synced backward ends a
+        step ([Note: deadlines]) and, where ``policy`` shards the optimizer, raises: its
+        grads would exist only as shards no torch optimizer sees."""
         self.sets = list(sets)
-        self.scratch_in_flight = scratch_in_flight
+        self.policy = policy
+        self.scratch_in_flight = STAGE3_SCRATCH_IN_FLIGHT if policy.gathers_units else MAX_SCRATCH_IN_FLIGHT
         self.groups = list(groups)
         self.find_unused_parameters = find_unused_parameters
         self.stats = stats
@@ -144,10 +151,8 @@ class GradSync:
         self.grads = Grads.EMPTY  # since the last zero_grad ([Note: lifecycles])
         self.backward = Backward.IDLE
         self.generation = 0  # counts backwards that changed grads
-        # called after each synced backward (the optimizer's check)
-        self.on_synced: Callable[[], None] | None = None
-        self.counts_steps = True  # a synced backward ends a step: no flatshard optimizer counts them
-        self.gathers: BackwardGathers | None = None  # stage 3: the param gathers of backward
+        self.optimizer_attached = False
+        self.gathers = gathers
         self._group_of: dict[int, BucketGroup] = {}
         self._exposed: set[int] = set()
         self._name: dict[int, str] = {}
@@ -168,6 +173,10 @@ class GradSync:
         for bset in sets:
             for p in bset.params:
                 p.register_post_accumulate_grad_hook(hook)
+
+    def attach_optimizer(self) -> None:
+        """A flatshard optimizer now steps this module: its steps are the steps."""
+        self.optimizer_attached = True
 
     # -- lifecycles ([Note: lifecycles]) -----------------------------------------------------
     def _move(self, new: Backward) -> None:
@@ -330,12 +339,16 @@ class GradSync:
             self._move(Backward.IDLE)
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
-        if self.sync_enabled and self.counts_steps:
+        if self.sync_enabled and not self.optimizer_attached:
             HERE.step_done()
         else:
             HERE.enter(Phase.AFTER_BACKWARD)
-        if self.sync_enabled and self.on_synced is not None:
-            self.on_synced()
+        if self.sync_enabled and not self.optimizer_attached and self.policy.shards_optimizer:
+            raise RuntimeError(
+                f"{self.policy} shards the optimizer: its grads exist only as shards that a "
+                "torch optimizer over model.parameters() never sees. Create "
+                "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) before the first backward"
+            )
 
     def _finish_sync(self) -> None:
         if self.gathers is not None:

@@ -14,7 +14,7 @@ cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance``
   backward reduced them: the optimizer may step), ``UNREDUCED`` (a backward under
   ``no_sync`` accumulated grads that no reduction has summed yet: stepping is an error).
 * ``Reduction``, of one bucket group within a backward: ``COLLECTING`` (grads arrive),
-  ``REDUCING`` (its all-reduce or reduce-scatter is in flight), ``REPLICATING`` (hybrid
+  ``REDUCING`` (its all-reduce or reduce-scatter is in flight), ``REPLICATING`` (replicated
   sharding: the shards' all-reduce across the replicate world is in flight), ``REDUCED``
   (waited for and folded into the grads; a grad arriving now is an error) until the next
   backward starts it over.

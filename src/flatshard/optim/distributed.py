@@ -333,7 +333,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         norm_sq, riding = _global_norm_sq(self._sharded, self._buffer_shards, self._settings, self.inner)
         if riding is not None:
             self._settings.after_riding(self.inner, *riding)
-            # (with hybrid sharding the norm spans one row: the rows still need the full check)
+            # (with replicated sharding the norm spans one row: the rows still need the full check)
             self._norm_checked_settings = riding[1].size == self._settings.world.size
         finite = math.isfinite(norm_sq.item())
         self._found_inf = not finite

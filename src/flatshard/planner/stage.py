@@ -235,8 +235,8 @@ class StagePolicy:
         return self.shards_params
 
     @property
-    def allows_hybrid_mesh(self) -> bool:
-        """A 2-D (replicate, shard) mesh is hybrid sharding: it needs something sharded."""
+    def allows_replicated_mesh(self) -> bool:
+        """A 2-D (replicate, shard) mesh is replicated sharding: it needs something sharded."""
         return self.shards_optimizer
 
     def wire_bytes_per_element(self, param_bytes: int, grad_bytes: int, gathers: int = 2) -> int:

@@ -78,7 +78,7 @@ class ShardState:
         if self.optimizer is not None:
             raise ValueError("this module already has a DistributedOptimizer; build one per sharded module")
         self.optimizer = optimizer
-        self.grad_sync.counts_steps = False  # the optimizer's steps are the steps ([Note: deadlines])
+        self.grad_sync.attach_optimizer()
 
     def take_originals(self) -> dict[str, torch.Tensor]:
         """The pre-cast fp32 values (once: they are dropped after)."""

@@ -19,8 +19,6 @@ from flatshard.comm.world import ONE, World, check_ranks_agree, resolve_world, r
 from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import eager
 from flatshard.engine.grad_sync import (
-    MAX_SCRATCH_IN_FLIGHT,
-    STAGE3_SCRATCH_IN_FLIGHT,
     GradSync,
     build_bucket_groups,
 )
@@ -101,7 +99,7 @@ def shard(
             keeps grads only as this rank's shards between backwards.
         group: a ProcessGroup or a 1-D DeviceMesh (default: the default group, or a world of
             one when torch.distributed is not initialized); at stages >= 1 also a 2-D
-            DeviceMesh (replicate, shard): hybrid sharding, where buckets are sharded over
+            DeviceMesh (replicate, shard): replicated sharding, where buckets are sharded over
             the inner dimension and each shard's grads are all-reduced over the outer one.
         buckets: how the flat buffers are cut into buckets and reduced: a
             ``flatshard.Buckets`` (``size``, default 2**22 elements; ``per_group``;
@@ -365,13 +363,6 @@ def _assemble(
     frozen = sets.pop(FROZEN, None)
     stats = CommStats()
     groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats, reduce_dtype)
-    sync = GradSync(
-        list(sets.values()),
-        groups,
-        find_unused_parameters=find_unused_parameters,
-        stats=stats,
-        scratch_in_flight=STAGE3_SCRATCH_IN_FLIGHT if policy.gathers_units else MAX_SCRATCH_IN_FLIGHT,
-    )
     gather = unsharder = None
     if policy.gathers_buckets_after_step:
         gather = ParamGather(module, list(sets.values()), stats)
@@ -379,12 +370,17 @@ def _assemble(
         unit_list, unit_of = units
         every = [*sets.values(), *([frozen] if frozen is not None else [])]
         unsharder = build_unsharder(unit_list, unit_of, every, stats, policy.unit_options)
-        sync.gathers = unsharder
         if any(b.world.size > 1 and b.params and b.params[0].device.type == "cpu" for b in every):
             warn_once_without_tunables()  # gathers and frees fragment glibc's heap otherwise
+    sync = GradSync(
+        list(sets.values()),
+        groups,
+        policy=policy,
+        find_unused_parameters=find_unused_parameters,
+        stats=stats,
+        gathers=unsharder,
+    )
     state = ShardState(policy, sets, sync, stats, gather, unsharder=unsharder, frozen=frozen)
-    if policy.shards_optimizer:
-        sync.on_synced = partial(_require_optimizer, state)
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     return sharded
@@ -396,7 +392,7 @@ class ParamPart:
 
     key: str  # "main" or "expert"
     world: World  # the shard world
-    replicate: World  # hybrid sharding's replicate world (ONE otherwise)
+    replicate: World  # replicated sharding's replicate world (ONE otherwise)
     named: list[tuple[str, nn.Parameter]]
     grad_scale: float | None  # None: 1 / (world size x replicate size)
 
@@ -425,9 +421,9 @@ def _worlds(group: object, policy: StagePolicy, timeout: float | timedelta | Non
     """(shard world, replicate world) of ``group`` with the collectives' deadline; this rank
     starts publishing its position ([Note: deadlines])."""
     world, replicate = resolve_worlds(group, as_timeout(timeout))
-    if replicate.size > 1 and not policy.allows_hybrid_mesh:
+    if replicate.size > 1 and not policy.allows_replicated_mesh:
         raise ValueError(
-            f"group: a 2-D (replicate x shard) mesh is hybrid sharding, which needs stage >= 1; "
+            f"group: a 2-D (replicate x shard) mesh is replicated sharding, which needs stage >= 1; "
             f"got {policy} (pass the flattened group for plain data parallelism)"
         )
     if world.group is not None:
@@ -498,15 +494,6 @@ def _broadcast_states(
     handles = [broadcast(t, w) for t, w in pairs if t is not None]  # (stages 0-2: every buffer has its data)
     for h in handles:
         h.wait()
-
-
-def _require_optimizer(state: ShardState) -> None:
-    if state.optimizer is None:
-        raise RuntimeError(
-            f"{state.policy} shards the optimizer: its grads exist only as shards that a "
-            "torch optimizer over model.parameters() never sees. Create "
-            "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) before the first backward"
-        )
 
 
 def _backward_start_hook(sync: GradSync):
