@@ -186,9 +186,15 @@ def shard(
             _broadcast_states(module, w, list(sets.values()), buffers_over_world=w is replicate)
         _broadcast_originals(originals, list(sets.values()))
     sharded = _assemble(
-        module, policy, sets, buckets_per_group, find_unused_parameters, mp.reduce_dtype, (unit_list, unit_of)
+        module,
+        policy,
+        sets,
+        buckets_per_group,
+        find_unused_parameters,
+        mp.reduce_dtype,
+        (unit_list, unit_of),
+        originals=originals or None,
     )
-    sharded.flatshard_state.originals = originals or None
     if meta:
         worlds = [w for w in (world, replicate) if w.size > 1] if sync_module_states else None
         init_fn = s3.param_init_fn or default_init(module)  # ([Note: default init] in wrap/init.py)
@@ -356,10 +362,19 @@ def _broadcast_originals(originals: dict[str, torch.Tensor], sets: list[BufferSe
 
 
 def _assemble(
-    module, policy: StagePolicy, sets, buckets_per_group, find_unused_parameters, reduce_dtype, units
+    module,
+    policy: StagePolicy,
+    sets,
+    buckets_per_group,
+    find_unused_parameters,
+    reduce_dtype,
+    units,
+    *,
+    originals,
 ) -> ShardedModule:
     """Bucket groups, the grad-sync state machine, and the param gathers (stages 1-2) or
-    the unsharder (stage 3, over the frozen params' set too)."""
+    the unsharder (stage 3, over the frozen params' set too). ``originals``: the fp32 values
+    before a MixedPrecision cast, or None."""
     frozen = sets.pop(FROZEN, None)
     stats = CommStats()
     groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats, reduce_dtype)
@@ -380,7 +395,9 @@ def _assemble(
         stats=stats,
         gathers=unsharder,
     )
-    state = ShardState(policy, sets, sync, stats, gather, unsharder=unsharder, frozen=frozen)
+    state = ShardState(
+        policy, sets, sync, stats, gather, originals=originals, unsharder=unsharder, frozen=frozen
+    )
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     return sharded
