@@ -127,7 +127,7 @@ def _nan_grads_clipped(tmp: Path) -> object:
 
 
 def _save_while_locked(tmp: Path) -> None:
-    from flatshard.checkpoint.directory import save_lock
+    from flatshard.checkpoint.destination import save_lock
 
     with save_lock(str(tmp / "ckpt"), True):
         flatshard.save_checkpoint(tmp / "ckpt", _sharded())

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard import CheckpointError, ChecksumError, load_checkpoint, save_checkpoint, verify_checkpoint
-from flatshard.checkpoint.directory import save_lock
+from flatshard.checkpoint.destination import save_lock
 from flatshard.toolkit.testing import run_distributed
 from test_checkpoint import ADAMW, _build, _load_step_case, _save_case, _train
 

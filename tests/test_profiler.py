@@ -42,5 +42,25 @@ def test_a_trace_names_each_collective_wait_and_unit(stage):
             assert any(n.startswith("flatshard::wait unit ") for n in names), names
 
 
+def _traced_checkpoint(path: str) -> list[str]:
+    model = flatshard.shard(TiedGPT(), stage=2)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = SyntheticCorpus(64, 16).batch(0, dist.get_rank(), 4)
+    model(x, y).backward()
+    opt.step()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        flatshard.save_checkpoint(path, model, opt, extra={"step": 1})
+        flatshard.load_checkpoint(path, model, opt)
+    return [e.name for e in prof.events() if e.name.startswith("flatshard::")]
+
+
+def test_a_trace_names_each_step_of_a_save_and_a_load(tmp_path):
+    """[Note: checkpoint pipelines]: each step once, in pipeline order."""
+    steps = [f"flatshard::save {s}" for s in ("agree", "collect", "write", "seal")]
+    steps += [f"flatshard::load {s}" for s in ("check", "read", "apply", "restore")]
+    for names in run_distributed(_traced_checkpoint, 2, str(tmp_path / "ckpt")):
+        assert [n for n in names if n in steps] == steps, names
+
+
 def test_no_range_is_made_without_a_profiler():
     assert trace.span("all_gather {}", 3) is trace.span("wait {}", "x")  # (the shared no-op)

@@ -15,7 +15,7 @@ where each is enforced:
   checks every rank opened the same save; per-rank ``extra`` values come back to their own
   rank or, at another world size, are an error naming the key ([Note: checkpoints] and
   [Note: checkpoint checksums] in ``checkpoint/``). Nothing a save did not write is deleted
-  or overwritten ([Note: save destinations]).
+  or overwritten ([Note: save destinations] in ``checkpoint/destination.py``).
 * **Ranks agree or say so.** At wrap time, the model and every option that shapes the
   collectives (``wrap/shard.py``); the optimizer's param groups and hyperparameters at
   construction, at every step that all-reduces the grad norm (a digest riding on it), else

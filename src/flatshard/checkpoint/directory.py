@@ -44,7 +44,7 @@ A checkpoint is a DCP directory plus ``flatshard.json``. Invariants:
   checks the manifest against the model (a missing or extra param, a shape) and the files
   against their sizes before reading, and every piece against its checksum as it reads it
   ([Note: checkpoint checksums]), and names what is wrong. A save touches only what it wrote
-  ([Note: save destinations]).
+  ([Note: save destinations] in ``checkpoint/destination.py``).
 * **Resume is exact at the same layout**: params, fp32 main params and state round-trip bit
   for bit; per-rank RNG states are restored when the world size is the same.
 * **Tied params** are stored once, under their first name; the manifest lists every further
@@ -64,18 +64,15 @@ A checkpoint is a DCP directory plus ``flatshard.json``. Invariants:
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import pickle
 import random
-import re
 import shutil
 import uuid
 import warnings
 import zlib
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -84,17 +81,24 @@ from torch import nn
 
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint import state as cs
+from flatshard.checkpoint.destination import (
+    FORMAT,
+    MANIFEST,
+    PARTIAL_MARK,
+    destination_problem,
+    publish,
+    save_lock,
+)
 from flatshard.checkpoint.files import verify_state_file
 from flatshard.comm.collectives import barrier
 from flatshard.comm.deadline import HERE, Phase
+from flatshard.comm.trace import span
 from flatshard.comm.world import World, all_gather_bytes, check_ranks_agree, timed_group
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import job_world
 
-FORMAT = "flatshard-checkpoint/1"
-MANIFEST = "flatshard.json"
 EXTRA = "extra"
 
 
@@ -162,10 +166,12 @@ def _extra_keys(saved: Mapping[str, Any], rank: int, same_world: bool) -> list[s
     return sorted((k for k in saved if k.startswith(EXTRA + "/")), key=lambda k: int(k.split("/")[1]))
 
 
-def _extra_values(path: str, read: dict[str, dict], saved_size: int, size: int) -> dict[str, Any]:
-    """This rank's ``extra``. At another world size a value the saved ranks did not share
-    (a data loader's position, say) belongs to no rank here: an error naming it, not another
-    rank's value."""
+def _restore_extra(
+    path: str, read: dict[str, dict], saved_size: int, size: int, targets: Mapping[str, Any] | None
+) -> dict[str, Any]:
+    """This rank's ``extra``, each of ``targets`` with ``load_state_dict`` loaded from it. At
+    another world size a value the saved ranks did not share (a data loader's position, say)
+    belongs to no rank here: an error naming it, not another rank's value."""
     (first, *others) = read.values()
     for key, value in first.items():
         differ = [i + 1 for i, other in enumerate(others) if not _same_value(other.get(key), value)]
@@ -176,6 +182,11 @@ def _extra_values(path: str, read: dict[str, dict], saved_size: int, size: int) 
                 "saved rank's value is this rank's. Resume at the saved world size, or save a "
                 "value that every rank shares under that key"
             )
+    for key, target in (targets or {}).items():
+        if key not in first:
+            raise KeyError(f"checkpoint {path} has no extra entry {key!r} (it has {sorted(first)})")
+        if hasattr(target, "load_state_dict"):
+            target.load_state_dict(first[key])
     return first
 
 
@@ -213,143 +224,62 @@ def save_checkpoint(
 
 
 def _save(path: str, model: nn.Module, optimizer, extra) -> None:
+    """Agree, collect, write, seal.
+
+    [Note: checkpoint pipelines]
+
+    A save is four steps, each a function below and a ``flatshard::save <step>`` range in a
+    profiler trace: **agree** (every rank names the same path, which rank 0 may write, under
+    ``PATH.lock``; the save's id), **collect** (this rank's pieces: model, optimizer,
+    ``extra``, RNG; nothing gathered), **write** (DCP writes them into ``PATH.partial``),
+    **seal** (rank 0 writes the manifest and renames the directory into place). A load is
+    four too, ``flatshard::load <step>``: **check** (the manifest, the files' sizes, the
+    model's shapes; every rank opened the same save), **read** (the pieces this rank's
+    layout holds, straight into its storage), **apply** (the optimizer's state through its
+    own ``load_state_dict``) and **restore** (RNG states, ``extra``)."""
     world = job_world(model)  # (checkpoints are collective over every rank)
     with save_lock(path, world.rank == 0) as lock_problem:
-        save_id = _agree_on_destination(world, path, lock_problem)
-        _write(path, save_id, world, model, optimizer, extra)
+        with span("save agree"):
+            save_id = _agree_on_destination(world, path, lock_problem)
+        with cs.param_dtype_shards(model):
+            with span("save collect"):
+                state = _collect(model, optimizer, extra, world.rank)
+            with span("save write"):
+                partial = _write(state, path, save_id, world)
+        with span("save seal"):
+            _seal(partial, path, save_id, world, (model, optimizer))
 
 
-def _write(path: str, save_id: str, world: World, model: nn.Module, optimizer, extra) -> None:
-    rank, size = world.rank, world.size
+def _collect(model: nn.Module, optimizer, extra, rank: int) -> dict[str, Any]:
+    """What this rank writes: its model pieces, its optimizer entries, its ``extra`` and RNG."""
+    state = cs.model_pieces(model, load=False)
+    state.update(_optimizer_entries(model, optimizer, load=False)[0])
+    state[f"{EXTRA}/{rank}"] = _extra_to_save(extra)
+    state[f"rng/{rank}"] = _rng_state()
+    return state
+
+
+def _write(state: dict[str, Any], path: str, save_id: str, world: World) -> str:
+    """Every rank's pieces into ``PATH.partial`` (made afresh by rank 0, marked unfinished);
+    returns that directory."""
     partial = path + ".partial"
-    if rank == 0:
+    if world.rank == 0:
         if os.path.exists(partial):
             shutil.rmtree(partial)
         os.makedirs(partial)
         open(os.path.join(partial, PARTIAL_MARK), "w").close()
     barrier(world)
-    with cs.param_dtype_shards(model):
-        state = cs.model_pieces(model, load=False)
-        optimizer_entries, _ = _optimizer_entries(model, optimizer, load=False)
-        state.update(optimizer_entries)
-        state[f"{EXTRA}/{rank}"] = _extra_to_save(extra)
-        state[f"rng/{rank}"] = _rng_state()
-        pieces.save(state, partial, save_id=save_id, group=timed_group(world), single_process=size == 1)
-    if rank == 0:
+    pieces.save(state, partial, save_id=save_id, group=timed_group(world), single_process=world.size == 1)
+    return partial
+
+
+def _seal(partial: str, path: str, save_id: str, world: World, saved: tuple[nn.Module, Any]) -> None:
+    """Rank 0 writes the manifest and publishes ``partial`` as ``path``; the others wait."""
+    if world.rank == 0:
         os.remove(os.path.join(partial, PARTIAL_MARK))
-        _write_manifest(partial, model, optimizer, size, save_id)
-        _publish(partial, path)
+        _write_manifest(partial, *saved, world.size, save_id)
+        publish(partial, path)
     barrier(world)
-
-
-# [Note: save destinations]
-# A save writes PATH.partial, moves a checkpoint already at PATH to PATH.old, renames
-# PATH.partial to PATH, then deletes PATH.old. Each of those deletions and renames touches
-# only what flatshard wrote: PATH and PATH.old must be absent or checkpoints (a readable
-# flatshard.json of this format), PATH.partial absent or an unfinished save (it carries
-# PARTIAL_MARK, or holds only the files a save writes). Anything else there -- a user's
-# directory, a file -- refuses the save before anything is written, on every rank: rank 0
-# decides and tells the others, so that ranks on different views of the path agree.
-# PATH.lock (held by rank 0 through the save, see save_lock) is created and removed by the
-# save; one that is not empty or a flatshard lock refuses the save and stays as it is.
-PARTIAL_MARK = ".flatshard-partial"
-_SAVE_FILES = re.compile(r"(\.metadata|__\d+_\d+\.distcp|flatshard\.json|\.flatshard-partial)")
-
-
-def _is_checkpoint(path: str) -> bool:
-    try:
-        with open(os.path.join(path, MANIFEST)) as f:
-            return json.load(f).get("format") == FORMAT
-    except (OSError, ValueError, AttributeError):
-        return False
-
-
-def _is_unfinished_save(path: str) -> bool:
-    """Marked by the save that made it (DCP's temporary files may be there too), or, from a
-    flatshard without the mark, holding only the files a save writes."""
-    if not os.path.isdir(path):
-        return False
-    names = os.listdir(path)
-    return PARTIAL_MARK in names or all(_SAVE_FILES.fullmatch(name) for name in names)
-
-
-def destination_problem(path: str) -> str | None:
-    """Why ``save_checkpoint(path)`` must not write there, or None when it may."""
-    checks = (
-        (path, _is_checkpoint, "a flatshard checkpoint"),
-        (path + ".old", _is_checkpoint, "a flatshard checkpoint"),
-        (path + ".partial", _is_unfinished_save, "an unfinished flatshard save"),
-    )
-    for where, ours, what in checks:
-        if os.path.lexists(where) and not ours(where):
-            kind = "a directory" if os.path.isdir(where) else "a file"
-            return (
-                f"{where} exists and is {kind} that is not {what}: save_checkpoint replaces only "
-                f"what it wrote itself. Choose another path, or move {where} away"
-            )
-    return None
-
-
-LOCK_MARK = b"flatshard save lock\n"
-
-
-@contextmanager
-def save_lock(path: str, take: bool) -> Iterator[str | None]:
-    """Hold ``PATH.lock`` (an exclusive ``flock``) for a save to ``path``; yields None when
-    held, else why not (another save holds it, or the file is not a flatshard lock).
-
-    The kernel drops the lock when its holder exits, killed or not, so a killed save never
-    blocks the next one. The holder removes the file before letting go of it; a process that
-    locked a file after it was removed sees that the path no longer names its file and tries
-    again, so two saves never hold two different files.
-    """
-    if not take:
-        yield None
-        return
-    lock = path + ".lock"
-    for _ in range(3):
-        try:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            yield f"cannot open the save lock {lock}: {e.strerror}"
-            return
-        try:
-            problem = _lock(fd, lock, path)
-            if problem != _STALE:
-                try:
-                    yield problem
-                finally:
-                    if problem is None:
-                        os.unlink(lock)
-                return
-        finally:
-            os.close(fd)  # (releases the flock)
-    yield f"cannot take the save lock {lock}: other saves to {path} keep replacing it"
-
-
-_STALE = "removed by the save that held it"
-
-
-def _lock(fd: int, lock: str, path: str) -> str | None:
-    content = os.pread(fd, len(LOCK_MARK) + 1, 0)
-    if content and content != LOCK_MARK:
-        return f"{lock} exists and is not a flatshard save lock: move it away, or choose another path"
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return (
-            f"another save to {path} is in progress (it holds {lock}): two saves to one path at "
-            "once would mix their files; wait for it, or save elsewhere"
-        )
-    try:
-        if os.stat(lock).st_ino != os.fstat(fd).st_ino:
-            return _STALE
-    except FileNotFoundError:
-        return _STALE
-    if not content:
-        os.pwrite(fd, LOCK_MARK, 0)
-    return None
 
 
 def _agree_on_destination(world: World, path: str, lock_problem: str | None) -> str:
@@ -385,37 +315,6 @@ def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int
         json.dump(manifest, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-
-
-def _publish(partial: str, path: str) -> None:
-    """Make ``partial`` visible as ``path``; an older checkpoint there stays complete under
-    ``path.old`` until the new one is in place."""
-    old = path + ".old"
-    if os.path.lexists(path):
-        if os.path.lexists(old):
-            _remove(old)
-        os.rename(path, old)
-    os.rename(partial, path)
-    _fsync_dir(os.path.dirname(os.path.abspath(path)))
-    if os.path.lexists(old):
-        _remove(old)
-
-
-def _remove(path: str) -> None:
-    """Remove a checkpoint this library replaced: a symbolic link to one only as a link (what
-    it points to was not written here and stays)."""
-    if os.path.islink(path):
-        os.unlink(path)
-    else:
-        shutil.rmtree(path)
-
-
-def _fsync_dir(directory: str) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # -- loading ---------------------------------------------------------------------------------------
@@ -520,33 +419,49 @@ def load_checkpoint(
 
 
 def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> dict[str, Any]:
+    """check -> read -> apply -> restore ([Note: checkpoint pipelines])."""
+    world = job_world(model)  # (checkpoints are collective over every rank)
+    with span("load check"):
+        manifest = _check(path, model, world)
+    rng = restore_rng and manifest["world_size"] == world.size
+    with cs.param_dtype_shards(model):
+        with span("load read"):
+            state, finish, extra_keys = _read(path, manifest, world, (model, optimizer), rng)
+        with span("load apply"):
+            if finish is not None:
+                finish(state)
+    with span("load restore"):
+        if rng:
+            _set_rng_state(state[f"rng/{world.rank}"])
+        read = {key: state[key] for key in extra_keys}
+        return _restore_extra(path, read, manifest["world_size"], world.size, extra)
+
+
+def _check(path: str, model: nn.Module, world: World) -> dict[str, Any]:
+    """The manifest, once its files, the model's shapes and every rank's choice of save agree."""
     manifest = read_manifest(path)
     cs.check_shapes(model, {n: shape for n, (shape, _) in manifest["params"].items()}, f"checkpoint {path}")
-    world = job_world(model)  # (checkpoints are collective over every rank)
     # Every rank loads the same save (within the deadline, before DCP's own collectives).
     save_id = manifest.get("save_id")
     which = f"save {save_id}" if save_id else f"checkpoint {os.path.abspath(path)}"
     check_ranks_agree(world, [which], "which checkpoint to load")
-    rank, size = world.rank, world.size
+    return manifest
+
+
+def _read(path: str, manifest: dict[str, Any], world: World, into: tuple[nn.Module, Any], rng: bool):
+    """Read what this rank's layout holds: model pieces (into their storage), optimizer
+    entries, ``extra`` and (``rng``) this rank's RNG states. Returns the read state, the
+    optimizer's finishing step (or None) and the ``extra`` keys read."""
+    model, optimizer = into
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    same_world = manifest["world_size"] == size
-    with cs.param_dtype_shards(model):
-        state = cs.model_pieces(model, load=True)
-        optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
-        state.update(optimizer_entries)
-        extra_keys = _extra_keys(saved, rank, same_world)
-        state.update(dict.fromkeys(extra_keys))
-        if restore_rng and same_world:
-            state[f"rng/{rank}"] = None
-        pieces.load(state, path, save_id=save_id, group=timed_group(world), single_process=size == 1)
-        if finish is not None:
-            finish(state)
-    if restore_rng and same_world:
-        _set_rng_state(state[f"rng/{rank}"])
-    values = _extra_values(path, {key: state[key] for key in extra_keys}, manifest["world_size"], size)
-    for key, target in (extra or {}).items():
-        if key not in values:
-            raise KeyError(f"checkpoint {path} has no extra entry {key!r} (it has {sorted(values)})")
-        if hasattr(target, "load_state_dict"):
-            target.load_state_dict(values[key])
-    return values
+    state = cs.model_pieces(model, load=True)
+    optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
+    state.update(optimizer_entries)
+    extra_keys = _extra_keys(saved, world.rank, manifest["world_size"] == world.size)
+    state.update(dict.fromkeys(extra_keys))
+    if rng:
+        state[f"rng/{world.rank}"] = None
+    pieces.load(
+        state, path, save_id=manifest.get("save_id"), group=timed_group(world), single_process=world.size == 1
+    )
+    return state, finish, extra_keys
