@@ -6,11 +6,19 @@ import torch
 from torch import nn
 
 import flatshard
-from flatshard.engine.lifecycle import TRANSITIONS, Backward, Grads, IllegalTransition, Reduction, advance
+from flatshard.engine.lifecycle import (
+    TRANSITIONS,
+    Backward,
+    Gather,
+    Grads,
+    IllegalTransition,
+    Reduction,
+    advance,
+)
 
 
 def test_every_state_has_its_edges_and_illegal_moves_raise():
-    for enum in (Backward, Grads, Reduction):
+    for enum in (Backward, Grads, Reduction, Gather):
         for state in enum:
             assert state in TRANSITIONS and all(type(n) is enum for n in TRANSITIONS[state])
     assert advance(Reduction.COLLECTING, Reduction.REDUCING, "g") is Reduction.REDUCING
@@ -18,6 +26,8 @@ def test_every_state_has_its_edges_and_illegal_moves_raise():
         advance(Reduction.REDUCED, Reduction.REDUCING, "bucket group 3")
     with pytest.raises(IllegalTransition):
         advance(Backward.IDLE, Backward.UNBOUNDED, "backward")
+    with pytest.raises(IllegalTransition, match="a unit: SHARDED -> FULL"):
+        advance(Gather.SHARDED, Gather.FULL, "a unit")
 
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
@@ -46,3 +56,17 @@ def test_a_step_walks_the_states(stage):
     opt.step()
     opt.zero_grad()
     assert sync.grads is Grads.EMPTY
+
+
+def test_stage3_units_walk_sharded_gathering_full():
+    torch.manual_seed(0)
+    model = flatshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=3, units=[nn.Linear])
+    unsharder = model.flatshard_state.unsharder
+    model.wait_for_params()
+    assert set(unsharder.state) == {Gather.SHARDED}
+    unsharder.unshard(0)
+    assert unsharder.state[0] is Gather.GATHERING
+    unsharder.wait(0)
+    assert unsharder.state[0] is Gather.FULL
+    unsharder.reshard(0)
+    assert unsharder.state[0] is Gather.SHARDED

@@ -2,7 +2,7 @@
 
 [Note: lifecycles]
 
-Three things in the engine change state as a step runs; each is one enum member, never a
+Four things change state as a step runs; each is one enum member, never a
 cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance`` raises
 ``IllegalTransition`` otherwise: a bug in flatshard, not a user error).
 
@@ -18,6 +18,9 @@ cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance``
   sharding: the shards' all-reduce across the replicate world is in flight), ``REDUCED``
   (waited for and folded into the grads; a grad arriving now is an error) until the next
   backward starts it over.
+* ``Gather``, of one stage-3 unit: ``SHARDED`` (its params are placeholders over shards),
+  ``GATHERING`` (its all-gathers are in flight), ``FULL`` (waited for; its params view the
+  full buckets). Resharding frees it from either of the last two.
 """
 
 from __future__ import annotations
@@ -51,6 +54,12 @@ class Reduction(Enum):
     REDUCED = "reduced"
 
 
+class Gather(Enum):
+    SHARDED = "sharded"
+    GATHERING = "gathering"
+    FULL = "full"
+
+
 TRANSITIONS: dict[Enum, frozenset[Enum]] = {
     Backward.IDLE: frozenset({Backward.RUNNING}),
     Backward.RUNNING: frozenset({Backward.UNBOUNDED, Backward.IDLE}),
@@ -64,6 +73,9 @@ TRANSITIONS: dict[Enum, frozenset[Enum]] = {
     Reduction.REDUCING: frozenset({Reduction.REPLICATING, Reduction.REDUCED, Reduction.COLLECTING}),
     Reduction.REPLICATING: frozenset({Reduction.REDUCED, Reduction.COLLECTING}),
     Reduction.REDUCED: frozenset({Reduction.COLLECTING}),
+    Gather.SHARDED: frozenset({Gather.GATHERING}),
+    Gather.GATHERING: frozenset({Gather.FULL, Gather.SHARDED}),
+    Gather.FULL: frozenset({Gather.SHARDED}),
 }
 
 

@@ -124,7 +124,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import Enum
 
 import torch
 from torch import nn
@@ -137,16 +136,11 @@ from flatshard.comm.trace import span
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
+from flatshard.engine.lifecycle import Gather, advance
 from flatshard.engine.placeholder import label
 from flatshard.engine.units import Unit, entry_points
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import UnitOptions
-
-
-class _State(Enum):
-    SHARDED = 0
-    GATHERING = 1
-    FULL = 2
 
 
 @dataclass(frozen=True)
@@ -174,7 +168,7 @@ class Unsharder:
         self.parts = parts
         self.stats = stats
         self.options = options
-        self.state = [_State.SHARDED] * len(units)
+        self.state = [Gather.SHARDED] * len(units)
         self._handles: dict[int, list[Handle]] = {}
         self._recording: list[int] | None = []  # units in the order the first forward runs them
         self._ran: set[int] = set()  # units whose forward ran since the last backward
@@ -221,7 +215,7 @@ class Unsharder:
     # -- the three states ----------------------------------------------------------------------
     def unshard(self, u: int) -> None:
         """Start gathering unit ``u`` (nothing if it is gathering or full)."""
-        if self.state[u] is not _State.SHARDED:
+        if self.state[u] is not Gather.SHARDED:
             return
         handles = []
         with torch.no_grad(), span("gather unit {} ({})", u, self.units[u].name or "root"):
@@ -232,32 +226,32 @@ class Unsharder:
                 if part.world.size > 1:
                     handles.append(all_gather(full, mine, part.world, stats=self.stats))
         self._handles[u] = handles
-        self.state[u] = _State.GATHERING
+        self.state[u] = advance(self.state[u], Gather.GATHERING, "a unit")
 
     def wait(self, u: int) -> None:
         """Make unit ``u`` full: wait for its gathers and point its params at them."""
         self.unshard(u)
-        if self.state[u] is not _State.GATHERING:
+        if self.state[u] is not Gather.GATHERING:
             return
         with span("wait unit {} ({})", u, self.units[u].name or "root"):
             for handle in self._handles.pop(u):
                 handle.wait()
         for part in self.parts[u]:
             part.buffer.point_params(part.bucket, full=True)
-        self.state[u] = _State.FULL
+        self.state[u] = advance(self.state[u], Gather.FULL, "a unit")
 
     def reshard(self, u: int) -> None:
         """Free unit ``u``'s full buckets; its params become placeholders again."""
         self._members_done[u].clear()
-        if self.state[u] is _State.SHARDED:
+        if self.state[u] is Gather.SHARDED:
             return
-        if self.state[u] is _State.GATHERING:
+        if self.state[u] is Gather.GATHERING:
             for handle in self._handles.pop(u):
                 handle.wait()
         for part in self.parts[u]:
             part.buffer.point_params(part.bucket, full=False)
             self.free(part)
-        self.state[u] = _State.SHARDED
+        self.state[u] = advance(self.state[u], Gather.SHARDED, "a unit")
 
     def allocate(self, part: Part) -> torch.Tensor:
         """The part's full bucket with its storage allocated (counted in ``full_bytes``)."""
@@ -289,7 +283,7 @@ class Unsharder:
 
     @property
     def in_flight(self) -> int:
-        return sum(1 for s in self.state if s is _State.GATHERING)
+        return sum(1 for s in self.state if s is Gather.GATHERING)
 
     # -- the gather schedules ----------------------------------------------------------------
     def _advance(self, schedule: _Schedule, pos: int) -> None:
@@ -309,7 +303,7 @@ class Unsharder:
         schedule.needed = max(
             schedule.needed, schedule.lead.get(u, -len(schedule.lead) - 1) if pos is None else pos
         )
-        if self.state[u] is _State.SHARDED and pos is not None and pos >= schedule.pos:
+        if self.state[u] is Gather.SHARDED and pos is not None and pos >= schedule.pos:
             self._advance(schedule, pos)
         self.wait(u)
 
