@@ -38,7 +38,7 @@ from flatshard.optim.hybrid import HybridDeviceOptimizer
 from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
 from flatshard.planner.layout import Layout, ParamSpec, plan_layout
-from flatshard.planner.mixed_precision import MixedPrecision
+from flatshard.planner.mixed_precision import MixedPrecision, OptimizerPrecision
 from flatshard.planner.stage import Buckets, Stage3
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import ExpertGroup, shard
@@ -58,6 +58,7 @@ __all__ = [
     "Layout",
     "MemoryReport",
     "MixedPrecision",
+    "OptimizerPrecision",
     "OwnerShardedOptimizer",
     "ParamSpec",
     "ShardedModule",

@@ -38,8 +38,7 @@ import hashlib
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -57,98 +56,11 @@ from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
-from flatshard.planner.layout import ShardRanges
-from flatshard.planner.mixed_precision import HALF_DTYPES
-from flatshard.planner.shard_map import Run, plan_runs
+from flatshard.optim.precision import PrecisionAwareOptimizer, check_precision
+from flatshard.optim.shards import BufferShards, build_shards
+from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.wrap.arguments import check_flags
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
-
-
-@dataclass
-class BufferShards:
-    """One flat buffer as the optimizer sees it: its shards, main params and runs."""
-
-    buffer: FlatBuffer
-    world: World
-    main_data: torch.Tensor | None  # 1D fp32 shard frame; None unless params are 16-bit
-    runs: list[Run]
-    tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
-
-    @property
-    def buckets(self):
-        return self.buffer.layout.buckets
-
-    def grad_shards(self) -> list[torch.Tensor]:
-        return [self.buffer.grad_shard(b) for b in self.buckets]
-
-    def nonfinite_grads(self) -> list[str]:
-        """Names of the params whose grad pieces on this rank hold inf or NaN (a slow loop:
-        only to say why a step was skipped)."""
-        names = []
-        for bucket, grad in zip(self.buckets, self.grad_shards(), strict=True):
-            for piece in bucket.local_ranges(self.buffer.rank):
-                if not bool(torch.isfinite(grad[slice(*piece.in_shard)]).all()):
-                    names.append(piece.name)
-        return names
-
-    def load_main_from_params(self) -> None:
-        if self.main_data is not None and not self.buffer.shard_dropped:
-            for bucket in self.buckets:
-                frame = self.buffer.frame_range(bucket)
-                self.main_data[frame.start : frame.end].copy_(self.buffer.param_shard(bucket))
-
-    def main_pieces(self) -> Iterator[tuple[ShardRanges, torch.Tensor]]:
-        """Each param piece of this rank's shards with its view of the main params."""
-        if self.main_data is None:
-            return
-        for bucket in self.buckets:
-            frame = self.buffer.frame_range(bucket)
-            for piece in bucket.local_ranges(self.buffer.rank):
-                lo, hi = piece.in_shard
-                yield piece, self.main_data[frame.start + lo : frame.start + hi]
-
-    def load_main_from_originals(self, originals: dict[str, torch.Tensor]) -> None:
-        """Seed main params with pre-cast fp32 values (see ``MixedPrecision``), piece by
-        piece: once, at construction."""
-        if self.main_data is None or not originals:
-            return
-        for piece, main in self.main_pieces():
-            original = originals.get(piece.name)
-            if original is not None:
-                main.copy_(original.reshape(-1)[slice(*piece.in_param)])
-
-    def store_main_to_params(self) -> None:
-        if self.main_data is not None and not self.buffer.shard_dropped:
-            for bucket in self.buckets:
-                frame = self.buffer.frame_range(bucket)
-                self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
-
-
-def _build_shards(
-    buffer: FlatBuffer, world: World, group_of: dict[str, int], shapes: dict[str, tuple[int, ...]]
-) -> BufferShards:
-    runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes)
-    main_data = None
-    if buffer.layout.dtype in HALF_DTYPES:
-        main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
-    tensors = []
-    for run in runs:
-        bucket = buffer.layout.buckets[run.bucket]
-        lo, hi = run.in_shard
-        if main_data is None:
-            tensor = buffer.param_shard(bucket)[lo:hi]
-        else:
-            frame = buffer.frame_range(bucket)
-            tensor = main_data[frame.start + lo : frame.start + hi]
-        grads = buffer.grad_shard(bucket) if buffer.full_grads else buffer.allocate_grad_shard(bucket)
-        grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
-        if run.shape is not None:  # a whole-param run: the param's own shape
-            tensor, grad = tensor.view(run.shape), grad.view(run.shape)
-        tensor.grad = grad
-        tensors.append(tensor)
-    shards = BufferShards(buffer, world, main_data, runs, tensors)
-    shards.load_main_from_params()
-    return shards
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -177,6 +89,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         elementwise: declare that ``optimizer_class`` updates each element from its own
             grad and state alone, so that it steps flat shards although it is not in
             ``ELEMENTWISE`` (see [Note: elementwise optimizers]).
+        precision: an ``OptimizerPrecision``: bf16 main params (of a bf16 model) and/or bf16
+            state, stored with stochastic rounding ([Note: precision-aware optimizer] in
+            ``optim/precision.py``); None keeps both in fp32.
         **defaults: the inner optimizer's keyword arguments (``lr``, ``weight_decay``, ...).
 
     A param that got no grad in any backward still takes a step with a zero grad (torch
@@ -193,6 +108,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         loss_scale: float | str | StaticLossScaler | None = None,
         skip_nonfinite: bool = True,
         elementwise: bool = False,
+        precision: OptimizerPrecision | None = None,
         **defaults: Any,
     ) -> None:
         check_flags(
@@ -205,12 +121,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
             optimizer_class, defaults, elementwise=elementwise, groups=groups, classes=classes
         )
         whole = [not steps_flat(cls, optimizer_class, elementwise) for cls in classes]
+        check_precision(precision, state, classes, whole)
         shapes = whole_shapes(state, group_of, classes, whole)
+        main_dtype = torch.float32 if precision is None else precision.main_dtype
         self._model = model
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group
         self._buffer_shards = [
-            _build_shards(buffer, bset.world, group_of, shapes)
+            build_shards(buffer, bset.world, group_of, shapes, main_dtype)
             for bset in state.sets.values()
             for buffer in bset.buffers
         ]
@@ -223,7 +141,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for shards in self._buffer_shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
                 inner_groups[run.group]["params"].append(tensor)
-        self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, self._describe_run)
+        if precision is not None and precision.lowered:
+            grads = {
+                id(t): g for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)
+            }
+            self.inner = PrecisionAwareOptimizer(optimizer_class, inner_groups, defaults, precision, grads)
+        else:
+            self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, self._describe_run)
+        self.precision = precision
         self._init_base()
         self.overlap_param_gather = overlap_param_gather
         self.loss_scaler = make_loss_scaler(loss_scale)

@@ -78,3 +78,41 @@ def input_cast_hook(dtype: torch.dtype) -> Callable[..., tuple[Any, Any]]:
         return tree_map(cast, args), tree_map(cast, kwargs)
 
     return hook
+
+
+LOW_STATE_DTYPES = (torch.float32, torch.bfloat16)
+"""The dtypes ``OptimizerPrecision`` keeps main params and optimizer state in."""
+
+
+@dataclass(frozen=True)
+class OptimizerPrecision:
+    """What a ``DistributedOptimizer`` keeps its main params and state in ([Note: precision-
+    aware optimizer] in ``optim/precision.py``).
+
+    ``main_dtype``: torch.float32 keeps an fp32 copy of 16-bit params (the default);
+    torch.bfloat16 keeps none, and the bf16 params themselves are updated, with stochastic
+    rounding (they must be bf16: ``MixedPrecision(torch.bfloat16)``). ``state_dtype``: the
+    dtype of every elementwise state tensor (Adam's two moments), stored with stochastic
+    rounding when bf16. ``seed``: where the rounding's random bits start (the same on every
+    rank: replicated state stays replicated). bf16 main params with bf16 state hold 4 bytes
+    a param of main params and Adam state together, against 12 in fp32."""
+
+    main_dtype: torch.dtype = torch.float32
+    state_dtype: torch.dtype = torch.float32
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for field in ("main_dtype", "state_dtype"):
+            value = getattr(self, field)
+            if value not in LOW_STATE_DTYPES:
+                raise ValueError(
+                    f"OptimizerPrecision.{field} must be torch.float32 or torch.bfloat16, got {value!r} "
+                    "(float16 lacks the range for Adam's second moment)"
+                )
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise TypeError(f"OptimizerPrecision.seed must be an int, got {self.seed!r}")
+
+    @property
+    def lowered(self) -> bool:
+        """Whether anything is kept below fp32."""
+        return self.main_dtype != torch.float32 or self.state_dtype != torch.float32

@@ -1,0 +1,112 @@
+"""One flat buffer as the ``DistributedOptimizer`` sees it: this rank's shards of its
+buckets, the fp32 main params where its params are 16-bit, and the runs the inner optimizer
+steps over them ([Note: distributed optimizer] in ``optim/distributed.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from flatshard.comm.world import World
+from flatshard.engine.buffer import FlatBuffer
+from flatshard.planner.layout import ShardRanges
+from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.shard_map import Run, plan_runs
+
+
+@dataclass
+class BufferShards:
+    """One flat buffer as the optimizer sees it: its shards, main params and runs."""
+
+    buffer: FlatBuffer
+    world: World
+    main_data: torch.Tensor | None  # 1D fp32 shard frame; None unless params are 16-bit
+    runs: list[Run]
+    tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
+    grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match)
+
+    @property
+    def buckets(self):
+        return self.buffer.layout.buckets
+
+    def grad_shards(self) -> list[torch.Tensor]:
+        return [self.buffer.grad_shard(b) for b in self.buckets]
+
+    def nonfinite_grads(self) -> list[str]:
+        """Names of the params whose grad pieces on this rank hold inf or NaN (a slow loop:
+        only to say why a step was skipped)."""
+        names = []
+        for bucket, grad in zip(self.buckets, self.grad_shards(), strict=True):
+            for piece in bucket.local_ranges(self.buffer.rank):
+                if not bool(torch.isfinite(grad[slice(*piece.in_shard)]).all()):
+                    names.append(piece.name)
+        return names
+
+    def load_main_from_params(self) -> None:
+        if self.main_data is not None and not self.buffer.shard_dropped:
+            for bucket in self.buckets:
+                frame = self.buffer.frame_range(bucket)
+                self.main_data[frame.start : frame.end].copy_(self.buffer.param_shard(bucket))
+
+    def main_pieces(self) -> Iterator[tuple[ShardRanges, torch.Tensor]]:
+        """Each param piece of this rank's shards with its view of the main params."""
+        if self.main_data is None:
+            return
+        for bucket in self.buckets:
+            frame = self.buffer.frame_range(bucket)
+            for piece in bucket.local_ranges(self.buffer.rank):
+                lo, hi = piece.in_shard
+                yield piece, self.main_data[frame.start + lo : frame.start + hi]
+
+    def load_main_from_originals(self, originals: dict[str, torch.Tensor]) -> None:
+        """Seed main params with pre-cast fp32 values (see ``MixedPrecision``), piece by
+        piece: once, at construction."""
+        if self.main_data is None or not originals:
+            return
+        for piece, main in self.main_pieces():
+            original = originals.get(piece.name)
+            if original is not None:
+                main.copy_(original.reshape(-1)[slice(*piece.in_param)])
+
+    def store_main_to_params(self) -> None:
+        if self.main_data is not None and not self.buffer.shard_dropped:
+            for bucket in self.buckets:
+                frame = self.buffer.frame_range(bucket)
+                self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
+
+
+def build_shards(
+    buffer: FlatBuffer,
+    world: World,
+    group_of: dict[str, int],
+    shapes: dict[str, tuple[int, ...]],
+    main_dtype: torch.dtype = torch.float32,
+) -> BufferShards:
+    """The runs of ``buffer``'s shards, over fp32 main params where its params are 16-bit
+    and ``main_dtype`` is fp32, else over the param shard itself."""
+    runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes)
+    main_data = None
+    if buffer.layout.dtype in HALF_DTYPES and main_dtype == torch.float32:
+        main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
+    tensors, run_grads = [], []
+    for run in runs:
+        bucket = buffer.layout.buckets[run.bucket]
+        lo, hi = run.in_shard
+        if main_data is None:
+            tensor = buffer.param_shard(bucket)[lo:hi]
+        else:
+            frame = buffer.frame_range(bucket)
+            tensor = main_data[frame.start + lo : frame.start + hi]
+        grads = buffer.grad_shard(bucket) if buffer.full_grads else buffer.allocate_grad_shard(bucket)
+        grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
+        if run.shape is not None:  # a whole-param run: the param's own shape
+            tensor, grad = tensor.view(run.shape), grad.view(run.shape)
+        if grad.dtype == tensor.dtype:  # (bf16 runs, the params themselves, have fp32 grads
+            tensor.grad = grad  # that torch refuses as their .grad: they are read from ``grads``)
+        tensors.append(tensor)
+        run_grads.append(grad)
+    shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads)
+    shards.load_main_from_params()
+    return shards

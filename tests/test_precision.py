@@ -1,0 +1,228 @@
+"""The precision-aware optimizer ([Note: precision-aware optimizer] in optim/precision.py):
+stochastic rounding is unbiased and replays; the chunked fp32 step is torch's own step;
+bf16 state and bf16 main params follow an fp32 run within the bound their rounding allows,
+at every stage and world size; memory_report counts the bytes.
+
+[Note: precision tolerances]
+
+bf16 keeps 8 significant bits, so one stochastic rounding moves a value by less than one
+ulp, at most 2**-7 of it. A state tensor rounded once a step carries after t steps an error
+of at most t * 2**-7 of its size (each rounding's error decays by beta or momentum < 1
+afterwards, bounded here by not decaying at all). Its effect on an update:
+
+* SGD with momentum: the update is lr * buf, so its error is at most t * 2**-7 of it.
+* Adam: the update is lr * m / sqrt(v); m's relative error t * 2**-7 and sqrt(v)'s half of
+  v's add to 1.5 * t * 2**-7.
+
+Summed over T steps, the params differ from the fp32 run's by at most c * D with
+c = 1.5 * T * 2**-7 and D the fp32 run's own movement (the sum over steps of each step's
+largest update); with T = 4, c = 0.047. bf16 main params are rounded themselves too: one
+more ulp of the param a step, T * 2**-7 * max|w| in all. Grads move with the params, which
+feeds the difference back; at lr 1e-2 over 4 steps that is a fraction of the first-order
+bound, covered by a factor of 2. Against these, a step that lost its state (Adam's update
+becomes sign(grad)) or its update (the param does not move) differs by about D. Adam is held
+to the bound only where the two runs' grads agree to fp32 rounding (bf16 moments, 1-2
+ranks): where they differ more (bf16 main params change the forward), Adam turns that into
+lr-sized differences for grads that nearly cancel ([Note: parity tolerances]), so bf16 main
+params are held to it with SGD, and their Adam loss curves are measured by
+``benchmarks/precision.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import flatshard
+from _parity import CFG, TiedGPT
+from flatshard.optim.precision import PrecisionAwareOptimizer, round_into
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.testing import run_distributed
+
+BF16 = torch.bfloat16
+ULP = 2.0**-7  # one bf16 ulp, relative to the value (8 significant bits)
+STEPS = 4
+
+
+# -- stochastic rounding ---------------------------------------------------------------------------
+def test_stochastic_rounding_is_unbiased_exact_where_it_can_be_and_replays():
+    lo = torch.tensor(1.0, dtype=BF16)
+    hi = torch.tensor(1.0 + 2.0**-7, dtype=BF16)
+    fraction = 0.3
+    n = 200_000
+    value = torch.full((n,), 1.0 + fraction * 2.0**-7)
+    out = torch.empty(n, dtype=BF16)
+    round_into(out, value, torch.Generator().manual_seed(0))
+    assert set(out.unique().tolist()) == {lo.item(), hi.item()}
+    up = (out == hi).double().mean().item()
+    # binomial: the share rounded up has mean `fraction` and std sqrt(f (1-f) / n) = 0.001
+    assert abs(up - fraction) < 6 * math.sqrt(fraction * (1 - fraction) / n), up
+    exact = torch.randn(1000).to(BF16).float()  # already bf16 values: never moved
+    again = torch.empty(1000, dtype=BF16)
+    round_into(again, exact, torch.Generator().manual_seed(1))
+    assert torch.equal(again.float(), exact)
+    twice = [torch.empty(n, dtype=BF16) for _ in range(2)]
+    for t in twice:
+        round_into(t, value, torch.Generator().manual_seed(7))
+    assert torch.equal(*twice)
+    special = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])
+    round_into(out[:4], special, torch.Generator().manual_seed(0))
+    assert out[:4].float().tolist() == special.tolist()
+
+
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
+def test_the_chunked_fp32_step_is_torchs_own(chunk):
+    """fp32 main params and fp32 state through the chunked path equal torch's AdamW, for
+    chunks that cut runs anywhere (tolerance: one fp32 rounding of each update, 1e-6)."""
+    torch.manual_seed(0)
+    params = [torch.randn(n) for n in (17, 100, 3)]
+    mine = [p.clone() for p in params]
+    ref = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    grads = {id(p): torch.empty_like(p) for p in mine}
+    precision = flatshard.OptimizerPrecision(state_dtype=torch.float32)
+    ours = PrecisionAwareOptimizer(
+        torch.optim.AdamW, [{"params": mine}], {"lr": 1e-2, "weight_decay": 0.1}, precision, grads, chunk
+    )
+    for _ in range(5):
+        for p, q in zip(params, mine, strict=True):
+            p.grad = torch.randn_like(p)
+            grads[id(q)].copy_(p.grad)
+        ref.step()
+        ours.step()
+    for p, q in zip(params, mine, strict=True):
+        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+        assert ours.state[q]["step"].item() == 5
+
+
+# -- following an fp32 run ---------------------------------------------------------------------------
+def _params(model) -> list[torch.Tensor]:
+    if isinstance(model, DDP):
+        return [p.detach().float().clone() for p in model.module.parameters()]
+    with model.summon_full_params(writeback=False):
+        return [p.detach().float().clone() for p in model.parameters()]
+
+
+def _follow(stage: int, cls_name: str, main_bf16: bool) -> dict:
+    """Train a flatshard model with bf16 state (and ``main_bf16``: bf16 main params) beside
+    an fp32-state run on the same data; return the largest param difference and the fp32
+    run's movement D ([Note: precision tolerances])."""
+    torch.set_num_threads(1)
+    cls = getattr(torch.optim, cls_name)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1} if cls_name == "AdamW" else {"lr": 1e-2, "momentum": 0.9}
+    torch.manual_seed(0)
+    model = TiedGPT()
+    if main_bf16:  # the fp32-state run: flatshard's fp32 main params of the same bf16 model
+        mp = flatshard.MixedPrecision(BF16)
+        reference = flatshard.shard(copy.deepcopy(model), stage=stage, mixed_precision=mp, bucket_size=3000)
+        opt_ref = flatshard.DistributedOptimizer(reference, cls, **kwargs)
+        ours = flatshard.shard(model, stage=stage, mixed_precision=mp, bucket_size=3000)
+    else:
+        reference = DDP(copy.deepcopy(model))
+        opt_ref = cls(reference.parameters(), **kwargs)
+        ours = flatshard.shard(model, stage=stage, bucket_size=3000)
+    precision = flatshard.OptimizerPrecision(
+        main_dtype=BF16 if main_bf16 else torch.float32, state_dtype=BF16
+    )
+    opt = flatshard.DistributedOptimizer(ours, cls, precision=precision, **kwargs)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    allowance = 2 * STEPS * ULP if main_bf16 else 0.0  # (of each element: its own roundings)
+    moved, diff, before = 0.0, 0.0, _params(reference)
+    for step in range(STEPS):
+        x, y = corpus.batch(step, dist.get_rank(), 4)
+        for m in (reference, ours):
+            m(x, y).backward()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+        after = _params(reference)
+        moved += max((a - b).abs().max().item() for a, b in zip(after, before, strict=True))
+        diff = max(
+            ((a - b).abs() - allowance * b.abs()).max().item()
+            for a, b in zip(_params(ours), after, strict=True)
+        )
+        before = after
+    largest = max(p.abs().max().item() for p in before)
+    return {"diff": diff, "moved": moved, "largest": largest}
+
+
+def _bound(result: dict) -> float:
+    """[Note: precision tolerances]: 2 x 1.5 T 2**-7 D, plus fp32 noise (1e-5 of the largest
+    param, as in [Note: parity tolerances]). bf16 main params' own roundings (2 T 2**-7 of
+    each element) are taken off each element's difference before it is compared."""
+    return 2 * 1.5 * STEPS * ULP * result["moved"] + 1e-5 * result["largest"]
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_state_follows_fp32_state(world_size, stage):
+    """SGD + momentum (bf16 momentum buffer) beside DDP + SGD in fp32, every stage and world size."""
+    for result in run_distributed(_follow, world_size, stage, "SGD", False):
+        assert result["diff"] < _bound(result) < 0.2 * result["moved"], result
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_main_params_follow_fp32_main_params(world_size, stage):
+    """SGD + momentum stepping the bf16 params themselves (and a bf16 momentum buffer) beside
+    flatshard's fp32 main params of the same bf16 model."""
+    for result in run_distributed(_follow, world_size, stage, "SGD", True):
+        assert result["diff"] < _bound(result) < 0.2 * result["moved"], result
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_adamw_with_bf16_moments_follows_fp32(world_size, stage):
+    """AdamW with bf16 moments beside DDP + AdamW in fp32. (Not with bf16 main params, nor
+    at 3-4 ranks: there the grads differ in their last bits, and Adam turns that into
+    lr-sized differences where grads nearly cancel, [Note: parity tolerances] in _parity.py;
+    ``benchmarks/precision.py`` measures those settings' loss curves instead.)"""
+    for result in run_distributed(_follow, world_size, stage, "AdamW", False):
+        assert result["diff"] < _bound(result) < 0.2 * result["moved"], result
+
+
+def _replicas_agree(stage: int) -> list[float]:
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = flatshard.shard(TiedGPT(), stage=stage, mixed_precision=flatshard.MixedPrecision(BF16))
+    precision = flatshard.OptimizerPrecision(main_dtype=BF16, state_dtype=BF16)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, precision=precision, lr=1e-2)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    for step in range(3):
+        model(*corpus.batch(step, dist.get_rank(), 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    flat = torch.cat([p.detach().float().reshape(-1) for p in model.parameters()])
+    return flat.tolist()
+
+
+def test_replicated_state_stays_replicated():
+    """At stage 0 every rank holds all of the state: the rounding's bits are the same on
+    every rank, so the params stay bit-identical."""
+    first, *others = run_distributed(_replicas_agree, 3, 0)
+    assert all(o == first for o in others)
+
+
+# -- bytes ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("main", "state", "per_param"),
+    [(torch.float32, torch.float32, 12), (torch.float32, BF16, 8), (BF16, BF16, 4)],
+)
+def test_memory_report_counts_main_params_and_state(main, state, per_param):
+    """AdamW on a bf16 model: fp32 main + 2 fp32 moments is 12 bytes a param, bf16 moments 8,
+    bf16 main params (the params themselves) and bf16 moments 4."""
+    torch.manual_seed(0)
+    model = flatshard.shard(TiedGPT(), mixed_precision=flatshard.MixedPrecision(BF16))
+    precision = flatshard.OptimizerPrecision(main_dtype=main, state_dtype=state)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, precision=precision, lr=1e-3)
+    model(*SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, 0, 2)).backward()
+    opt.step()
+    report = flatshard.memory_report(model, opt)
+    numel = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    bytes_per_param = (report.main_params + report.optimizer_state) / numel
+    # (above it: the 64-element alignment of each param, the bucket padding, a step count per run)
+    assert per_param <= bytes_per_param < per_param * 1.06, bytes_per_param
