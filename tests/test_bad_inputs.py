@@ -42,6 +42,7 @@ from _catalog import (
     _wider,
     _with_manifest,
 )
+from _parity import NormalizedSGD
 
 CASES = [
     # -- shard() ------------------------------------------------------------------------------
@@ -108,6 +109,29 @@ CASES = [
         "param group 0: lr='x'",
     ),
     Case("params []", lambda t: _opt(params=[]), ValueError, "empty"),
+    Case("precision 'bf16'", lambda t: _opt(precision="bf16"), TypeError, "precision.*'bf16'"),
+    Case(
+        "state_dtype float16",
+        lambda t: flatshard.OptimizerPrecision(state_dtype=torch.float16),
+        ValueError,
+        "state_dtype.*float16",
+    ),
+    Case(
+        "bf16 main params of fp32 params",
+        lambda t: _opt(precision=flatshard.OptimizerPrecision(main_dtype=torch.bfloat16)),
+        ValueError,
+        "main_dtype=torch.bfloat16.*float32.*MixedPrecision",
+    ),
+    Case(
+        "low precision with a class stepped whole",
+        lambda t: _opt(
+            cls=NormalizedSGD,
+            precision=flatshard.OptimizerPrecision(state_dtype=torch.bfloat16),
+            lr=0.1,
+        ),
+        ValueError,
+        "NormalizedSGD.*stepped whole",
+    ),
     Case(
         "a foreign tensor in params",
         lambda t: _opt(params=[nn.Parameter(torch.zeros(3, 5))]),

@@ -141,6 +141,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         for shards in self._buffer_shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
                 inner_groups[run.group]["params"].append(tensor)
+        self.inner: torch.optim.Optimizer
         if precision is not None and precision.lowered:
             grads = {
                 id(t): g for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)

@@ -1,0 +1,167 @@
+"""Loss curves of low-precision optimizer state ([Note: precision-aware optimizer] in
+flatshard/optim/precision.py), side by side with the peers' low-precision AdamW.
+
+Every run trains the same bf16 model from the same init on the same batches with AdamW
+(lr 3e-3, weight decay 0.1, a 20-step warmup): flatshard with fp32 main params and state
+(12 bytes a param), bf16 state (8), bf16 main params and state (4); torchao's bf16 AdamW
+with stochastic rounding (4, where torchao installs) and torch's AdamW stepping the bf16
+params directly (4, round-to-nearest). The table gives each run's bytes a param of main
+params and state (``memory_report``; the peers' from their state), its final loss (the mean
+of the last 20 steps) and that loss's gap to the fp32-state run's; JSON and a plot of the
+curves are written.
+
+    python benchmarks/precision.py --model small --steps 300 --out benchmarks/results/precision-small
+    python benchmarks/precision.py --model hf:llama --steps 300 --out benchmarks/results/precision-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import time
+
+import torch
+from torch import nn
+
+import flatshard
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import lm_loss, model_dims, model_factory
+
+BF16 = torch.bfloat16
+HYPER = {"lr": 3e-3, "weight_decay": 0.1}
+WARMUP = 20
+TAIL = 20  # steps averaged for the final loss
+
+
+def _flatshard(precision):
+    def make(model: nn.Module):
+        sharded = flatshard.shard(model, stage=1, mixed_precision=flatshard.MixedPrecision(BF16))
+        opt = flatshard.DistributedOptimizer(sharded, torch.optim.AdamW, precision=precision, **HYPER)
+        return sharded, opt, lambda: flatshard.memory_report(sharded, opt)
+
+    return make
+
+
+def _plain(optimizer):
+    """A peer: ``optimizer(params)`` over the model's own bf16 params, no flatshard."""
+
+    def make(model: nn.Module):
+        model = model.to(BF16)
+        opt = optimizer(model.parameters())
+
+        def report():
+            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+            return flatshard.MemoryReport(0, 0, 0, sum(t.numel() * t.element_size() for t in state))
+
+        return model, opt, report
+
+    return make
+
+
+def _torchao_adamw():
+    try:
+        from torchao.optim import _AdamW
+    except ImportError:
+        return None
+    return _plain(lambda params: _AdamW(params, bf16_stochastic_round=True, **HYPER))
+
+
+RUNS = {
+    "flatshard fp32 main + state": _flatshard(None),
+    "flatshard bf16 state": _flatshard(flatshard.OptimizerPrecision(state_dtype=BF16)),
+    "flatshard bf16 main + state": _flatshard(
+        flatshard.OptimizerPrecision(main_dtype=BF16, state_dtype=BF16)
+    ),
+    "torchao AdamW bf16, stochastic rounding": _torchao_adamw(),
+    "torch AdamW on bf16 params": _plain(lambda params: torch.optim.AdamW(params, **HYPER)),
+}
+BASELINE = "flatshard fp32 main + state"
+
+
+def train(make, base: nn.Module, corpus: SyntheticCorpus, steps: int, batch: int) -> dict:
+    torch.manual_seed(0)
+    model, opt, report = make(copy.deepcopy(base))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / WARMUP))
+    numel = sum(p.numel() for p in base.parameters() if p.requires_grad)
+    losses = []
+    start = time.perf_counter()
+    for step in range(steps):
+        x, y = corpus.batch(step, 0, batch)
+        loss = lm_loss(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        losses.append(loss.item())
+    seconds = time.perf_counter() - start
+    memory = report()
+    return {
+        "losses": losses,
+        "final": sum(losses[-TAIL:]) / len(losses[-TAIL:]),
+        "bytes_per_param": (memory.main_params + memory.optimizer_state) / numel,
+        "seconds": seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="a GPT preset or hf:TYPE")
+    parser.add_argument("--steps", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--out", default=None, help="PATH: writes PATH.json and PATH.png")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    base = model_factory(args.model)()
+    vocab, seq_len = model_dims(base)
+    corpus = SyntheticCorpus(vocab, seq_len or 64, seed=1234)
+    results = {}
+    for name, make in RUNS.items():
+        if make is None:
+            print(f"{name}: not installed, skipped")
+            continue
+        results[name] = train(make, base, corpus, args.steps, args.batch)
+    reference = results[BASELINE]["final"]
+    numel = sum(p.numel() for p in base.parameters())
+    print(
+        f"\n{args.model} ({numel:,} params), AdamW, {args.steps} steps of {args.batch} sequences, bf16 params"
+    )
+    print(f"{'run':<42} {'bytes/param':>11} {'final loss':>10} {'gap':>8} {'s/step':>7}")
+    for name, r in results.items():
+        r["gap"] = (r["final"] - reference) / reference
+        cells = f"{r['bytes_per_param']:>11.2f} {r['final']:>10.4f} {r['gap']:>+8.2%}"
+        print(f"{name:<42} {cells} {r['seconds'] / args.steps:>7.3f}")
+    if args.out:
+        meta = {"model": args.model, "params": numel, "steps": args.steps, "batch": args.batch, **HYPER}
+        with open(args.out + ".json", "w") as f:
+            json.dump({"setup": meta, "runs": results}, f, indent=1)
+        _plot(results, args, args.out + ".png")
+
+
+def _plot(results: dict, args, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name, r in results.items():
+        smooth = [sum(r["losses"][max(0, i - 9) : i + 1]) / min(i + 1, 10) for i in range(len(r["losses"]))]
+        ax.plot(smooth, label=f"{name} ({r['bytes_per_param']:.0f} B/param)", linewidth=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (mean of 10 steps)")
+    ax.set_title(f"{args.model}: AdamW state precision")
+    low = min(min(r["losses"]) for r in results.values())
+    ax.set_ylim(bottom=math.floor(low * 10) / 10)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
