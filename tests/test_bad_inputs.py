@@ -133,6 +133,16 @@ CASES = [
         "NormalizedSGD.*stepped whole",
     ),
     Case(
+        "low precision inside the hybrid optimizer",
+        lambda t: _opt(
+            cls=flatshard.HybridDeviceOptimizer,
+            precision=flatshard.OptimizerPrecision(state_dtype=torch.bfloat16),
+            lr=0.1,
+        ),
+        ValueError,
+        "HybridDeviceOptimizer.*own copies",
+    ),
+    Case(
         "a foreign tensor in params",
         lambda t: _opt(params=[nn.Parameter(torch.zeros(3, 5))]),
         ValueError,

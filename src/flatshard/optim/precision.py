@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from flatshard.optim.composite import class_defaults, run_closure
+from flatshard.optim.composite import CompositeOptimizer, class_defaults, run_closure
 from flatshard.planner.mixed_precision import OptimizerPrecision
 
 CHUNK = 1 << 21
@@ -246,11 +246,13 @@ def check_precision(precision: object, state: Any, classes: list[type], whole: l
         raise TypeError(f"precision must be a flatshard.OptimizerPrecision or None, got {precision!r}")
     if not precision.lowered:
         return
-    if any(whole) or len(set(classes)) > 1:
+    composite = [c for c in classes if issubclass(c, CompositeOptimizer)]
+    if any(whole) or len(set(classes)) > 1 or composite:
         names = sorted({c.__name__ for c in classes})
+        why = " (stepped whole)" if any(whole) else " (keeps its own copies)" if composite else ""
         raise ValueError(
-            f"precision={precision} steps one elementwise optimizer class over flat shards; these "
-            f"groups use {names}{' (stepped whole)' if any(whole) else ''}"
+            f"precision={precision} steps one elementwise torch optimizer class over flat shards; "
+            f"these groups use {names}{why}"
         )
     if precision.main_dtype == torch.bfloat16:
         dtypes = {b.layout.dtype for bset in state.sets.values() for b in bset.buffers}
