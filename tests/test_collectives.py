@@ -55,6 +55,23 @@ def test_every_implementation_is_exact(world_size, op, impl):
         assert result["stats"]["payload_bytes"] == numel * 4
 
 
+def _chunked_case(chunk_bytes: int, numel: int) -> dict:
+    from flatshard.comm import collectives
+
+    collectives.A2A_CHUNK = chunk_bytes  # (this rank's process only)
+    return _case("reduce_scatter", "chunked_all_to_all", numel)
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_chunked_all_to_all_sums_every_block(world_size):
+    """Blocks of 7 columns (a chunk of 28 * N bytes) over shards of 384 + 3 elements: many
+    blocks and a short last one; the wire bytes stay a ring reduce-scatter's."""
+    numel = (384 + 3) * world_size
+    for result in run_distributed(_chunked_case, world_size, 7 * 4 * world_size, numel):
+        assert result["equal"]
+        assert result["stats"]["wire_bytes"] == (world_size - 1) * numel * 4 // world_size
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 def test_sum_rows_equals_torch_sum(rows):
     """The reduce-scatter's local sum (chained adds up to four rows, torch.sum above)."""

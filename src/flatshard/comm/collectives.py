@@ -223,9 +223,13 @@ def wait_until(handle: Handle, deadline: float) -> bool:
     return True
 
 
-SCATTER_IMPLS = ("reduce_scatter_tensor", "all_reduce", "reduce", "all_to_all")
+SCATTER_IMPLS = ("reduce_scatter_tensor", "all_reduce", "reduce", "all_to_all", "chunked_all_to_all")
 """Ways to reduce-scatter: the native op, an all-reduce of the whole bucket (twice the wire
-bytes), or one reduce per shard to its owner (``benchmarks/collectives.py`` times them)."""
+bytes), one reduce per shard to its owner, an all-to-all of the shards and a local sum, or
+the same in all-to-alls of at most ``A2A_CHUNK`` bytes each, straight from the bucket's
+rows (``benchmarks/collectives.py`` times them)."""
+A2A_CHUNK = 16 * 2**20
+"""Bytes one all-to-all of ``chunked_all_to_all`` moves at most."""
 GATHER_IMPLS = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
 """Ways to all-gather a bucket in place from its shards."""
 IMPLS: dict[str, dict[str, list[tuple[float, str]]]] = {
@@ -311,6 +315,8 @@ def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: Worl
         received = torch.empty_like(tensor)  # row r: rank r's part of this rank's shard
         work = group.alltoall_base(received, tensor, [], [], world.options(dist.AllToAllOptions))
         handle = _Group([work], lambda: sum_rows(received.view(n, -1), shard))
+    elif impl == "chunked_all_to_all":
+        handle = _chunked_all_to_all(tensor, shard, world)
     elif impl == "reduce_scatter_tensor":
         out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
         work = group._reduce_scatter_base(out, tensor, world.options(dist.ReduceScatterOptions))
@@ -318,6 +324,29 @@ def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: Worl
     else:
         raise ValueError(f"unknown reduce-scatter implementation {impl!r}; known: {SCATTER_IMPLS}")
     return handle
+
+
+def _chunked_all_to_all(tensor: torch.Tensor, shard: torch.Tensor, world: World) -> Handle:
+    """All-to-alls of column blocks of the bucket's rows (row r: rank r's shard), each of at
+    most ``A2A_CHUNK`` bytes, sent from the rows themselves; the blocks received are summed
+    into ``shard`` once all have arrived."""
+    n = world.size
+    rows = tensor.view(n, -1)
+    width = max(1, A2A_CHUNK // (n * tensor.element_size()))
+    works: list[Handle] = []
+    blocks: list[tuple[torch.Tensor, int, int]] = []
+    for lo in range(0, rows.shape[1], width):
+        hi = min(rows.shape[1], lo + width)
+        received = torch.empty((n, hi - lo), dtype=tensor.dtype, device=tensor.device)
+        sent = [rows[r, lo:hi] for r in range(n)]
+        works.append(world.pg.alltoall(list(received), sent, world.options(dist.AllToAllOptions)))
+        blocks.append((received, lo, hi))
+
+    def sum_blocks() -> None:
+        for received, lo, hi in blocks:
+            sum_rows(received, shard[lo:hi])
+
+    return _Group(works, sum_blocks)
 
 
 def sum_rows(rows: torch.Tensor, out: torch.Tensor) -> None:
