@@ -320,6 +320,12 @@ def test_bench_runs_a_hugging_face_model_with_every_torch_peer_and_shows_progres
     assert out.stdout.startswith("hf:llama ("), out.stdout
     rounds = [line for line in out.stderr.splitlines() if line.startswith("round ")]
     assert len(rounds) == 3 and all("ms/step, loss" in line for line in rounds), out.stderr
-    peers = json.loads(out_json.read_text())["peers"]
+    result = json.loads(out_json.read_text())
+    peers = result["peers"]
     losses = [peers[name]["final_loss"] for name in ("ddp", "fsdp2-zero3", "flatshard-3")]
     assert max(losses) - min(losses) < 1e-4, losses
+    # theory on 2 ranks, fp32: DDP all-reduces the grads (2 units of half the bytes), stage 3
+    # reduce-scatters them and gathers the params twice (3 units)
+    fp32 = 4 * result["params"]
+    assert peers["ddp"]["theory_bytes_per_step"] == fp32
+    assert peers["flatshard-3"]["theory_bytes_per_step"] == 3 * fp32 // 2

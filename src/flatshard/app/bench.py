@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.app.peers import PEERS, Peer, default_peers, prepare
+from flatshard.app.peers import PEERS, Peer, default_peers, prepare, theory_bytes
 from flatshard.memory import mib
 from flatshard.planner import plan
 from flatshard.toolkit.data import SyntheticCorpus
@@ -174,6 +174,10 @@ def run_bench(
             sessions[name].append(per_rank)
             progress(f" {_step_median(per_rank) * 1e3:.1f} ms/step, loss {per_rank[0]['final_loss']:.4f}")
     results = {name: _summarize(runs) for name, runs in sessions.items()}
+    numel = sum(p.numel() for p in build_model(preset)[0].parameters())
+    compute = 2 if dtype == "bf16" else 4  # (params are gathered in the compute dtype, grads reduced in fp32)
+    for name, row in results.items():
+        row["theory_bytes_per_step"] = theory_bytes(name, world_size, 4 * numel, compute * numel)
     ddp = results.get("ddp", {}).get("median_step_s")
     for name, row in results.items():
         row["ratio_to_ddp"] = row["median_step_s"] / ddp if ddp else None
@@ -190,7 +194,7 @@ def run_bench(
         "world_size": world_size,
         "model": preset,
         "dtype": dtype,
-        "params": sum(p.numel() for p in build_model(preset)[0].parameters()),
+        "params": numel,
         "steps_per_round": steps,
         "rounds": rounds,
         "batch_per_rank": batch,
@@ -245,7 +249,7 @@ def format_table(result: dict) -> str:
         f"{result['date']},",
         f"  {result['machine']}",
         f"{'peer':<{width}} {'median step':>12} {'vs DDP':>7} {'by round':>12} {'model state':>13} "
-        f"{'RSS (growth)':>22} {'sent/step':>13} {'final loss':>11}",
+        f"{'RSS (growth)':>22} {'sent/step':>13} {'theory':>13} {'final loss':>11}",
     ]
     for name, r in result["peers"].items():
         ratio = "-" if r["ratio_to_ddp"] is None else f"{r['ratio_to_ddp']:.3f}"
@@ -255,13 +259,14 @@ def format_table(result: dict) -> str:
         lines.append(
             f"{name:<{width}} {r['median_step_s'] * 1e3:>9.1f} ms {ratio:>7} {spread:>12} "
             f"{mib(r['model_state_bytes']):>13} {rss:>22} {mib(r['sent_bytes_per_step']):>13} "
-            f"{r['final_loss']:>11.4f}"
+            f"{mib(r.get('theory_bytes_per_step')):>13} {r['final_loss']:>11.4f}"
         )
     lines.append(
         "by round: the lowest and highest ratio of a round's median step to DDP's in the same round; "
         "model state: params, grads, main params and optimizer state resident per rank (- where it "
         "cannot be counted from outside); RSS after the timed steps (growth from before the model was "
-        "built); sent: bytes the rank wrote to its sockets per step"
+        "built); sent: bytes the rank wrote to its sockets per step; theory: what the peer's ring "
+        "collectives must send (flatshard.app.peers.RING_UNITS; stage 3 keeps some units gathered)"
     )
     return "\n".join(lines)
 

@@ -341,6 +341,33 @@ MUON_PEERS: dict[str, Peer] = {  # (not run by default)
     "fsdp2+muon": _fsdp2_muon,
     **{f"flatshard-{s}+muon": _flatshard_muon(s) for s in (1, 2, 3)},
 }
+RING_UNITS: dict[str, tuple[int, int]] = {
+    "ddp": (2, 0),  # an all-reduce of the grads
+    "torch-zero1": (2, 1),  # an all-reduce of the grads, the owners' params broadcast
+    "fsdp2": (1, 1),  # a reduce-scatter of the grads, a gather of the params for forward
+    "fsdp2-zero3": (1, 2),  # ... and again for backward
+    "deepspeed-1": (1, 1),
+    "deepspeed-2": (1, 1),
+    "deepspeed-3": (1, 2),
+    "flatshard-0": (2, 0),
+    "flatshard-1": (1, 1),
+    "flatshard-2": (1, 1),
+    "flatshard-3": (1, 2),
+    "flatshard-3-no-reshard": (1, 1),
+}
+"""What a peer's algorithm must send per step, in ring collectives over all the grads and
+all the params: (grad units, param units); a unit moves (N - 1) / N of those bytes per rank
+(an all-reduce is two)."""
+
+
+def theory_bytes(peer: str, world_size: int, grad_bytes: int, param_bytes: int) -> int | None:
+    """The bytes one rank of ``peer`` must send per step by ``RING_UNITS`` (None: not listed)."""
+    units = RING_UNITS.get(peer)
+    if units is None or world_size < 2:
+        return None if units is None else 0
+    return (units[0] * grad_bytes + units[1] * param_bytes) * (world_size - 1) // world_size
+
+
 PEERS: dict[str, Peer] = {
     **STAGE_PEERS,
     **DEEPSPEED_PEERS,
