@@ -7,11 +7,13 @@ Every run trains the same bf16 model from the same init on the same batches with
 with stochastic rounding (4, where torchao installs) and torch's AdamW stepping the bf16
 params directly (4, round-to-nearest). The table gives each run's bytes a param of main
 params and state (``memory_report``; the peers' from their state), its final loss (the mean
-of the last 20 steps) and that loss's gap to the fp32-state run's; JSON and a plot of the
-curves are written.
+of the last 20 steps), that loss's gap to the fp32-state run's and the largest gap of the
+10-step means along the curve after the warmup; JSON and a plot of the curves are written.
+One process, one thread (the optimizers' arithmetic does not depend on the world size).
 
-    python benchmarks/precision.py --model small --steps 300 --out benchmarks/results/precision-small
-    python benchmarks/precision.py --model hf:llama --steps 300 --out benchmarks/results/precision-llama
+    python benchmarks/precision.py --model small --steps 300 --batch 8 --out benchmarks/results/precision-small
+    python benchmarks/precision.py --model hf:llama --steps 300 --batch 8 --out benchmarks/results/precision-llama
+    python benchmarks/precision.py --table benchmarks/results/precision-small.json
 """
 
 from __future__ import annotations
@@ -111,7 +113,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--out", default=None, help="PATH: writes PATH.json and PATH.png")
+    parser.add_argument("--table", default=None, help="print the table of a JSON written before, and exit")
     args = parser.parse_args()
+    if args.table:
+        with open(args.table) as f:
+            saved = json.load(f)
+        report(saved["setup"], saved["runs"])
+        return
     torch.set_num_threads(1)
     torch.manual_seed(0)
     base = model_factory(args.model)()
@@ -123,24 +131,39 @@ def main() -> None:
             print(f"{name}: not installed, skipped")
             continue
         results[name] = train(make, base, corpus, args.steps, args.batch)
-    reference = results[BASELINE]["final"]
-    numel = sum(p.numel() for p in base.parameters())
-    print(
-        f"\n{args.model} ({numel:,} params), AdamW, {args.steps} steps of {args.batch} sequences, bf16 params"
-    )
-    print(f"{'run':<42} {'bytes/param':>11} {'final loss':>10} {'gap':>8} {'s/step':>7}")
-    for name, r in results.items():
-        r["gap"] = (r["final"] - reference) / reference
-        cells = f"{r['bytes_per_param']:>11.2f} {r['final']:>10.4f} {r['gap']:>+8.2%}"
-        print(f"{name:<42} {cells} {r['seconds'] / args.steps:>7.3f}")
+    setup = {"model": args.model, "params": sum(p.numel() for p in base.parameters()), "steps": args.steps}
+    setup |= {"batch": args.batch, **HYPER}
+    report(setup, results)
     if args.out:
-        meta = {"model": args.model, "params": numel, "steps": args.steps, "batch": args.batch, **HYPER}
         with open(args.out + ".json", "w") as f:
-            json.dump({"setup": meta, "runs": results}, f, indent=1)
-        _plot(results, args, args.out + ".png")
+            json.dump({"setup": setup, "runs": results}, f, indent=1)
+        _plot(results, args.model, args.out + ".png")
 
 
-def _plot(results: dict, args, path: str) -> None:
+def _smooth(losses: list[float], width: int = 10) -> list[float]:
+    return [sum(losses[max(0, i - width + 1) : i + 1]) / min(i + 1, width) for i in range(len(losses))]
+
+
+def report(setup: dict, results: dict) -> None:
+    """The table: bytes a param, final loss, its gap to the fp32-state run's, the largest gap
+    of the 10-step means along the curve (after the warmup), seconds a step."""
+    reference = results[BASELINE]
+    curve = _smooth(reference["losses"])
+    print(
+        f"\n{setup['model']} ({setup['params']:,} params), AdamW, {setup['steps']} steps of "
+        f"{setup['batch']} sequences, bf16 params"
+    )
+    print(f"{'run':<42} {'bytes/param':>11} {'final loss':>10} {'gap':>8} {'worst gap':>9} {'s/step':>7}")
+    for name, r in results.items():
+        r["gap"] = (r["final"] - reference["final"]) / reference["final"]
+        gaps = [(a - b) / b for a, b in zip(_smooth(r["losses"]), curve, strict=True)][WARMUP:]
+        r["worst_curve_gap"] = max(gaps, key=abs)
+        cells = f"{r['bytes_per_param']:>11.2f} {r['final']:>10.4f} {r['gap']:>+8.2%}"
+        cells += f" {r['worst_curve_gap']:>+9.2%}"
+        print(f"{name:<42} {cells} {r['seconds'] / setup['steps']:>7.3f}")
+
+
+def _plot(results: dict, model: str, path: str) -> None:
     try:
         import matplotlib
 
@@ -151,11 +174,10 @@ def _plot(results: dict, args, path: str) -> None:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
     for name, r in results.items():
-        smooth = [sum(r["losses"][max(0, i - 9) : i + 1]) / min(i + 1, 10) for i in range(len(r["losses"]))]
-        ax.plot(smooth, label=f"{name} ({r['bytes_per_param']:.0f} B/param)", linewidth=1)
+        ax.plot(_smooth(r["losses"]), label=f"{name} ({r['bytes_per_param']:.0f} B/param)", linewidth=1)
     ax.set_xlabel("step")
     ax.set_ylabel("loss (mean of 10 steps)")
-    ax.set_title(f"{args.model}: AdamW state precision")
+    ax.set_title(f"{model}: AdamW state precision")
     low = min(min(r["losses"]) for r in results.values())
     ax.set_ylim(bottom=math.floor(low * 10) / 10)
     ax.legend(fontsize=7)
