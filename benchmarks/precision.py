@@ -11,9 +11,9 @@ of the last 20 steps), that loss's gap to the fp32-state run's and the largest g
 10-step means along the curve after the warmup; JSON and a plot of the curves are written.
 One process, one thread (the optimizers' arithmetic does not depend on the world size).
 
-    python benchmarks/precision.py --model small --steps 300 --batch 8 --out benchmarks/results/precision-small
-    python benchmarks/precision.py --model hf:llama --steps 300 --batch 8 --out benchmarks/results/precision-llama
-    python benchmarks/precision.py --table benchmarks/results/precision-small.json
+    python benchmarks/precision.py --model small --steps 300 --batch 8 --out results/precision-small
+    python benchmarks/precision.py --model hf:llama --steps 300 --batch 8 --out results/precision-llama
+    python benchmarks/precision.py --table results/precision-small.json
 """
 
 from __future__ import annotations
