@@ -33,9 +33,10 @@ with ``"cpu:gloo,cuda:nccl"`` has one per device type, and gloo carries CUDA ten
 the environment variables ``FLATSHARD_REDUCE_SCATTER`` and ``FLATSHARD_ALL_GATHER``
 override it). Every implementation takes the backend's per-op options, so each carries the
 world's deadline. On gloo, reduce-scatter is an all-to-all of the
-bucket's shards and a local sum up to 16 MiB and an all-reduce above, and all-gather is a
-broadcast per shard. Every implementation of an op leaves the same values; wire bytes
-follow the one that ran (``CommStats.impls``). The measurements behind the choice:
+bucket's shards and a local sum up to 16 MiB and the same in all-to-alls of 8 MiB blocks
+above (so a reduce-scatter sends a ring's bytes at any bucket size, not an all-reduce's
+twice that), and all-gather is a broadcast per shard. Every implementation of an op leaves
+the same values; wire bytes follow the one that ran (``CommStats.impls``). The measurements behind the choice:
 ``benchmarks/README.md``.
 """
 
@@ -228,18 +229,20 @@ SCATTER_IMPLS = ("reduce_scatter_tensor", "all_reduce", "reduce", "all_to_all", 
 bytes), one reduce per shard to its owner, an all-to-all of the shards and a local sum, or
 the same in all-to-alls of at most ``A2A_CHUNK`` bytes each, straight from the bucket's
 rows (``benchmarks/collectives.py`` times them)."""
-A2A_CHUNK = 16 * 2**20
-"""Bytes one all-to-all of ``chunked_all_to_all`` moves at most."""
+A2A_CHUNK = 8 * 2**20
+"""Bytes one all-to-all of ``chunked_all_to_all`` moves at most (on gloo, 8 MiB blocks
+measured 0.75-0.95x an all-reduce of 32-64 MiB buckets, 4 MiB ones about the same)."""
 GATHER_IMPLS = ("all_gather_into_tensor", "all_gather", "all_reduce", "broadcast")
 """Ways to all-gather a bucket in place from its shards."""
 IMPLS: dict[str, dict[str, list[tuple[float, str]]]] = {
-    # gloo, torch 2.13, 2 and 4 ranks (benchmarks/results/2026-11-22-collectives-*.json):
-    # reduce_scatter_tensor takes 1.6-4x an all-reduce of the same bucket; an all-to-all
-    # plus a local sum takes 0.44-0.93x up to 16 MiB and is erratic (0.85-1.57x) above, where
-    # the all-reduce is kept. One broadcast per shard gathers in 0.3-0.9x an all-reduce,
-    # the native all-gather in 0.7-1.9x.
+    # gloo, torch 2.13, 2 and 4 ranks (benchmarks/results/2026-11-22-collectives-*.json,
+    # 2026-11-26-collectives-chunked-*.json): reduce_scatter_tensor takes 1.6-4x an all-reduce
+    # of the same bucket; an all-to-all plus a local sum takes 0.44-0.93x up to 16 MiB and
+    # 1.1-2x above, where all-to-alls of 8 MiB blocks take 0.72-0.95x (an all-reduce, which
+    # sends twice the bytes, 0.9-1.1x). One broadcast per shard gathers in 0.3-0.9x an
+    # all-reduce, the native all-gather in 0.7-1.9x.
     "gloo": {
-        "reduce_scatter": [(16 * 2**20, "all_to_all"), (math.inf, "all_reduce")],
+        "reduce_scatter": [(16 * 2**20, "all_to_all"), (math.inf, "chunked_all_to_all")],
         "all_gather": [(math.inf, "broadcast")],
     },
     "default": {
@@ -338,8 +341,8 @@ def _chunked_all_to_all(tensor: torch.Tensor, shard: torch.Tensor, world: World)
     for lo in range(0, rows.shape[1], width):
         hi = min(rows.shape[1], lo + width)
         received = torch.empty((n, hi - lo), dtype=tensor.dtype, device=tensor.device)
-        sent = [rows[r, lo:hi] for r in range(n)]
-        works.append(world.pg.alltoall(list(received), sent, world.options(dist.AllToAllOptions)))
+        sent = rows[:, lo:hi].contiguous()
+        works.append(world.pg.alltoall_base(received, sent, [], [], world.options(dist.AllToAllOptions)))
         blocks.append((received, lo, hi))
 
     def sum_blocks() -> None:
