@@ -331,8 +331,10 @@ def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: Worl
 
 def _chunked_all_to_all(tensor: torch.Tensor, shard: torch.Tensor, world: World) -> Handle:
     """All-to-alls of column blocks of the bucket's rows (row r: rank r's shard), each of at
-    most ``A2A_CHUNK`` bytes, sent from the rows themselves; the blocks received are summed
-    into ``shard`` once all have arrived."""
+    most ``A2A_CHUNK`` bytes and copied out of the rows (the list form of all-to-all, which
+    sends from the rows as they are, measured slower); the blocks received are summed into
+    ``shard`` once all have arrived. While in flight it holds two bucket-sized temporaries
+    (the blocks sent and received), one more than the single all-to-all."""
     n = world.size
     rows = tensor.view(n, -1)
     width = max(1, A2A_CHUNK // (n * tensor.element_size()))
