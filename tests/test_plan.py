@@ -44,11 +44,11 @@ def test_count_plan_is_the_design_formula(world):
         assert plans[stage].comm_bytes_per_step == pytest.approx(comm, abs=1)
 
 
-def _measured(stage: int) -> dict:
+def _measured(stage: int, precision: flatshard.OptimizerPrecision | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, bucket_size=3000)
-    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, precision=precision)
     x, y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, rank, 4)
     for _ in range(2):  # the second step is a steady one (stage 3 prefetches across steps)
         opt.zero_grad()  # (first: the step's grads are counted, as the plan counts them)
@@ -61,7 +61,13 @@ def _measured(stage: int) -> dict:
         meta = GPT(CFG).to(torch.bfloat16)
     specs, stage3_specs = model_specs(meta), model_specs(meta, stage=3)
     plan = plan_from_specs(
-        specs, world_size=world, bucket_size=3000, optimizer="adamw", rank=rank, stage3_specs=stage3_specs
+        specs,
+        world_size=world,
+        bucket_size=3000,
+        optimizer="adamw",
+        rank=rank,
+        stage3_specs=stage3_specs,
+        precision=precision,
     )[stage]
     sent = sum(v["wire_bytes"] for op, v in stats.items() if op != "all_reduce" or stage == 0)
     return {"measured": memory_report(model, opt).as_dict(), "plan": plan.as_dict(), "sent": sent}
@@ -76,6 +82,20 @@ def test_layout_plan_equals_what_a_run_measures(stage):
         for role in ("params", "grads", "main_params", "optimizer_state"):
             assert plan[role] == measured[role], (role, plan, measured)
         assert plan["comm_bytes_per_step"] == r["sent"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("main", [torch.float32, torch.bfloat16])
+def test_the_plan_of_low_precision_state_equals_what_a_run_measures(stage, main):
+    """bf16 AdamW moments, with fp32 or bf16 main params ([Note: precision-aware optimizer]):
+    planned and measured role by role; at stage 3 bf16 main params leave the param shard in
+    place, so the params are counted, not the main params."""
+    precision = flatshard.OptimizerPrecision(main_dtype=main, state_dtype=torch.bfloat16)
+    for r in run_distributed(_measured, 3, stage, precision):
+        plan, measured = r["plan"], r["measured"]
+        for role in ("params", "grads", "main_params", "optimizer_state"):
+            assert plan[role] == measured[role], (role, plan, measured)
+        assert (plan["main_params"] == 0) == (main == torch.bfloat16)
 
 
 def test_plan_cli_json_and_table():
@@ -101,6 +121,13 @@ def test_plan_cli_json_and_table():
     assert "tiny (28,544 params), rank 0, 2 ranks" in table and len(table.splitlines()) == 6
     assert units.startswith(" (adjacent ones merged up to 1,048,576 bytes): 2 units of 3 modules"), units
     assert "blocks.0..blocks.1 (2)" in units
+    low = _flatshard(
+        "plan", "--params", "7e9", "-n", "8", "--main-dtype", "bf16", "--state-dtype", "bf16", "--json"
+    )
+    stages = json.loads(low.stdout)[
+        "stages"
+    ]  # (the issue's 7B on 8 ranks: 10.5 GB of state at stage 1, now 3.5)
+    assert (stages["1"]["main_params"], stages["1"]["optimizer_state"]) == (0, 3.5e9), stages["1"]
     out = _flatshard("plan", "--model", "tiny", "-n", "2", "--unit-bytes", "none")
     assert "stage-3 units (one per module): 3 units of 3 modules" in out.stdout, out.stdout
 
@@ -115,6 +142,8 @@ def test_plan_help_lists_every_option():
         "--param-dtype",
         "--grad-dtype",
         "--optimizer",
+        "--main-dtype",
+        "--state-dtype",
         "--json",
     ):
         assert option in out.stdout

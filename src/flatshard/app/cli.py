@@ -282,6 +282,14 @@ def _add_plan(sub) -> None:
         help="with --params (default fp32); a model's grads follow flatshard's policy",
     )
     plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="default adam")
+    for what in ("main", "state"):
+        plan.add_argument(
+            f"--{what}-dtype",
+            choices=("fp32", "bf16"),
+            default="fp32",
+            help=f"the optimizer's {what} {'params' if what == 'main' else 'tensors'} "
+            "(flatshard.OptimizerPrecision; default fp32)",
+        )
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
     plan.add_argument("--json", action="store_true", help='print {"stages": {"0": {...}, ...}} instead')
 
@@ -390,7 +398,9 @@ def _plan(args: argparse.Namespace) -> int:
     import json
 
     from flatshard.planner import plan
+    from flatshard.planner.mixed_precision import OptimizerPrecision
 
+    precision = OptimizerPrecision(plan.DTYPES[args.main_dtype], plan.DTYPES[args.state_dtype])
     if args.params is not None:
         plans = plan.plan_from_count(
             args.params,
@@ -398,6 +408,7 @@ def _plan(args: argparse.Namespace) -> int:
             param_dtype=args.param_dtype,
             grad_dtype=args.grad_dtype or "fp32",
             optimizer=args.optimizer,
+            precision=precision,
         )
         title = f"{args.params:,} params"
     else:
@@ -415,6 +426,7 @@ def _plan(args: argparse.Namespace) -> int:
                 stage3_specs=stage3_specs,
                 frozen_specs=frozen[0],
                 stage3_frozen_specs=frozen[1],
+                precision=precision,
             )
         except (ValueError, ImportError, AttributeError) as e:
             print(f"flatshard plan: {e}", file=sys.stderr)
@@ -426,6 +438,7 @@ def _plan(args: argparse.Namespace) -> int:
         print(json.dumps({"stages": {str(s): p.as_dict() for s, p in plans.items()}}))
     else:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
+        title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
         print(plan.format_plan(plans, title))
         if args.model is not None:
             print(units)

@@ -5,10 +5,11 @@ accounting: with fp16 params and grads and Adam, 7.5B params on 64 ranks need 12
 16.6 and 1.88 GB per rank at stages 0-3; flatshard's stage 3 needs 1.64, keeping no 16-bit
 param shard next to the fp32 main params). ``plan_from_specs`` evaluates them on the real
 layout flatshard would build (alignment and padding included), for one rank, counting what
-``memory_report`` counts: fp32 main params only for 16-bit params, and the inner optimizer's
-per-tensor scalars (one per run, [Note: optimizer runs]). Communication is the wire bytes
-one rank sends per optimizer step under the ring formulas ([Note: comm bytes]), leaving
-out the 8-byte grad-norm all-reduce.
+``memory_report`` counts: fp32 main params only for 16-bit params (none, and bf16 state,
+as an ``OptimizerPrecision`` asks), and the inner optimizer's per-tensor scalars (one per
+run, [Note: optimizer runs]). Communication is the wire bytes one rank sends per optimizer
+step under the ring formulas ([Note: comm bytes]), leaving out the 8-byte grad-norm
+all-reduce.
 
 Stage 3 is planned from the same sharded layout (params sharded too, unit scratch not
 counted) ahead of its implementation.
@@ -22,7 +23,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from flatshard.planner.layout import BucketLayout, ParamSpec, plan_layout
-from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.mixed_precision import HALF_DTYPES, OptimizerPrecision
 from flatshard.planner.shard_map import plan_runs
 from flatshard.planner.stage import STAGES, StagePolicy
 
@@ -56,12 +57,17 @@ class StagePlan:
         return {**asdict(self), "bytes_per_rank": self.bytes_per_rank}
 
 
-def _check(world_size: int, optimizer: str) -> tuple[int, int]:
+def _check(world_size: int, optimizer: str, precision: OptimizerPrecision | None) -> tuple[int, int, bool]:
+    """(state bytes an element, scalar bytes a run, whether 16-bit params get fp32 main
+    params) of ``optimizer`` kept at ``precision``."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZERS)}")
-    return OPTIMIZERS[optimizer]
+    precision = precision or OptimizerPrecision()
+    state_bytes, scalar_bytes = OPTIMIZERS[optimizer]
+    state_bytes = state_bytes * precision.state_dtype.itemsize // 4
+    return state_bytes, scalar_bytes, precision.main_dtype == torch.float32
 
 
 def _comm(
@@ -91,12 +97,14 @@ def plan_from_count(
     param_dtype: str = "bf16",
     grad_dtype: str = "fp32",
     optimizer: str = "adam",
+    precision: OptimizerPrecision | None = None,
 ) -> dict[int, StagePlan]:
     """The formulas for ``params`` elements, no padding; main params are fp32 copies of
-    16-bit params (4 bytes each, sharded from stage 1 on, like the optimizer state)."""
-    state_bytes, _ = _check(world_size, optimizer)
+    16-bit params (4 bytes each, sharded from stage 1 on, like the optimizer state), none
+    with ``precision.main_dtype`` bf16; state is ``precision.state_dtype``."""
+    state_bytes, _, fp32_main = _check(world_size, optimizer, precision)
     pb, gb = DTYPE_BYTES[param_dtype], DTYPE_BYTES[grad_dtype]
-    mb = 4 if pb == 2 else 0
+    mb = 4 if pb == 2 and fp32_main else 0
     n, shard = world_size, params / world_size
     plans = {}
     for stage in STAGES:
@@ -123,6 +131,7 @@ def plan_from_specs(
     stage3_specs: Sequence[ParamSpec] | None = None,
     frozen_specs: Sequence[ParamSpec] = (),
     stage3_frozen_specs: Sequence[ParamSpec] | None = None,
+    precision: OptimizerPrecision | None = None,
 ) -> dict[int, StagePlan]:
     """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
     as flatshard would use them), on the layout ``shard`` would build; stage 3 lays out
@@ -130,7 +139,7 @@ def plan_from_specs(
     ``frozen_specs`` (``model_specs(module, frozen=True)``) are frozen params: whole on every
     rank at stages 0-2, sharded and gathered with their unit at stage 3 (laid out from
     ``stage3_frozen_specs`` when given), never with grads or optimizer state."""
-    state_bytes, scalar_bytes = _check(world_size, optimizer)
+    state_bytes, scalar_bytes, fp32_main = _check(world_size, optimizer, precision)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
     plans = {}
@@ -149,7 +158,7 @@ def plan_from_specs(
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
             full, shard = buffer.numel, buffer.shard_numel(rank)
             runs = plan_runs(buffer, rank, group_of)
-            half = buffer.dtype in HALF_DTYPES  # (at stage 3 the main params hold a 16-bit shard)
+            half = buffer.dtype in HALF_DTYPES and fp32_main  # (at stage 3 they hold the 16-bit shard)
             totals["params"] += (0 if half else pb * shard) if policy.shards_params else pb * full
             totals["grads"] += gb * (shard if policy.shards_grads else full)
             totals["main_params"] += 4 * shard if half else 0
