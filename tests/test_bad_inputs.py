@@ -44,6 +44,8 @@ from _catalog import (
 )
 from _parity import NormalizedSGD
 
+BF16 = torch.bfloat16
+
 CASES = [
     # -- shard() ------------------------------------------------------------------------------
     Case("shard a str", lambda t: flatshard.shard("model"), TypeError, "got str"),
@@ -131,6 +133,24 @@ CASES = [
         ),
         ValueError,
         "NormalizedSGD.*stepped whole",
+    ),
+    Case(
+        "grad_dtype float16",
+        lambda t: flatshard.MixedPrecision(torch.bfloat16, grad_dtype=torch.float16),
+        ValueError,
+        "grad_dtype.*float16",
+    ),
+    Case(
+        "bf16 grads with a class stepped whole",
+        lambda t: _opt(
+            flatshard.shard(
+                _model(), mixed_precision=flatshard.MixedPrecision(torch.bfloat16, grad_dtype=torch.bfloat16)
+            ),
+            cls=NormalizedSGD,
+            lr=0.1,
+        ),
+        ValueError,
+        "grad_dtype=torch.bfloat16.*NormalizedSGD",
     ),
     Case(
         "low precision inside the hybrid optimizer",

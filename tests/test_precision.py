@@ -30,6 +30,7 @@ params are held to it with SGD, and their Adam loss curves are measured by
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 
@@ -185,6 +186,51 @@ def test_adamw_with_bf16_moments_follows_fp32(world_size, stage):
         assert result["diff"] < _bound(result) < 0.2 * result["moved"], result
 
 
+def _follow_bf16_grads(stage: int) -> dict:
+    """SGD + momentum on a bf16 model with grads kept in bf16 (two micro-batches, the first
+    under no_sync) beside the same model with fp32 grads; the largest param difference
+    beyond one bf16 ulp of each param (their 16-bit rounding of fp32 main params) and the
+    fp32-grad run's movement ([Note: precision tolerances])."""
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = TiedGPT()
+    runs = []
+    for grads in (None, BF16):
+        mp = flatshard.MixedPrecision(BF16, grad_dtype=grads)
+        sharded = flatshard.shard(copy.deepcopy(model), stage=stage, mixed_precision=mp, bucket_size=3000)
+        runs.append((sharded, flatshard.DistributedOptimizer(sharded, torch.optim.SGD, lr=0.1, momentum=0.9)))
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    moved, diff, before = 0.0, 0.0, _params(runs[0][0])
+    for step in range(STEPS):
+        for m, opt in runs:
+            for micro in range(2):
+                x, y = corpus.batch(2 * step + micro, dist.get_rank(), 4)
+                with m.no_sync() if micro == 0 else contextlib.nullcontext():
+                    (m(x, y) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        after = _params(runs[0][0])
+        moved += max((a - b).abs().max().item() for a, b in zip(after, before, strict=True))
+        pairs = zip(_params(runs[1][0]), after, strict=True)
+        diff = max(((a - b).abs() - ULP * b.abs()).max().item() for a, b in pairs)
+        before = after
+    assert runs[1][0].flatshard_state.sets["main"].buffers[0].layout.grad_dtype == BF16
+    return {"diff": diff, "moved": moved, "largest": max(p.abs().max().item() for p in before)}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_grads_kept_in_bf16_follow_fp32_grads(world_size, stage):
+    """MixedPrecision(grad_dtype=torch.bfloat16): each grad element is rounded to bf16 at
+    most N + 5 times a step (2 micro-batches of a tied param's 2 uses, the 1/N scale, N - 1
+    sums in the reduction), each by at most half an ulp, 2**-8 of the sum so far. SGD's
+    update is linear in the grads, so the params drift from the fp32-grad run's by at most
+    (N + 5) 2**-8 of its movement, doubled for the feedback through the grads."""
+    for result in run_distributed(_follow_bf16_grads, world_size, stage):
+        bound = 2 * (world_size + 5) * 2.0**-8 * result["moved"] + 1e-5 * result["largest"]
+        assert result["diff"] < bound < 0.5 * result["moved"], result
+
+
 def _replicas_agree(stage: int) -> list[float]:
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -277,3 +323,20 @@ def test_low_precision_checkpoints_load_into_fp32_state_at_any_layout_and_back(t
     back = run_distributed(_run, 2, 1, LOW, 0, None, b)
     assert back == saved
     assert widened[0]["params"] == saved[0]["params"]
+
+
+def test_grads_kept_in_bf16_halve_the_grad_bytes():
+    torch.manual_seed(0)
+    reports = []
+    for grads in (None, BF16):
+        mp = flatshard.MixedPrecision(BF16, grad_dtype=grads)
+        model = flatshard.shard(TiedGPT(), stage=1, mixed_precision=mp)
+        opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        model(*SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, 0, 2)).backward()
+        opt.step()
+        reports.append(flatshard.memory_report(model, opt))
+    assert reports[1].grads * 2 == reports[0].grads
+    assert (reports[1].main_params, reports[1].optimizer_state) == (
+        reports[0].main_params,
+        reports[0].optimizer_state,
+    )

@@ -142,10 +142,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
                 inner_groups[run.group]["params"].append(tensor)
         self.inner: torch.optim.Optimizer
-        if precision is not None and precision.lowered:
-            grads = {
-                id(t): g for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)
-            }
+        runs = [(t, g) for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)]
+        widened = any(g.dtype != t.dtype for t, g in runs)  # (bf16 grads: widened a chunk at a time)
+        if widened or (precision is not None and precision.lowered):
+            precision = precision or OptimizerPrecision()
+            if widened:
+                check_precision(precision, state, classes, whole, widened)
+            grads = {id(t): g for t, g in runs}
             self.inner = PrecisionAwareOptimizer(optimizer_class, inner_groups, defaults, precision, grads)
         else:
             self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, self._describe_run)
@@ -506,7 +509,7 @@ def _global_norm_sq(
         grads = s.grad_shards()
         if not grads:
             continue
-        sq = torch.stack(torch._foreach_norm(grads)).double().square().sum()
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().sum()
         replicas = 1 if (local_only or state.policy.shards_optimizer) else s.world.size
         total += sq / replicas
     if local_only:

@@ -237,21 +237,25 @@ def round_into(out: torch.Tensor, value: torch.Tensor, generator: torch.Generato
     out.copy_(bits.view(torch.float32))
 
 
-def check_precision(precision: object, state: Any, classes: list[type], whole: list[bool]) -> None:
-    """Refuse, naming the value, what ``precision`` cannot do here: bf16 main params of
-    params that are not bf16, a class stepped whole or several classes at once."""
+def check_precision(
+    precision: object, state: Any, classes: list[type], whole: list[bool], widened: bool = False
+) -> None:
+    """Refuse, naming the value, what ``precision`` (or grads kept in bf16, ``widened``)
+    cannot do here: bf16 main params of params that are not bf16, a class stepped whole,
+    several classes at once, an optimizer that keeps its own copies."""
     if precision is None:
         return
     if not isinstance(precision, OptimizerPrecision):
         raise TypeError(f"precision must be a flatshard.OptimizerPrecision or None, got {precision!r}")
-    if not precision.lowered:
+    if not (precision.lowered or widened):
         return
     composite = [c for c in classes if issubclass(c, CompositeOptimizer)]
     if any(whole) or len(set(classes)) > 1 or composite:
         names = sorted({c.__name__ for c in classes})
         why = " (stepped whole)" if any(whole) else " (keeps its own copies)" if composite else ""
+        what = f"precision={precision}" if precision.lowered else "MixedPrecision(grad_dtype=torch.bfloat16)"
         raise ValueError(
-            f"precision={precision} steps one elementwise torch optimizer class over flat shards; "
+            f"{what} steps one elementwise torch optimizer class over flat shards; "
             f"these groups use {names}{why}"
         )
     if precision.main_dtype == torch.bfloat16:

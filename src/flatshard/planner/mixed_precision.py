@@ -9,10 +9,14 @@ optimizer's fp32 main params start from them rather than from their 16-bit round
 passed to the module's forward are cast to ``param_dtype`` unless ``cast_forward_inputs``
 is False.
 
-``reduce_dtype`` is the dtype grads are *communicated* in (None: the dtype they accumulate
-in). Accumulation stays in fp32; each reduction casts a copy. So that a 16-bit sum stays in
-range, the division by the world size is split: grads are divided by ``N / post`` before
-the sum and by ``post`` after it (``post``: the largest power of two <= sqrt(N)).
+``grad_dtype`` is the dtype grads of 16-bit params accumulate and are kept in (None: fp32,
+Megatron-Core's ``grad_reduce_in_fp32``; ``torch.bfloat16`` halves their bytes, and the
+optimizer widens them to fp32 a chunk at a time, [Note: precision-aware optimizer] in
+``optim/precision.py``). ``reduce_dtype`` is the dtype grads are *communicated* in (None:
+the dtype they accumulate in). Each reduction in another dtype casts a copy. So that a
+16-bit sum stays in range, the division by the world size is split: grads are divided by
+``N / post`` before the sum and by ``post`` after it (``post``: the largest power of two
+<= sqrt(N)).
 """
 
 from __future__ import annotations
@@ -33,17 +37,31 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 @dataclass(frozen=True)
 class MixedPrecision:
     """``param_dtype``: the dtype params are stored and computed in (None: as they are);
-    ``reduce_dtype``: the dtype grads are reduced in (None: their accumulation dtype)."""
+    ``reduce_dtype``: the dtype grads are reduced in (None: their accumulation dtype);
+    ``grad_dtype``: the dtype 16-bit params' grads accumulate in (None: fp32; or bf16)."""
 
     param_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     reduce_dtype: torch.dtype | None = None
+    grad_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
-        for field in ("param_dtype", "reduce_dtype"):
+        for field in ("param_dtype", "reduce_dtype", "grad_dtype"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(f"MixedPrecision.{field} must be a floating torch.dtype, got {value!r}")
+        if self.grad_dtype not in (None, torch.float32, torch.bfloat16):
+            raise ValueError(
+                f"MixedPrecision.grad_dtype must be None, torch.float32 or torch.bfloat16, got "
+                f"{self.grad_dtype!r} (float16 grads would need loss scaling in every accumulation)"
+            )
+
+    def grads_of(self, dtype: torch.dtype) -> torch.dtype:
+        """The dtype the grads of a ``dtype`` param accumulate in: fp32 for 16-bit params
+        (``grad_dtype`` if set), the param's own otherwise."""
+        if dtype in HALF_DTYPES:
+            return self.grad_dtype or torch.float32
+        return dtype
 
 
 def split_scale(scale: float, reduce_dtype: torch.dtype | None) -> float:

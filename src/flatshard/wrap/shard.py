@@ -157,7 +157,9 @@ def shard(
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
     named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, whole)
     unit_list, unit_of = stage3_units(module, named, units, unit_bytes) if policy.gathers_units else ([], {})
-    specs_of = partial(param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole)
+    specs_of = partial(
+        param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole, mixed_precision=mp
+    )
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     parts += _frozen_part(module, whole, unit_of, world, replicate) if policy.shards_params else []
     config = _agreement_lines(

@@ -15,16 +15,17 @@ from torch import nn
 
 from flatshard.engine.units import UnitSpec, assign_params, find_units, merge_units, names_by_param
 from flatshard.planner.layout import ParamSpec
-from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.mixed_precision import MixedPrecision
 from flatshard.planner.stage import DEFAULT_UNIT_BYTES, StagePolicy
 
 WholeParams = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter] | None
 """Params a sharded layout keeps whole: a predicate ``(name, param) -> bool``, or params."""
 
 
-def grad_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Grads of 16-bit params accumulate in fp32; others in their param's dtype."""
-    return torch.float32 if dtype in HALF_DTYPES else dtype
+def grad_dtype(dtype: torch.dtype, mixed_precision: MixedPrecision | None = None) -> torch.dtype:
+    """Grads of 16-bit params accumulate in fp32 (or ``mixed_precision.grad_dtype``); others
+    in their param's dtype."""
+    return (mixed_precision or MixedPrecision()).grads_of(dtype)
 
 
 def tied_params(module: nn.Module) -> set[int]:
@@ -60,16 +61,18 @@ def param_specs(
     tied: set[int],
     unit_of: dict[int, int] | None = None,
     whole: frozenset[str] = frozenset(),
+    mixed_precision: MixedPrecision | None = None,
 ) -> list[ParamSpec]:
     """What the layout planner needs of ``named`` params (``tied``: ids of shared params;
-    ``unit_of``: stage-3 unit index by param id; ``whole``: names of params kept whole)."""
+    ``unit_of``: stage-3 unit index by param id; ``whole``: names of params kept whole;
+    ``mixed_precision``: the dtype grads accumulate in)."""
     unit_of = unit_of or {}
     return [
         ParamSpec(
             n,
             p.numel(),
             p.dtype,
-            grad_dtype(p.dtype),
+            grad_dtype(p.dtype, mixed_precision),
             id(p) in tied and not unit_of,  # at stage 3 a unit's buckets are what is gathered
             None if id(p) not in unit_of else str(unit_of[id(p)]),
             n in whole,
