@@ -25,7 +25,10 @@ to the bound only where the two runs' grads agree to fp32 rounding (bf16 moments
 ranks): where they differ more (bf16 main params change the forward), Adam turns that into
 lr-sized differences for grads that nearly cancel ([Note: parity tolerances]), so bf16 main
 params are held to it with SGD, and their Adam loss curves are measured by
-``benchmarks/precision.py``.
+``benchmarks/precision.py``. Grads kept in bf16 are rounded (to nearest) in each
+accumulation and reduction: at most N + 5 times a step for a tied param over 2
+micro-batches, each by half an ulp, 2**-8; SGD's update is linear in them, so the bound is
+(N + 5) 2**-8 of the movement, doubled for feedback.
 """
 
 from __future__ import annotations
