@@ -45,6 +45,7 @@ from _catalog import (
 from _parity import NormalizedSGD
 
 BF16 = torch.bfloat16
+BF16_STATE = flatshard.OptimizerPrecision(state_dtype=BF16)
 
 CASES = [
     # -- shard() ------------------------------------------------------------------------------
@@ -125,12 +126,8 @@ CASES = [
         "main_dtype=torch.bfloat16.*float32.*MixedPrecision",
     ),
     Case(
-        "low precision with a class stepped whole",
-        lambda t: _opt(
-            cls=NormalizedSGD,
-            precision=flatshard.OptimizerPrecision(state_dtype=torch.bfloat16),
-            lr=0.1,
-        ),
+        "bf16 state with a class stepped whole",
+        lambda t: _opt(cls=NormalizedSGD, precision=BF16_STATE, lr=0.1),
         ValueError,
         "NormalizedSGD.*stepped whole",
     ),
@@ -143,9 +140,7 @@ CASES = [
     Case(
         "bf16 grads with a class stepped whole",
         lambda t: _opt(
-            flatshard.shard(
-                _model(), mixed_precision=flatshard.MixedPrecision(torch.bfloat16, grad_dtype=torch.bfloat16)
-            ),
+            flatshard.shard(_model(), mixed_precision=flatshard.MixedPrecision(BF16, grad_dtype=BF16)),
             cls=NormalizedSGD,
             lr=0.1,
         ),
@@ -153,12 +148,8 @@ CASES = [
         "grad_dtype=torch.bfloat16.*NormalizedSGD",
     ),
     Case(
-        "low precision inside the hybrid optimizer",
-        lambda t: _opt(
-            cls=flatshard.HybridDeviceOptimizer,
-            precision=flatshard.OptimizerPrecision(state_dtype=torch.bfloat16),
-            lr=0.1,
-        ),
+        "bf16 state inside the hybrid optimizer",
+        lambda t: _opt(cls=flatshard.HybridDeviceOptimizer, precision=BF16_STATE, lr=0.1),
         ValueError,
         "HybridDeviceOptimizer.*own copies",
     ),

@@ -175,7 +175,7 @@ def run_bench(
             progress(f" {_step_median(per_rank) * 1e3:.1f} ms/step, loss {per_rank[0]['final_loss']:.4f}")
     results = {name: _summarize(runs) for name, runs in sessions.items()}
     numel = sum(p.numel() for p in build_model(preset)[0].parameters())
-    compute = 2 if dtype == "bf16" else 4  # (params are gathered in the compute dtype, grads reduced in fp32)
+    compute = plan.DTYPE_BYTES[dtype]  # (params are gathered in the compute dtype, grads reduced in fp32)
     for name, row in results.items():
         row["theory_bytes_per_step"] = theory_bytes(name, world_size, 4 * numel, compute * numel)
     ddp = results.get("ddp", {}).get("median_step_s")

@@ -362,10 +362,10 @@ all the params: (grad units, param units); a unit moves (N - 1) / N of those byt
 
 def theory_bytes(peer: str, world_size: int, grad_bytes: int, param_bytes: int) -> int | None:
     """The bytes one rank of ``peer`` must send per step by ``RING_UNITS`` (None: not listed)."""
-    units = RING_UNITS.get(peer)
-    if units is None or world_size < 2:
-        return None if units is None else 0
-    return (units[0] * grad_bytes + units[1] * param_bytes) * (world_size - 1) // world_size
+    if peer not in RING_UNITS:
+        return None
+    grads, params = RING_UNITS[peer]
+    return (grads * grad_bytes + params * param_bytes) * (world_size - 1) // world_size
 
 
 PEERS: dict[str, Peer] = {

@@ -315,11 +315,9 @@ def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: Worl
     elif impl == "reduce":
         handle = _Group([_reduce(c, world, r) for r, c in enumerate(tensor.chunk(n))])
     elif impl == "all_to_all":
-        received = torch.empty_like(tensor)  # row r: rank r's part of this rank's shard
-        work = group.alltoall_base(received, tensor, [], [], world.options(dist.AllToAllOptions))
-        handle = _Group([work], lambda: sum_rows(received.view(n, -1), shard))
+        handle = _all_to_all(tensor, shard, world, _nbytes(tensor))
     elif impl == "chunked_all_to_all":
-        handle = _chunked_all_to_all(tensor, shard, world)
+        handle = _all_to_all(tensor, shard, world, A2A_CHUNK)
     elif impl == "reduce_scatter_tensor":
         out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
         work = group._reduce_scatter_base(out, tensor, world.options(dist.ReduceScatterOptions))
@@ -329,21 +327,22 @@ def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: Worl
     return handle
 
 
-def _chunked_all_to_all(tensor: torch.Tensor, shard: torch.Tensor, world: World) -> Handle:
+def _all_to_all(tensor: torch.Tensor, shard: torch.Tensor, world: World, block_bytes: int) -> Handle:
     """All-to-alls of column blocks of the bucket's rows (row r: rank r's shard), each of at
-    most ``A2A_CHUNK`` bytes and copied out of the rows (the list form of all-to-all, which
-    sends from the rows as they are, measured slower); the blocks received are summed into
-    ``shard`` once all have arrived. While in flight it holds two bucket-sized temporaries
-    (the blocks sent and received), one more than the single all-to-all."""
+    most ``block_bytes``; the blocks received (row r: rank r's part of this rank's shard) are
+    summed into ``shard`` once all have arrived. A block narrower than the bucket is copied
+    out of the rows (the list form of all-to-all, which sends from the rows as they are,
+    measured slower), so several blocks hold two bucket-sized temporaries in flight (sent
+    and received), one block (the whole bucket, sent as it is) one."""
     n = world.size
     rows = tensor.view(n, -1)
-    width = max(1, A2A_CHUNK // (n * tensor.element_size()))
+    width = max(1, block_bytes // (n * tensor.element_size()))
     works: list[Handle] = []
     blocks: list[tuple[torch.Tensor, int, int]] = []
     for lo in range(0, rows.shape[1], width):
         hi = min(rows.shape[1], lo + width)
         received = torch.empty((n, hi - lo), dtype=tensor.dtype, device=tensor.device)
-        sent = rows[:, lo:hi].contiguous()
+        sent = rows[:, lo:hi].contiguous()  # (the bucket itself when one block covers it)
         works.append(world.pg.alltoall_base(received, sent, [], [], world.options(dist.AllToAllOptions)))
         blocks.append((received, lo, hi))
 

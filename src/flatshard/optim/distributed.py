@@ -56,7 +56,7 @@ from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
-from flatshard.optim.precision import PrecisionAwareOptimizer, check_precision
+from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
 from flatshard.optim.shards import BufferShards, build_shards
 from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.wrap.arguments import check_flags
@@ -121,9 +121,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
             optimizer_class, defaults, elementwise=elementwise, groups=groups, classes=classes
         )
         whole = [not steps_flat(cls, optimizer_class, elementwise) for cls in classes]
-        check_precision(precision, state, classes, whole)
+        low = resolve_precision(precision, state, classes, whole)  # None: the class steps the runs
         shapes = whole_shapes(state, group_of, classes, whole)
-        main_dtype = torch.float32 if precision is None else precision.main_dtype
+        main_dtype = torch.float32 if low is None else low.main_dtype
         self._model = model
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group
@@ -142,17 +142,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
                 inner_groups[run.group]["params"].append(tensor)
         self.inner: torch.optim.Optimizer
-        runs = [(t, g) for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)]
-        widened = any(g.dtype != t.dtype for t, g in runs)  # (bf16 grads: widened a chunk at a time)
-        if widened or (precision is not None and precision.lowered):
-            precision = precision or OptimizerPrecision()
-            if widened:
-                check_precision(precision, state, classes, whole, widened)
-            grads = {id(t): g for t, g in runs}
-            self.inner = PrecisionAwareOptimizer(optimizer_class, inner_groups, defaults, precision, grads)
-        else:
+        if low is None:
             self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, self._describe_run)
-        self.precision = precision
+        else:
+            grads = {
+                id(t): g for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)
+            }
+            self.inner = PrecisionAwareOptimizer(optimizer_class, inner_groups, defaults, low, grads)
         self._init_base()
         self.overlap_param_gather = overlap_param_gather
         self.loss_scaler = make_loss_scaler(loss_scale)

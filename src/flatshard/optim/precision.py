@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from flatshard.optim.composite import CompositeOptimizer, class_defaults, run_closure
+from flatshard.optim.shards import run_dtype
 from flatshard.planner.mixed_precision import OptimizerPrecision
 
 CHUNK = 1 << 21
@@ -237,18 +238,21 @@ def round_into(out: torch.Tensor, value: torch.Tensor, generator: torch.Generato
     out.copy_(bits.view(torch.float32))
 
 
-def check_precision(
-    precision: object, state: Any, classes: list[type], whole: list[bool], widened: bool = False
-) -> None:
-    """Refuse, naming the value, what ``precision`` (or grads kept in bf16, ``widened``)
-    cannot do here: bf16 main params of params that are not bf16, a class stepped whole,
+def resolve_precision(
+    precision: object, state: Any, classes: list[type], whole: list[bool]
+) -> OptimizerPrecision | None:
+    """What a ``PrecisionAwareOptimizer`` must keep: ``precision`` where it lowers anything,
+    fp32 where grads of another dtype than their runs (``MixedPrecision(grad_dtype=...)``)
+    must be widened, None where the class steps the runs itself. Refuses, naming the value,
+    what it cannot do: bf16 main params of params that are not bf16, a class stepped whole,
     several classes at once, an optimizer that keeps its own copies."""
-    if precision is None:
-        return
-    if not isinstance(precision, OptimizerPrecision):
+    if precision is not None and not isinstance(precision, OptimizerPrecision):
         raise TypeError(f"precision must be a flatshard.OptimizerPrecision or None, got {precision!r}")
+    precision = precision or OptimizerPrecision()
+    layouts = [b.layout for bset in state.sets.values() for b in bset.buffers]
+    widened = any(lay.grad_dtype != run_dtype(lay.dtype, precision.main_dtype) for lay in layouts)
     if not (precision.lowered or widened):
-        return
+        return None
     composite = [c for c in classes if issubclass(c, CompositeOptimizer)]
     if any(whole) or len(set(classes)) > 1 or composite:
         names = sorted({c.__name__ for c in classes})
@@ -258,11 +262,11 @@ def check_precision(
             f"{what} steps one elementwise torch optimizer class over flat shards; "
             f"these groups use {names}{why}"
         )
-    if precision.main_dtype == torch.bfloat16:
-        dtypes = {b.layout.dtype for bset in state.sets.values() for b in bset.buffers}
-        if dtypes - {torch.bfloat16}:
-            raise ValueError(
-                f"OptimizerPrecision(main_dtype=torch.bfloat16) updates bf16 params in place, but the "
-                f"model's trainable params are {sorted(map(str, dtypes))}: shard the model with "
-                "mixed_precision=flatshard.MixedPrecision(torch.bfloat16)"
-            )
+    dtypes = {lay.dtype for lay in layouts}
+    if precision.main_dtype == torch.bfloat16 and dtypes - {torch.bfloat16}:
+        raise ValueError(
+            f"OptimizerPrecision(main_dtype=torch.bfloat16) updates bf16 params in place, but the "
+            f"model's trainable params are {sorted(map(str, dtypes))}: shard the model with "
+            "mixed_precision=flatshard.MixedPrecision(torch.bfloat16)"
+        )
+    return precision

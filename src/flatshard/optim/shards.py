@@ -77,6 +77,12 @@ class BufferShards:
                 self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
 
 
+def run_dtype(param_dtype: torch.dtype, main_dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the runs the inner optimizer steps: fp32 main params for 16-bit params
+    kept with fp32 main params, else the params' own."""
+    return torch.float32 if param_dtype in HALF_DTYPES and main_dtype == torch.float32 else param_dtype
+
+
 def build_shards(
     buffer: FlatBuffer,
     world: World,
@@ -85,10 +91,10 @@ def build_shards(
     main_dtype: torch.dtype = torch.float32,
 ) -> BufferShards:
     """The runs of ``buffer``'s shards, over fp32 main params where its params are 16-bit
-    and ``main_dtype`` is fp32, else over the param shard itself."""
+    and ``main_dtype`` is fp32, else over the param shard itself (``run_dtype``)."""
     runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes)
     main_data = None
-    if buffer.layout.dtype in HALF_DTYPES and main_dtype == torch.float32:
+    if run_dtype(buffer.layout.dtype, main_dtype) != buffer.layout.dtype:
         main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
     tensors, run_grads = [], []
     for run in runs:

@@ -22,12 +22,6 @@ WholeParams = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter] | Non
 """Params a sharded layout keeps whole: a predicate ``(name, param) -> bool``, or params."""
 
 
-def grad_dtype(dtype: torch.dtype, mixed_precision: MixedPrecision | None = None) -> torch.dtype:
-    """Grads of 16-bit params accumulate in fp32 (or ``mixed_precision.grad_dtype``); others
-    in their param's dtype."""
-    return (mixed_precision or MixedPrecision()).grads_of(dtype)
-
-
 def tied_params(module: nn.Module) -> set[int]:
     """Params registered under more than one name (e.g. embeddings tied to the output layer)."""
     return {key for key, names in names_by_param(module).items() if len(names) > 1}
@@ -67,12 +61,13 @@ def param_specs(
     ``unit_of``: stage-3 unit index by param id; ``whole``: names of params kept whole;
     ``mixed_precision``: the dtype grads accumulate in)."""
     unit_of = unit_of or {}
+    mp = mixed_precision or MixedPrecision()
     return [
         ParamSpec(
             n,
             p.numel(),
             p.dtype,
-            grad_dtype(p.dtype, mixed_precision),
+            mp.grads_of(p.dtype),
             id(p) in tied and not unit_of,  # at stage 3 a unit's buckets are what is gathered
             None if id(p) not in unit_of else str(unit_of[id(p)]),
             n in whole,
