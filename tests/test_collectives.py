@@ -10,6 +10,7 @@ import torch.distributed as dist
 from flatshard.comm.collectives import (
     GATHER_IMPLS,
     SCATTER_IMPLS,
+    UNEVEN,
     CommStats,
     all_gather,
     reduce_scatter,
@@ -20,11 +21,13 @@ from flatshard.comm.world import World
 from flatshard.toolkit.testing import run_distributed
 
 
-def _case(op: str, impl: str, numel: int) -> dict:
+def _case(op: str, impl: str, numel: int, splits=None) -> dict:
     world = World(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
     n, rank = world.size, world.rank
-    size = numel // n
-    own = slice(rank * size, (rank + 1) * size)
+    sizes = splits or [numel // n] * n
+    starts = [sum(sizes[:r]) for r in range(n)]
+    own = slice(starts[rank], starts[rank] + sizes[rank])
+    owner = torch.repeat_interleave(torch.arange(n), torch.tensor(sizes))  # each element's rank
     # small integers: sums are exact in any order
     tensors = [
         torch.randint(-8, 8, (numel,), generator=torch.Generator().manual_seed(r)).float() for r in range(n)
@@ -32,13 +35,13 @@ def _case(op: str, impl: str, numel: int) -> dict:
     stats = CommStats()
     tensor = tensors[rank].clone()
     if op == "reduce_scatter":
-        reduce_scatter(tensor, tensor[own], world, stats=stats, impl=impl).wait()
+        reduce_scatter(tensor, tensor[own], world, stats=stats, impl=impl, splits=splits).wait()
         expected = sum(tensors)[own]
         got = tensor[own]
     else:
-        tensor = torch.where(torch.arange(numel) // size == rank, tensors[rank], torch.full((numel,), 99.0))
-        all_gather(tensor, tensor[own], world, stats=stats, impl=impl).wait()
-        expected = torch.cat([tensors[r][r * size : (r + 1) * size] for r in range(n)])
+        tensor = torch.where(owner == rank, tensors[rank], torch.full((numel,), 99.0))
+        all_gather(tensor, tensor[own], world, stats=stats, impl=impl, splits=splits).wait()
+        expected = torch.cat([tensors[r][starts[r] : starts[r] + sizes[r]] for r in range(n)])
         got = tensor
     return {"equal": torch.equal(got, expected), "stats": stats.as_dict()[op]}
 
@@ -55,11 +58,11 @@ def test_every_implementation_is_exact(world_size, op, impl):
         assert result["stats"]["payload_bytes"] == numel * 4
 
 
-def _chunked_case(chunk_bytes: int, numel: int) -> dict:
+def _chunked_case(chunk_bytes: int, numel: int, splits=None) -> dict:
     from flatshard.comm import collectives
 
     collectives.A2A_CHUNK = chunk_bytes  # (this rank's process only)
-    return _case("reduce_scatter", "chunked_all_to_all", numel)
+    return _case("reduce_scatter", "chunked_all_to_all", numel, splits)
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -70,6 +73,33 @@ def test_chunked_all_to_all_sums_every_block(world_size):
     for result in run_distributed(_chunked_case, world_size, 7 * 4 * world_size, numel):
         assert result["equal"]
         assert result["stats"]["wire_bytes"] == (world_size - 1) * numel * 4 // world_size
+
+
+UNEVEN_SPLITS = {2: [640, 128], 3: [256, 0, 384], 4: [0, 384, 128, 0]}
+"""Shards of whole-param buckets ([Note: whole-param buckets]): of any size, some empty."""
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize(
+    ("op", "impl"), [("reduce_scatter", i) for i in SCATTER_IMPLS] + [("all_gather", i) for i in GATHER_IMPLS]
+)
+def test_every_implementation_is_exact_on_uneven_shards(world_size, op, impl):
+    """An implementation that takes equal shards only hands over to one that takes any
+    (``UNEVEN``), and says so in the byte accounting."""
+    splits = UNEVEN_SPLITS[world_size]
+    for result in run_distributed(_case, world_size, op, impl, sum(splits), splits):
+        assert result["equal"]
+        assert result["stats"]["impl"] == UNEVEN.get(impl, impl)
+        assert result["stats"]["payload_bytes"] == sum(splits) * 4
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_chunked_all_to_all_sums_every_block_of_uneven_shards(world_size):
+    """Blocks of 7 columns over shards of 0 to 640 elements: a short shard runs out of
+    columns blocks before a long one, and every rank still issues the same all-to-alls."""
+    splits = UNEVEN_SPLITS[world_size]
+    for result in run_distributed(_chunked_case, world_size, 7 * 4 * world_size, sum(splits), splits):
+        assert result["equal"]
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])

@@ -38,6 +38,12 @@ above (so a reduce-scatter sends a ring's bytes at any bucket size, not an all-r
 twice that), and all-gather is a broadcast per shard. Every implementation of an op leaves
 the same values; wire bytes follow the one that ran (``CommStats.impls``). The measurements behind the choice:
 ``benchmarks/README.md``.
+
+A whole-param bucket's shards differ in size ([Note: whole-param buckets] in
+``planner/layout.py``): the caller passes every rank's size (``splits``). The all-to-all
+takes split sizes, the broadcasts and reduces one part per rank (an empty part is skipped
+on every rank alike), and an all-reduce any parts; the native ops, which take equal parts
+only, hand over to the all-to-all or the broadcasts (``UNEVEN``, also on NCCL).
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import math
 import os
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Protocol
@@ -177,6 +184,10 @@ def _reduce(tensor: torch.Tensor, world: World, root: int) -> Handle:
     return world.pg.reduce([tensor], opts)
 
 
+Splits = Sequence[int] | None
+"""Each rank's share of a bucket, in rank order, where the shares differ; None: equal."""
+
+
 class _Group:
     """Several handles waited as one, then ``after()`` (e.g. copying a result into place)."""
 
@@ -265,25 +276,41 @@ def choose_impl(world: World, op: str, nbytes: int, device: torch.device | None 
     return next(impl for limit, impl in IMPLS.get(backend, IMPLS["default"])[op] if nbytes <= limit)
 
 
-def _own(tensor: torch.Tensor, shard: torch.Tensor, world: World) -> None:
-    size = tensor.numel() // world.size
-    if tensor.numel() != size * world.size or shard.numel() != size:
+def _own(tensor: torch.Tensor, shard: torch.Tensor, world: World, splits: Splits) -> tuple[int, ...]:
+    """Check that ``shard`` is this rank's part of ``tensor``; the shards' sizes."""
+    n = world.size
+    sizes = tuple(splits) if splits is not None else (tensor.numel() // n,) * n
+    if len(sizes) != n or sum(sizes) != tensor.numel() or shard.numel() != sizes[world.rank]:
         raise ValueError(
-            f"a bucket of {tensor.numel()} elements does not split into {world.size} shards "
-            f"of {shard.numel()}"
+            f"a bucket of {tensor.numel()} elements does not split into {n} shards of "
+            f"{list(sizes) if splits is not None else sizes[0]} with {shard.numel()} on rank {world.rank}"
         )
-    if shard.data_ptr() != tensor.data_ptr() + world.rank * size * tensor.element_size():
+    offset = sum(sizes[: world.rank]) * tensor.element_size()
+    if shard.numel() and shard.data_ptr() != tensor.data_ptr() + offset:
         raise ValueError(f"the shard of rank {world.rank} is not its own part of the bucket")
+    return sizes
 
 
-def _prepare(op: str, tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str | None) -> str:
-    _own(tensor, shard, world)
-    return impl or choose_impl(world, op, _nbytes(tensor), tensor.device)
+UNEVEN = {
+    "reduce_scatter_tensor": "all_to_all",
+    "all_gather_into_tensor": "broadcast",
+    "all_gather": "broadcast",
+}
+"""What stands in for an implementation that takes only equal shards, on uneven ones."""
+
+
+def _prepare(
+    op: str, tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str | None, splits: Splits
+) -> tuple[str, tuple[int, ...]]:
+    sizes = _own(tensor, shard, world, splits)
+    impl = impl or choose_impl(world, op, _nbytes(tensor), tensor.device)
+    return (UNEVEN.get(impl, impl) if len(set(sizes)) > 1 else impl), sizes
 
 
 def _record(stats: CommStats | None, op: str, tensor: torch.Tensor, world: World, impl: str) -> None:
     """Ring-formula wire bytes of the implementation that ran: ``(N-1)/N B``, twice that for
-    an all-reduce standing in for a reduce-scatter or all-gather."""
+    an all-reduce standing in for a reduce-scatter or all-gather (on uneven shards, the mean
+    over the ranks)."""
     if stats is not None:
         b, n = _nbytes(tensor), world.size
         stats.record(op, b, (2 if impl == "all_reduce" else 1) * (n - 1) * b // n, impl)
@@ -296,28 +323,32 @@ def reduce_scatter(
     *,
     stats: CommStats | None = None,
     impl: str | None = None,
+    splits: Splits = None,
 ) -> Handle:
-    """Sum ``tensor`` (a bucket, 1-D) across ``world`` so that ``shard`` (this rank's equal
-    part of it, a view) holds the sum; the rest of ``tensor`` is left unspecified."""
+    """Sum ``tensor`` (a bucket, 1-D) across ``world`` so that ``shard`` (this rank's part
+    of it, a view) holds the sum; the rest of ``tensor`` is left unspecified. ``splits``:
+    the size of each rank's part, in rank order, where they differ (None: equal parts)."""
     if world.group is None:
         return DONE
-    impl = _prepare("reduce_scatter", tensor, shard, world, impl)
+    impl, sizes = _prepare("reduce_scatter", tensor, shard, world, impl, splits)
     with span("reduce_scatter {:,} B ({})", _nbytes(tensor), impl):
-        handle = _issue_reduce_scatter(tensor, shard, world, impl)
+        handle = _issue_reduce_scatter(tensor, shard, world, impl, sizes)
     _record(stats, "reduce_scatter", tensor, world, impl)
     return world.watch(handle, "reduce_scatter")
 
 
-def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str) -> Handle:
-    group, n = world.pg, world.size
+def _issue_reduce_scatter(
+    tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str, sizes: tuple[int, ...]
+) -> Handle:
+    group = world.pg
     if impl == "all_reduce":
-        handle = _all_reduce(tensor, world)
+        handle = _all_reduce(tensor, world)  # (the shard is a view: it holds its sum)
     elif impl == "reduce":
-        handle = _Group([_reduce(c, world, r) for r, c in enumerate(tensor.chunk(n))])
+        handle = _Group([_reduce(c, world, r) for r, c in enumerate(tensor.split(sizes)) if c.numel()])
     elif impl == "all_to_all":
-        handle = _all_to_all(tensor, shard, world, _nbytes(tensor))
+        handle = _all_to_all(tensor, shard, world, sizes, _nbytes(tensor))
     elif impl == "chunked_all_to_all":
-        handle = _all_to_all(tensor, shard, world, A2A_CHUNK)
+        handle = _all_to_all(tensor, shard, world, sizes, A2A_CHUNK)
     elif impl == "reduce_scatter_tensor":
         out = torch.empty_like(shard)  # gloo does not take an output that aliases the input
         work = group._reduce_scatter_base(out, tensor, world.options(dist.ReduceScatterOptions))
@@ -327,29 +358,41 @@ def _issue_reduce_scatter(tensor: torch.Tensor, shard: torch.Tensor, world: Worl
     return handle
 
 
-def _all_to_all(tensor: torch.Tensor, shard: torch.Tensor, world: World, block_bytes: int) -> Handle:
-    """All-to-alls of column blocks of the bucket's rows (row r: rank r's shard), each of at
-    most ``block_bytes``; the blocks received (row r: rank r's part of this rank's shard) are
-    summed into ``shard`` once all have arrived. A block narrower than the bucket is copied
-    out of the rows (the list form of all-to-all, which sends from the rows as they are,
-    measured slower), so several blocks hold two bucket-sized temporaries in flight (sent
-    and received), one block (the whole bucket, sent as it is) one."""
-    n = world.size
-    rows = tensor.view(n, -1)
+def _all_to_all(
+    tensor: torch.Tensor, shard: torch.Tensor, world: World, sizes: tuple[int, ...], block_bytes: int
+) -> Handle:
+    """All-to-alls of column blocks of the bucket's shards (each block: the same columns of
+    every rank's shard, those a shorter shard has), each of at most ``block_bytes``; the
+    blocks received (row r: rank r's part of this rank's shard) are summed into ``shard``
+    once all have arrived. A block narrower than the bucket is copied out of it (the list
+    form of all-to-all, which sends from the shards as they are, measured slower), so several
+    blocks hold two bucket-sized temporaries in flight (sent and received), one block (the
+    whole bucket, sent as it is) one. Every rank issues the same number of all-to-alls: the
+    blocks are cut from the longest shard, which every rank knows."""
+    n, own = world.size, sizes[world.rank]
+    starts = [sum(sizes[:r]) for r in range(n)]
     width = max(1, block_bytes // (n * tensor.element_size()))
     works: list[Handle] = []
     blocks: list[tuple[torch.Tensor, int, int]] = []
-    for lo in range(0, rows.shape[1], width):
-        hi = min(rows.shape[1], lo + width)
-        received = torch.empty((n, hi - lo), dtype=tensor.dtype, device=tensor.device)
-        sent = rows[:, lo:hi].contiguous()  # (the bucket itself when one block covers it)
-        works.append(world.pg.alltoall_base(received, sent, [], [], world.options(dist.AllToAllOptions)))
-        blocks.append((received, lo, hi))
+    for lo in range(0, max(sizes), width):
+        cut = [max(0, min(lo + width, size) - lo) for size in sizes]  # each shard's columns
+        if lo == 0 and cut == list(sizes):
+            sent = tensor  # one block: the bucket as it is
+        else:
+            sent = torch.cat([tensor[s + lo : s + lo + c] for s, c in zip(starts, cut, strict=True)])
+        received = torch.empty(n * cut[world.rank], dtype=tensor.dtype, device=tensor.device)
+        even = len(set(cut)) == 1
+        splits_out, splits_in = ([], []) if even else ([cut[world.rank]] * n, cut)
+        opts = world.options(dist.AllToAllOptions)
+        works.append(world.pg.alltoall_base(received, sent, splits_out, splits_in, opts))
+        blocks.append((received.view(n, -1), lo, lo + cut[world.rank]))
 
     def sum_blocks() -> None:
         for received, lo, hi in blocks:
-            sum_rows(received, shard[lo:hi])
+            if hi > lo:
+                sum_rows(received, shard[lo:hi])
 
+    assert own == shard.numel()
     return _Group(works, sum_blocks)
 
 
@@ -371,20 +414,24 @@ def all_gather(
     *,
     stats: CommStats | None = None,
     impl: str | None = None,
+    splits: Splits = None,
 ) -> Handle:
-    """Fill ``tensor`` (a bucket, 1-D) from every rank's ``shard`` (its own equal part of
-    ``tensor``, a view); in place. A gather by broadcasts is pipelined: each rank forwards
-    n - 1 chunks, the wire bytes of a ring all-gather."""
+    """Fill ``tensor`` (a bucket, 1-D) from every rank's ``shard`` (its own part of
+    ``tensor``, a view; ``splits`` as in ``reduce_scatter``); in place. A gather by
+    broadcasts is pipelined: each rank forwards n - 1 chunks, the wire bytes of a ring
+    all-gather."""
     if world.group is None:
         return DONE
-    impl = _prepare("all_gather", tensor, shard, world, impl)
+    impl, sizes = _prepare("all_gather", tensor, shard, world, impl, splits)
     with span("all_gather {:,} B ({})", _nbytes(tensor), impl):
-        works = _issue_all_gather(tensor, shard, world, impl)
+        works = _issue_all_gather(tensor, shard, world, impl, sizes)
     _record(stats, "all_gather", tensor, world, impl)
     return world.watch(_Group(works), "all_gather")
 
 
-def _issue_all_gather(tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str) -> list[Handle]:
+def _issue_all_gather(
+    tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str, sizes: tuple[int, ...]
+) -> list[Handle]:
     group, n = world.pg, world.size
     works: list[Handle]
     if impl == "all_gather_into_tensor":
@@ -392,12 +439,12 @@ def _issue_all_gather(tensor: torch.Tensor, shard: torch.Tensor, world: World, i
     elif impl == "all_gather":
         works = [group.allgather([list(tensor.chunk(n))], [shard.clone()], world.options(AllgatherOptions))]
     elif impl == "all_reduce":
-        size = shard.numel()
-        tensor[: world.rank * size].zero_()
-        tensor[(world.rank + 1) * size :].zero_()
+        start = sum(sizes[: world.rank])
+        tensor[:start].zero_()
+        tensor[start + shard.numel() :].zero_()
         works = [_all_reduce(tensor, world)]
     elif impl == "broadcast":
-        works = [_broadcast(chunk, world, r) for r, chunk in enumerate(tensor.chunk(n))]
+        works = [_broadcast(part, world, r) for r, part in enumerate(tensor.split(sizes)) if part.numel()]
     else:
         raise ValueError(f"unknown all-gather implementation {impl!r}; known: {GATHER_IMPLS}")
     return works

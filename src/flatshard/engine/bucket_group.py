@@ -231,7 +231,8 @@ class BucketGroup:
             shard = self.buffer.shard_range(bucket)
             tensor = data[bucket.start - self.start : bucket.end - self.start]
             own = data[shard.start - self.start : shard.end - self.start]
-            self._handles.append(reduce_scatter(tensor, own, self.world, stats=self.stats))
+            handle = reduce_scatter(tensor, own, self.world, stats=self.stats, splits=bucket.splits)
+            self._handles.append(handle)
 
     def _reduced_data(self) -> torch.Tensor:
         """What the collectives run on: ``grad``, or its copy in ``reduce_dtype``."""

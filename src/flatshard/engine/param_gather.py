@@ -74,7 +74,8 @@ class ParamGather:
         self.wait_all()
         for index, (buffer, bucket, world) in enumerate(self.units):
             tensor = buffer.param_range(bucket, bucket)
-            self._pending[index] = all_gather(tensor, buffer.param_shard(bucket), world, stats=self.stats)
+            mine = buffer.param_shard(bucket)
+            self._pending[index] = all_gather(tensor, mine, world, stats=self.stats, splits=bucket.splits)
 
     def wait(self, units: Sequence[int]) -> None:
         for index in units:

@@ -12,8 +12,7 @@ Rules (after Megatron-Core's ``_ParamAndGradBuffer``):
 * inside a buffer, params are laid out in *reverse* registration order, which is the order
   in which backward produces their grads, so the first bucket is ready first;
 * a param is never split across buckets; a bucket closes as soon as it holds at least
-  ``bucket_size`` elements (``None``: one bucket per buffer; a whole-param bucket may stay
-  open for a small tail, [Note: whole-param buckets]); a param with
+  ``bucket_size`` elements (``None``: one bucket per buffer); a param with
   ``own_bucket=True`` sits alone in its bucket; a bucket also closes where the ``unit`` of
   consecutive params changes, so a unit's params never share a bucket with another unit's;
 * when ``shard``: every param starts at a multiple of ``PARAM_ALIGN`` (64) elements and every
@@ -26,7 +25,8 @@ Invariants (tested property-based in ``tests/test_layout.py``):
 1. params of one buffer never overlap, and each lies inside exactly one bucket;
 2. buckets tile their buffer: ``buckets[0].start == 0``, ``buckets[j].end ==
    buckets[j + 1].start``, ``buckets[-1].end == buffer.numel``;
-3. when ``shard``: param starts are multiples of 64 and bucket sizes of ``pad_multiple``;
+3. when ``shard``: param starts are multiples of 64 and bucket sizes of ``pad_multiple``
+   (a whole-param bucket's shards: of ``BUCKET_ALIGN``);
 4. when ``shard``: every param element lies in exactly one rank's shard, and the four ranges
    of a param in a shard describe the same elements (their sizes are equal and they map
    into each other by the bucket start, the shard start and the param start);
@@ -37,19 +37,22 @@ Invariants (tested property-based in ``tests/test_layout.py``):
 
 A rule that updates a param as one matrix (Muon's orthogonalization, a factored second
 moment) needs all of it on one rank. A spec with ``whole=True`` makes its bucket a *whole-
-param bucket*: each of its params (the others too: they fill the gaps) gets an owner rank
-by ``balance`` (largest first to the rank holding the fewest elements), and each rank's
-shard is its params, in buffer order, each at a multiple of ``PARAM_ALIGN``. Every shard
-has the size of the fullest one, rounded so that the bucket still splits into equal,
-aligned shards; the rest of each shard is padding. The collectives are unchanged (one
-reduce-scatter and one all-gather of equal shards), so the bytes a bucket sends grow only
-by that padding: ``max(load) / mean(load)`` over the ranks, which falls as a bucket holds
-more params (a bucket of one param sends it ``world_size`` times). Buckets close by the same
-rules as flat ones, except that a whole-param bucket stays open rather than leave a tail
-of less than half ``bucket_size`` before the next forced break (an own bucket, another
-unit): a tail of a few matrices pads every shard to its largest one. Inside the bucket,
-params are no longer in reverse registration order (a bucket is reduced once all its grads
-are in, so the order inside it does not matter); ``bucket.params`` is still in buffer order.
+param bucket*: each of its params (the others too: they fill in) gets an owner rank, and
+each rank's shard is exactly its params, in buffer order, each at a multiple of
+``PARAM_ALIGN``, the shard rounded up to ``BUCKET_ALIGN``. The shards of one bucket are of
+*uneven* size (``bucket.bounds``; a rank that owns nothing there has an empty shard), so a
+whole-param bucket is padded by alignment only, whatever its params and the world size.
+Owners are chosen once for every whole-param bucket of a buffer (``plan_owners``: largest
+first to the least-loaded rank, then moves and swaps while they lower the fullest rank), so
+the ranks' loads balance over the model even where one bucket holds fewer params than there
+are ranks (a stage-3 unit of four matrices over eight ranks); the loads carry over from one
+buffer to the next. The collectives take the uneven shards as they are (``splits`` in
+``comm/collectives.py``: an all-to-all with split sizes, a broadcast per shard), so a bucket
+moves the bytes of its params and alignment, and each rank's share of a step's traffic
+follows its share of the params. Buckets close by the same rules as flat ones. Inside the
+bucket, params are no longer in reverse registration order (a bucket is reduced once all
+its grads are in, so the order inside it does not matter); ``bucket.params`` is still in
+buffer order.
 
 The four ranges of a param in one rank's shard (all half-open ``[start, end)``):
 
@@ -64,6 +67,7 @@ Without ``shard`` (stage 0), a rank's "shard" of a bucket is the whole bucket on
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -161,6 +165,10 @@ class BucketLayout:
     world_size: int
     sharded: bool
     whole: bool = False  # a whole-param bucket: each param in one rank's shard
+    bounds: tuple[int, ...] | None = None
+    """Where each rank's shard starts, relative to ``start``, then ``numel``: the uneven
+    shards of a whole-param bucket; None: ``world_size`` equal shards (or, unsharded, the
+    whole bucket on every rank)."""
 
     @property
     def numel(self) -> int:
@@ -172,7 +180,18 @@ class BucketLayout:
 
     @property
     def shard_size(self) -> int:
+        """The size of every rank's shard; of the largest in a whole-param bucket."""
+        if self.bounds is not None:
+            return max(self.splits or ())
         return self.numel // self.world_size if self.sharded else self.numel
+
+    @property
+    def splits(self) -> tuple[int, ...] | None:
+        """The size of each rank's shard where they differ (a whole-param bucket), else None:
+        what the collectives need to know of a bucket's shards beyond their own."""
+        if self.bounds is None:
+            return None
+        return tuple(b - a for a, b in zip(self.bounds, self.bounds[1:], strict=False))
 
     def shard_range(self, rank: int) -> Range:
         """This rank's shard of the bucket, in buffer offsets."""
@@ -180,6 +199,8 @@ class BucketLayout:
             raise ValueError(f"rank {rank} is outside the layout's world of size {self.world_size}")
         if not self.sharded:
             return self.range
+        if self.bounds is not None:
+            return Range(self.start + self.bounds[rank], self.start + self.bounds[rank + 1])
         start = self.start + rank * self.shard_size
         return Range(start, start + self.shard_size)
 
@@ -188,6 +209,9 @@ class BucketLayout:
         shards, or where the bucket is not sharded (every rank holds all of it)."""
         if not self.sharded:
             return None
+        if self.bounds is not None:
+            first = bisect.bisect_right(self.bounds, slot.start - self.start) - 1
+            return first if slot.end - self.start <= self.bounds[first + 1] else None
         first = (slot.start - self.start) // self.shard_size
         return first if (slot.end - 1 - self.start) // self.shard_size == first else None
 
@@ -301,9 +325,11 @@ def plan_layout(
     for i, spec in enumerate(specs):
         groups.setdefault((spec.dtype, spec.grad_dtype), []).append(i)
     buffers = []
+    loads = [0] * world_size  # of whole-param buckets, carried from buffer to buffer
     for b, ((dtype, grad_dtype), indices) in enumerate(groups.items()):
         ordered = [specs[i] for i in reversed(indices)]
-        buckets = _plan_buckets(ordered, list(reversed(indices)), bucket_size, shard, multiple, world_size)
+        grouped = _group_buckets(ordered, list(reversed(indices)), bucket_size, shard)
+        buckets = _place_buckets(grouped, shard, multiple, world_size, loads)
         buffers.append(BufferLayout(b, dtype, grad_dtype, buckets[-1].end, tuple(buckets)))
     return Layout(world_size, shard, bucket_size, multiple if shard else 1, tuple(buffers))
 
@@ -312,7 +338,7 @@ def balance(sizes: Sequence[int], ranks: int, loads: list[int] | None = None) ->
     """An owner rank for each of ``sizes``: the largest first, each to the rank whose load is
     smallest (the lowest rank on a tie). ``loads`` (one per rank, default zeros) is the
     load each rank starts with, and is updated in place. The same on every rank: the
-    ownership planner of whole-param buckets and of ``OwnerShardedOptimizer``."""
+    ownership planner of ``OwnerShardedOptimizer``, and the first pass of ``plan_owners``."""
     loads = [0] * ranks if loads is None else loads
     owners = [0] * len(sizes)
     for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
@@ -321,59 +347,86 @@ def balance(sizes: Sequence[int], ranks: int, loads: list[int] | None = None) ->
     return owners
 
 
+def plan_owners(sizes: Sequence[int], ranks: int, loads: list[int] | None = None) -> list[int]:
+    """``balance``, then while one exists the move of a param off the fullest rank, or swap
+    of a param there for a smaller one elsewhere, that leaves both ranks below the fullest
+    load (the one that leaves the lower pair; the first on a tie). Every step lowers the
+    fullest load or the number of ranks at it, so it ends; the same on every rank. ``loads`` as in
+    ``balance``, updated in place."""
+    loads = [0] * ranks if loads is None else loads
+    owners = balance(sizes, ranks, loads)
+    while (step := _best_step(sizes, owners, loads)) is not None:
+        top, rank, i, j = step
+        moved = sizes[i] - (0 if j is None else sizes[j])
+        owners[i], loads[top], loads[rank] = rank, loads[top] - moved, loads[rank] + moved
+        if j is not None:
+            owners[j] = top
+    return owners
+
+
+def _best_step(
+    sizes: Sequence[int], owners: list[int], loads: list[int]
+) -> tuple[int, int, int, int | None] | None:
+    """The move or swap of ``plan_owners`` that leaves the lowest pair of loads: (the
+    fullest rank, the other rank, the param it gives, the param it takes or None)."""
+    ranks, top_load = len(loads), max(loads)
+    by_size: list[dict[int, int]] = [{} for _ in range(ranks)]  # rank -> size -> a param
+    for i, (size, owner) in enumerate(zip(sizes, owners, strict=True)):
+        by_size[owner].setdefault(size, i)
+    best, step = top_load, None
+    for top in (r for r in range(ranks) if loads[r] == top_load):
+        for rank in (r for r in range(ranks) if r != top):
+            for a, i in by_size[top].items():
+                for b, j in [(0, None), *by_size[rank].items()]:
+                    pair = max(loads[top] - a + b, loads[rank] + a - b)
+                    if b < a and pair < best:
+                        best, step = pair, (top, rank, i, j)
+    return step
+
+
 class _Pending(NamedTuple):
     spec: ParamSpec
     position: int  # (in registration order)
 
 
-def _plan_buckets(
-    specs: list[ParamSpec],
-    indices: list[int],
-    bucket_size: int | None,
-    shard: bool,
-    multiple: int,
-    world_size: int,
-) -> list[BucketLayout]:
-    """Lay ``specs`` (already in buffer order) into consecutive buckets."""
-    buckets: list[BucketLayout] = []
+def _group_buckets(
+    specs: list[ParamSpec], indices: list[int], bucket_size: int | None, shard: bool
+) -> list[list[_Pending]]:
+    """Cut ``specs`` (already in buffer order) into the params of consecutive buckets."""
+    buckets: list[list[_Pending]] = []
     pending: list[_Pending] = []
     cursor = 0  # elements of the open bucket, laid out in order with alignment gaps
-
-    def close() -> None:
-        nonlocal cursor, pending
-        start = buckets[-1].end if buckets else 0
-        place = _place_by_owner if by_owner and any(p.spec.whole for p in pending) else _place
-        buckets.append(place(pending, len(buckets), start, shard, multiple, world_size))
-        pending, cursor = [], 0
-
-    left = _left_until_break(specs)
-    by_owner = shard and world_size > 1
-    for i, (spec, index) in enumerate(zip(specs, indices, strict=True)):
+    for spec, index in zip(specs, indices, strict=True):
         if pending and (spec.own_bucket or spec.unit != pending[-1].spec.unit):
-            close()
+            buckets.append(pending)
+            pending, cursor = [], 0
         pending.append(_Pending(spec, index))
         cursor = (_round_up(cursor, PARAM_ALIGN) if shard else cursor) + spec.numel
-        full = bucket_size is not None and cursor >= bucket_size
-        small_tail = bucket_size is not None and 0 < left[i] < bucket_size // 2
-        if full and by_owner and small_tail and any(p.spec.whole for p in pending):
-            full = False  # no small whole-param tail: its few params would pad every shard
-        if spec.own_bucket or full:
-            close()
+        if spec.own_bucket or (bucket_size is not None and cursor >= bucket_size):
+            buckets.append(pending)
+            pending, cursor = [], 0
     if pending:
-        close()
+        buckets.append(pending)
     return buckets
 
 
-def _left_until_break(specs: list[ParamSpec]) -> list[int]:
-    """For each spec, the elements of the specs after it up to the next forced bucket break
-    (an ``own_bucket`` spec or another unit)."""
-    left, total = [0] * len(specs), 0
-    for i in range(len(specs) - 1, -1, -1):
-        left[i] = total
-        spec = specs[i]
-        breaks = spec.own_bucket or (i > 0 and specs[i - 1].unit != spec.unit)
-        total = 0 if breaks else total + spec.numel
-    return left
+def _place_buckets(
+    grouped: list[list[_Pending]], shard: bool, multiple: int, world_size: int, loads: list[int]
+) -> list[BucketLayout]:
+    """Place the buckets one after another: whole-param buckets by owner, with owners
+    planned over all of them at once ([Note: whole-param buckets]), the rest flat."""
+    by_owner = [shard and world_size > 1 and any(p.spec.whole for p in params) for params in grouped]
+    owned = [p for params, w in zip(grouped, by_owner, strict=True) if w for p in params]
+    owners = iter(plan_owners([_round_up(p.spec.numel, PARAM_ALIGN) for p in owned], world_size, loads))
+    buckets: list[BucketLayout] = []
+    for params, whole in zip(grouped, by_owner, strict=True):
+        start = buckets[-1].end if buckets else 0
+        if whole:
+            ranks = [next(owners) for _ in params]
+            buckets.append(_place_by_owner(params, ranks, len(buckets), start, world_size))
+        else:
+            buckets.append(_place(params, len(buckets), start, shard, multiple, world_size))
+    return buckets
 
 
 def _place(
@@ -385,26 +438,25 @@ def _place(
         param_start = _round_up(cursor, PARAM_ALIGN) if shard else cursor
         slots.append(ParamSlot(p.spec.name, p.position, param_start, param_start + p.spec.numel, index))
         cursor = param_start + p.spec.numel
-    end = _round_up(cursor, multiple) if shard else cursor
+    end = start + _round_up(cursor - start, multiple) if shard else cursor  # (start: see _place_by_owner)
     return BucketLayout(index, start, end, cursor - start, tuple(slots), world_size, shard)
 
 
 def _place_by_owner(
-    pending: list[_Pending], index: int, start: int, shard: bool, multiple: int, world_size: int
+    pending: list[_Pending], owners: list[int], index: int, start: int, world_size: int
 ) -> BucketLayout:
-    """A whole-param bucket: each param in its owner's shard ([Note: whole-param buckets])."""
-    sizes = [_round_up(p.spec.numel, PARAM_ALIGN) for p in pending]
-    loads = [0] * world_size
-    owners = balance(sizes, world_size, loads)
-    shard_size = _round_up(max(loads), math.lcm(PARAM_ALIGN, multiple // world_size))
-    cursors = [start + r * shard_size for r in range(world_size)]
-    slots = []
-    for p, size, owner in zip(pending, sizes, owners, strict=True):
-        slots.append(ParamSlot(p.spec.name, p.position, cursors[owner], cursors[owner] + p.spec.numel, index))
-        cursors[owner] += size
-    slots.sort(key=lambda slot: slot.start)
-    end = start + world_size * shard_size
-    return BucketLayout(index, start, end, slots[-1].end - start, tuple(slots), world_size, shard, whole=True)
+    """A whole-param bucket: each rank's shard its params ([Note: whole-param buckets])."""
+    slots, cursor, bounds = [], start, [0]
+    for rank in range(world_size):
+        for p in (p for p, owner in zip(pending, owners, strict=True) if owner == rank):
+            slots.append(ParamSlot(p.spec.name, p.position, cursor, cursor + p.spec.numel, index))
+            cursor = _round_up(cursor + p.spec.numel, PARAM_ALIGN)
+        cursor = _round_up(cursor, BUCKET_ALIGN)
+        bounds.append(cursor - start)
+    unpadded = max(slot.end for slot in slots) - start
+    return BucketLayout(
+        index, start, cursor, unpadded, tuple(slots), world_size, True, whole=True, bounds=tuple(bounds)
+    )
 
 
 def format_layout(layout: Layout) -> str:

@@ -107,7 +107,7 @@ def _gather_grads(parts: list[Part]) -> None:
         if buffer.has_grad_shard(bucket):  # (freed by zero_grad: zeros, gathered all the same)
             mine.copy_(buffer.grad_shard(bucket))
         if part.world.size > 1:
-            handles.append(all_gather(full, mine, part.world))
+            handles.append(all_gather(full, mine, part.world, splits=bucket.splits))
         out.append(full)
     for h in handles:
         h.wait()

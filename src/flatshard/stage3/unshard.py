@@ -224,7 +224,8 @@ class Unsharder:
                 mine = part.buffer.own_part(full, part.bucket)
                 mine.copy_(part.buffer.gather_source(part.bucket))
                 if part.world.size > 1:
-                    handles.append(all_gather(full, mine, part.world, stats=self.stats))
+                    splits = part.bucket.splits
+                    handles.append(all_gather(full, mine, part.world, stats=self.stats, splits=splits))
         self._handles[u] = handles
         self.state[u] = advance(self.state[u], Gather.GATHERING, "a unit")
 

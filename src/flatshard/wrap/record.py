@@ -61,7 +61,7 @@ def main_values(
                 mine = buffer.own_part(full, bucket) if bucket.sharded else full
                 mine.copy_(main[frame.start : frame.end])
                 if bucket.sharded and bset.world.size > 1:
-                    all_gather(full, mine, bset.world).wait()
+                    all_gather(full, mine, bset.world, splits=bucket.splits).wait()
                 for slot in (s for s in bucket.params if s.name in optimized):
                     param = bset.params[slot.index]
                     covered.add(id(param))
