@@ -8,7 +8,9 @@
   main params take a value only where the 16-bit value changed, so unchanged ones keep
   their full precision: [Note: main-backed shards] in ``engine/buffer.py``). ``with_grads``
   gathers the reduced grad shards into ``param.grad`` for the block. ``rank0_only`` frees
-  the units again on every other rank.
+  the units again on every other rank. Below stage 3 the params are whole already, and
+  ``with_grads`` gathers the grads the same way (``summon_grads``): at stages 1-2 only this
+  rank's shard of the grad buffer holds reduced values, so a view of the buffer would not do.
 * ``full_state_dict()`` gathers one unit at a time and gives rank 0 a plain CPU state dict
   (other ranks an empty dict): never more than one unit in full.
 * ``load_full_state_dict`` copies each rank's pieces of every param out of a full state
@@ -17,7 +19,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
@@ -25,6 +27,7 @@ import torch
 
 from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet
+from flatshard.engine.lifecycle import Grads
 from flatshard.stage3.unshard import Part, Unsharder
 
 
@@ -43,16 +46,19 @@ class Stage3State(Protocol):
 
 
 @contextmanager
-def summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
+def summon(
+    state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads: bool, grads: Grads
+) -> Iterator[None]:
+    """``grads``: the module's grads since ``zero_grad`` (what ``with_grads`` may show)."""
     with (  # writeback writes the 16-bit shards
         state.param_dtype_shards(),
-        _summon(state, writeback=writeback, rank0_only=rank0_only, with_grads=with_grads),
+        _summon(state, writeback=writeback, rank0_only=rank0_only, grads=grads if with_grads else None),
     ):
         yield
 
 
 @contextmanager
-def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads: bool) -> Iterator[None]:
+def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, grads: Grads | None) -> Iterator[None]:
     unsharder = _unsharder(state)
     if writeback and rank0_only:
         raise ValueError(
@@ -66,8 +72,8 @@ def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads
         unsharder.unshard(u)
     for u in range(len(unsharder.units)):
         unsharder.wait(u)
-    if with_grads:
-        _gather_grads([part for part in parts if part.buffer.has_grads])  # (frozen params have none)
+    with_grads = [part for part in parts if part.buffer.has_grads] if grads else []  # (frozen: none)
+    previous = _gather_grads(with_grads, grads)
     if rank0_only and _rank(parts) != 0:
         unsharder.settle()
     unsharder.summoned = True
@@ -75,12 +81,35 @@ def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, with_grads
         yield
     finally:
         unsharder.summoned = False
-        for part in [p for p in parts if p.buffer.has_grads] if with_grads else []:
-            for slot in part.bucket.params:
-                part.params[slot.index].grad = None
+        _restore_grads(with_grads, previous)
         if writeback:
             _write_back(parts)
         unsharder.settle()
+
+
+@contextmanager
+def summon_grads(sets: Iterable[BufferSet], grads: Grads) -> Iterator[None]:
+    """Below stage 3: every trained param's ``.grad`` the full reduced grad of the last
+    synced backward (zeros after ``zero_grad``), for the block; what it was again after it
+    (stage 0 shows the grad buffer's views, as DDP does)."""
+    parts = [
+        Part(buffer, bucket, bset.world, bset.params)
+        for bset in sets
+        for buffer in bset.buffers
+        if buffer.has_grads
+        for bucket in buffer.layout.buckets
+    ]
+    previous = _gather_grads(parts, grads)
+    try:
+        yield
+    finally:
+        _restore_grads(parts, previous)
+
+
+def _restore_grads(parts: list[Part], previous: list[torch.Tensor | None]) -> None:
+    params = (part.params[slot.index] for part in parts for slot in part.bucket.params)
+    for param, grad in zip(params, previous, strict=True):
+        param.grad = grad
 
 
 def _rank(parts: list[Part]) -> int:
@@ -96,17 +125,25 @@ def _write_back(parts: list[Part]) -> None:
             buffer.param_shard(bucket).copy_(buffer.own_part(buffer.full_bucket(bucket), bucket))
 
 
-def _gather_grads(parts: list[Part]) -> None:
-    """Full grads of every bucket from the reduced grad shards (zeros after ``zero_grad``);
-    ``param.grad`` views them (a copy in the param's dtype when the grads are kept in fp32)."""
+def _gather_grads(parts: list[Part], grads: Grads | None) -> list[torch.Tensor | None]:
+    """Full grads of every bucket from the reduced grad shards (zeros after ``zero_grad``,
+    whatever the buffer still holds); ``param.grad`` views them (a copy in the param's dtype
+    when the grads are kept in fp32). The params' ``.grad`` before, in part and slot order.
+    Grads summed under ``no_sync`` and not reduced yet are refused (a ``RuntimeError``)."""
+    if grads is Grads.UNREDUCED and parts:
+        raise RuntimeError(
+            "summon_full_params(with_grads=True): the grads were accumulated under no_sync and "
+            "are not reduced yet; run the micro-batch that syncs first"
+        )
+    previous = [part.params[slot.index].grad for part in parts for slot in part.bucket.params]
     out, handles = [], []
     for part in parts:
         buffer, bucket = part.buffer, part.bucket
         full = torch.zeros(bucket.numel, dtype=buffer.layout.grad_dtype, device=buffer.device)
         mine = buffer.own_part(full, bucket)
-        if buffer.has_grad_shard(bucket):  # (freed by zero_grad: zeros, gathered all the same)
+        if grads is not Grads.EMPTY and buffer.has_grad_shard(bucket):  # (else zeros, gathered all the same)
             mine.copy_(buffer.grad_shard(bucket))
-        if part.world.size > 1:
+        if bucket.sharded and part.world.size > 1:
             handles.append(all_gather(full, mine, part.world, splits=bucket.splits))
         out.append(full)
     for h in handles:
@@ -116,6 +153,7 @@ def _gather_grads(parts: list[Part]) -> None:
             param = part.params[slot.index]
             grad = full[slot.start - part.bucket.start : slot.end - part.bucket.start].view(param.shape)
             param.grad = grad.to(param.dtype)
+    return previous
 
 
 def full_state_dict(

@@ -4,7 +4,7 @@ FSDP2, so the user's ``forward``, parameter names and state-dict keys stay as th
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
@@ -23,7 +23,13 @@ from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
 from flatshard.planner.layout import Layout
 from flatshard.planner.stage import StagePolicy
-from flatshard.stage3.full_params import full_state_dict, load_full_state_dict, replicate_rank, summon
+from flatshard.stage3.full_params import (
+    full_state_dict,
+    load_full_state_dict,
+    replicate_rank,
+    summon,
+    summon_grads,
+)
 from flatshard.stage3.unshard import Unsharder
 from flatshard.wrap.record import cast, check_dtype, main_values
 
@@ -215,14 +221,23 @@ class ShardedModule(nn.Module):
         self, writeback: bool = True, rank0_only: bool = False, with_grads: bool = False
     ) -> Iterator[None]:
         """Full params inside the block ([Note: full params] in ``stage3/full_params.py``); every rank
-        must enter it. Below stage 3 params are always full and this only waits for gathers."""
+        must enter it. Below stage 3 params are always full: this waits for their gathers and,
+        ``with_grads``, gathers the reduced grads into ``param.grad``."""
         if not self._flatshard.policy.shards_params:
             self._flatshard.wait_for_params()
-            yield
+            grads = self._flatshard.grad_sync.grads
+            with summon_grads(self._flatshard.param_sets(), grads) if with_grads else nullcontext():
+                yield
             return
         with (
             HERE.during(Phase.GATHER),
-            summon(self._flatshard, writeback=writeback, rank0_only=rank0_only, with_grads=with_grads),
+            summon(
+                self._flatshard,
+                writeback=writeback,
+                rank0_only=rank0_only,
+                with_grads=with_grads,
+                grads=self._flatshard.grad_sync.grads,
+            ),
         ):
             yield
 
