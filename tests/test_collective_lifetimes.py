@@ -34,7 +34,9 @@ class _Watch:
 
     def wrap(self, fn):
         def issue(tensor, *args, **kwargs):
-            watched = _Watched(fn(tensor, *args, **kwargs), tensor.untyped_storage().data_ptr(), self)
+            # (a bucket group's buckets, as reduce_scatter_coalesced takes them: views of one range)
+            storage = (tensor[0][0] if isinstance(tensor, list) else tensor).untyped_storage()
+            watched = _Watched(fn(tensor, *args, **kwargs), storage.data_ptr(), self)
             self.open.append(watched)
             self.issued += 1
             return watched
@@ -63,7 +65,7 @@ class _Watched:
 
 def _install(watch: _Watch) -> None:
     unshard.all_gather = watch.wrap(unshard.all_gather)
-    bucket_group.reduce_scatter = watch.wrap(bucket_group.reduce_scatter)
+    bucket_group.reduce_scatter_coalesced = watch.wrap(bucket_group.reduce_scatter_coalesced)
     bucket_group.all_reduce = watch.wrap(bucket_group.all_reduce)
     release, give = buffer_module._release, bucket_group.ScratchPool.give
 

@@ -14,6 +14,7 @@ from flatshard.comm.collectives import (
     CommStats,
     all_gather,
     reduce_scatter,
+    reduce_scatter_coalesced,
     sum_rows,
     wait_until,
 )
@@ -195,3 +196,39 @@ def test_gloo_finishes_collectives_on_the_host_for_either_device():
         assert result["gloo"] == (True, True)
         assert result["host_only"] == (True, False)
     assert World(None, 0, 1).completes_on_host(torch.device("cuda"))
+
+
+def _coalesced_case(splits_per_bucket: list, limit=None) -> dict:
+    """Buckets of several shapes (equal and uneven shards), reduced as one collective."""
+    world = World(dist.group.WORLD, dist.get_rank(), dist.get_world_size())
+    n, rank = world.size, world.rank
+    buckets, expected = [], []
+    for b, splits in enumerate(splits_per_bucket):
+        sizes = splits or [384] * n
+        numel, start = sum(sizes), sum(sizes[:rank])
+        values = [
+            torch.randint(-8, 8, (numel,), generator=torch.Generator().manual_seed(10 * b + r)).float()
+            for r in range(n)
+        ]
+        tensor = values[rank].clone()
+        buckets.append((tensor, tensor[start : start + sizes[rank]], splits))
+        expected.append(sum(values)[start : start + sizes[rank]])
+    stats = CommStats()
+    reduce_scatter_coalesced(buckets, world, stats=stats, limit=limit).wait()
+    equal = all(torch.equal(shard, want) for (_, shard, _), want in zip(buckets, expected, strict=True))
+    return {"equal": equal, "stats": stats.as_dict()["reduce_scatter"]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_a_bucket_group_is_reduce_scattered_by_one_all_to_all(world_size):
+    buckets = [None, UNEVEN_SPLITS[world_size], None]
+    for result in run_distributed(_coalesced_case, world_size, buckets):
+        assert result["equal"]
+        assert result["stats"]["calls"] == 1 and result["stats"]["impl"] == "all_to_all"
+        assert result["stats"]["payload_bytes"] == 4 * (2 * 384 * world_size + sum(UNEVEN_SPLITS[world_size]))
+
+
+def test_a_group_with_a_bucket_over_the_limit_runs_one_collective_a_bucket():
+    for result in run_distributed(_coalesced_case, 3, [None, UNEVEN_SPLITS[3], None], 0):
+        assert result["equal"]
+        assert result["stats"]["calls"] == 3

@@ -106,15 +106,20 @@ def test_replicated_sharding_over_a_2d_mesh(mesh_shape, stage):
     check_parity(result, params=1e-5)
 
 
-@pytest.mark.parametrize(
-    "layout_kwargs", [{"buckets_per_group": 3}, {"buckets_per_group": None}, {"pad_for_high_busbw": True}]
-)
-@pytest.mark.parametrize("stage", [1, 2])
-def test_coalesced_groups_and_high_busbw_padding(stage, layout_kwargs):
-    """Several buckets reduced as one group (and 2**16 padding) at 3 ranks."""
+GROUPED = [
+    *[(world, stage, {"buckets_per_group": None}) for world in (1, 2, 3, 4) for stage in (1, 2, 3)],
+    *[(3, stage, {"buckets_per_group": 3}) for stage in (1, 2, 3)],
+    *[(3, stage, {"pad_for_high_busbw": True}) for stage in (1, 2)],
+]
+"""Several buckets reduced as one group (one all-to-all on gloo: ``reduce_scatter_coalesced``),
+every bucket of a buffer in one group at every world size, and 2**16 padding."""
+
+
+@pytest.mark.parametrize(("world_size", "stage", "layout_kwargs"), GROUPED)
+def test_coalesced_groups_and_high_busbw_padding(world_size, stage, layout_kwargs):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
-        3,
+        world_size,
         {"stage": stage, "bucket_size": 1000, **layout_kwargs},
         **SGD,
         clip=0.5,

@@ -119,6 +119,21 @@ def test_a_whole_tensor_rule_in_fp32_follows_ddp_exactly_at_3_and_4_ranks(stage,
     assert result["moved"] > 0.05
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_whole_param_buckets_reduced_as_one_group_follow_ddp_exactly(stage):
+    """Every bucket of a buffer in one group: the uneven shards of the whole-param buckets
+    and the flat buckets' equal ones go into one all-to-all at 4 ranks."""
+    (result, *_) = run_distributed(
+        train_muon_side_by_side,
+        4,
+        {"stage": stage, "bucket_size": 3000, "buckets_per_group": None},
+        matrices=(NormalizedSGD, {"lr": 0.01}),
+        others=(torch.optim.SGD, {"lr": 0.01}),
+    )
+    check_parity(result, params=1e-5)
+    assert result["moved"] > 0.05
+
+
 @pytest.mark.parametrize("stage", [2, 3])
 def test_adafactor_steps_whole_matrices_with_its_factored_state(stage):
     """torch's Adafactor keeps a row and a column moment per matrix: it needs the whole

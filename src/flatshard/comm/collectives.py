@@ -337,6 +337,59 @@ def reduce_scatter(
     return world.watch(handle, "reduce_scatter")
 
 
+COALESCE_LIMIT = {"gloo": 512 * 2**10}
+"""Per backend, the largest bucket (bytes) of a group ``reduce_scatter_coalesced`` packs
+into one all-to-all; a group with a larger one runs one collective a bucket. On gloo (torch
+2.13, 2 and 4 ranks; ``benchmarks/coalesced.py``, ``benchmarks/results/2026-11-26-
+coalesced-*.json``) one all-to-all of 4 or 16 packed buckets of 16-256 KiB took 0.09-0.73x
+the time of one collective a bucket, and of 1 MiB buckets 1.06-1.23x (gloo runs separate
+collectives side by side, and the packing copies the group)."""
+
+
+def reduce_scatter_coalesced(
+    buckets: Sequence[tuple[torch.Tensor, torch.Tensor, Splits]],
+    world: World,
+    *,
+    stats: CommStats | None = None,
+    limit: float | None = None,
+) -> Handle:
+    """``reduce_scatter`` of several buckets (each ``(tensor, shard, splits)``) as one
+    collective where the implementation is an all-to-all and no bucket is over the
+    backend's ``COALESCE_LIMIT``: every rank's parts of all the buckets are packed into one
+    segment per rank (a copy of the buckets), and what comes back is summed and unpacked
+    into each ``shard``. Otherwise one collective a bucket, each chosen by its own size.
+    ``limit``: bytes, instead of ``COALESCE_LIMIT`` (``benchmarks/coalesced.py``)."""
+    if world.group is None:
+        return DONE
+    if len(buckets) == 1:
+        return reduce_scatter(*buckets[0][:2], world, stats=stats, splits=buckets[0][2])
+    sizes = [_own(tensor, shard, world, splits) for tensor, shard, splits in buckets]
+    nbytes = sum(_nbytes(tensor) for tensor, _, _ in buckets)
+    device = buckets[0][0].device
+    impl = choose_impl(world, "reduce_scatter", nbytes, device)
+    largest = max(_nbytes(tensor) for tensor, _, _ in buckets)
+    limit = COALESCE_LIMIT.get(world.backend_for(device), 0) if limit is None else limit
+    if impl not in ("all_to_all", "chunked_all_to_all") or largest > limit:
+        handles = [reduce_scatter(t, s, world, stats=stats, splits=sp) for t, s, sp in buckets]
+        return _Group(handles)
+    n, rank = world.size, world.rank
+    totals = tuple(sum(part[r] for part in sizes) for r in range(n))
+    with span("reduce_scatter {:,} B in {} buckets ({})", nbytes, len(buckets), impl):
+        pieces = [tensor.split(part) for (tensor, _, _), part in zip(buckets, sizes, strict=True)]
+        packed = torch.cat([piece[r] for r in range(n) for piece in pieces])
+        own = torch.empty(totals[rank], dtype=packed.dtype, device=packed.device)
+        block = A2A_CHUNK if impl == "chunked_all_to_all" else _nbytes(packed)
+        handle = _all_to_all(packed, own, world, totals, block)
+    _record(stats, "reduce_scatter", packed, world, impl)
+
+    def unpack() -> None:
+        received = own.split([part[rank] for part in sizes])
+        for (_, shard, _), values in zip(buckets, received, strict=True):
+            shard.copy_(values)
+
+    return world.watch(_Group([handle], unpack), "reduce_scatter")
+
+
 def _issue_reduce_scatter(
     tensor: torch.Tensor, shard: torch.Tensor, world: World, impl: str, sizes: tuple[int, ...]
 ) -> Handle:

@@ -21,6 +21,10 @@ How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell 
   grad is copied in (not added), unused params are zeroed before the reduction, and
   ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
 
+A group of several buckets is reduce-scattered by one collective where that measured faster
+(gloo, buckets of up to ``COALESCE_LIMIT``: ``reduce_scatter_coalesced`` packs every rank's
+parts of the buckets into one all-to-all), and by one collective a bucket otherwise.
+
 With a replicate world (replicated sharding), buckets are laid out and reduce-scattered over
 the shard world, and once a group's reduce-scatter is done its shards are all-reduced
 across the replicate world (every group's all-reduce is launched before any is waited).
@@ -45,7 +49,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_scatter, wait_until
+from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_scatter_coalesced, wait_until
 from flatshard.comm.world import ONE, World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import Reduction, advance
@@ -226,13 +230,13 @@ class BucketGroup:
         if not self.sharded:
             self._handles = [all_reduce(data, self.world, stats=self.stats)]
             return
-        self._handles = []
+        buckets = []
         for bucket in self.buckets:
             shard = self.buffer.shard_range(bucket)
             tensor = data[bucket.start - self.start : bucket.end - self.start]
             own = data[shard.start - self.start : shard.end - self.start]
-            handle = reduce_scatter(tensor, own, self.world, stats=self.stats, splits=bucket.splits)
-            self._handles.append(handle)
+            buckets.append((tensor, own, bucket.splits))
+        self._handles = [reduce_scatter_coalesced(buckets, self.world, stats=self.stats)]
 
     def _reduced_data(self) -> torch.Tensor:
         """What the collectives run on: ``grad``, or its copy in ``reduce_dtype``."""
