@@ -90,6 +90,26 @@ def test_the_offloaded_params_are_the_first_fraction_by_elements():
     assert abs(share - 0.3) <= largest / 2
 
 
+def test_params_under_the_threshold_stay_on_the_device_and_steps_stay_exact():
+    """offload_threshold: within the offloaded share, a param of fewer elements stays on the
+    device; the run still equals the plain optimizer's bit for bit."""
+    assert _offloaded([10, 2, 10], 1.0, 5) == [True, False, True]
+    assert _offloaded([10, 2, 10], 0.6, 0) == [True, True, False]  # middles 5, 11, 17 < 13.2
+    torch.manual_seed(0)
+    model = AwkwardGPT()
+    reference = copy.deepcopy(model)
+    opt = _hybrid(model, 1.0, offload_threshold=64, **ADAMW)
+    opt_ref = torch.optim.AdamW(decay_groups(reference), **ADAMW)
+    for step in range(3):
+        assert _train(model, opt, [step]) == _train(reference, opt_ref, [step])
+        for p, q in zip(model.parameters(), reference.parameters(), strict=True):
+            assert torch.equal(p, q)
+    ordered = [p for group in opt.param_groups for p in group["params"]]
+    offloaded = {id(p) for p in opt.offloaded_params}
+    assert {id(p) for p in ordered if p.numel() >= 64} == offloaded
+    assert any(p.numel() < 64 for p in ordered)  # (some stayed)
+
+
 def test_state_and_param_groups_are_one_source_of_truth():
     torch.manual_seed(0)
     model = AwkwardGPT()
@@ -183,6 +203,9 @@ def test_bad_arguments_name_the_value():
     model = AwkwardGPT()
     with pytest.raises(ValueError, match=r"offload_fraction must be in \[0, 1\], got 1.5"):
         _hybrid(model, 1.5)
+    for bad in (-1, True, 2.5):
+        with pytest.raises(ValueError, match=f"offload_threshold must be an int >= 0 .elements., got {bad}"):
+            _hybrid(model, 0.5, offload_threshold=bad)
     with pytest.raises(TypeError, match=r"torch\.optim\.Optimizer subclass, got 'adam'"):
         HybridDeviceOptimizer(model.parameters(), offload_fraction=0.5, cpu_optimizer_class="adam")
     with pytest.raises(ValueError, match="Invalid learning rate: -1"):
@@ -214,6 +237,25 @@ def test_as_the_inner_optimizer_it_follows_ddp(world_size, stage):
         ours_opt_kwargs={**_hybrid_kwargs(0.3), "lr": 1e-2, "weight_decay": 0.1},
     )
     check_parity(result, params=1e-5 if world_size <= 2 else 1e-2)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_as_the_inner_optimizer_with_a_threshold_it_follows_ddp(world_size):
+    """All offloaded but the shard runs under 1000 elements (a rank's pieces of the small
+    params), at stage 2 with SGD + momentum: DDP's trajectory within 1e-5."""
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        world_size,
+        {"stage": 2, "bucket_size": 3000},
+        **SGD,
+        ours_optimizer_class=HybridDeviceOptimizer,
+        ours_opt_kwargs={
+            **SGD["opt_kwargs"],
+            **_hybrid_kwargs(1.0, cls=torch.optim.SGD),
+            "offload_threshold": 1000,
+        },
+    )
+    check_parity(result, params=1e-5)
 
 
 @pytest.mark.parametrize("fraction", [0.0, 1.0])

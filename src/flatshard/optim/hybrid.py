@@ -10,7 +10,11 @@ device; their state moves).
 [Note: host overlap]
 
 A param is offloaded when its midpoint, counted in elements in group order, falls within the
-first ``offload_fraction`` of all elements. With ``overlap=True`` each host param has its
+first ``offload_fraction`` of all elements, and it holds at least ``offload_threshold``
+elements: a smaller one (a norm's weight, a bias) stays on the device, where its update
+costs less than two copies and, with ``overlap``, a host optimizer of its own (as DeepSpeed
+keeps params under its persistence threshold whole). The fraction still counts every
+element, so the share offloaded is at most ``offload_fraction``. With ``overlap=True`` each host param has its
 own sub-optimizer: all device-to-host grad copies are issued first on a side stream with one
 event each, then the device sub-optimizer steps (on the compute stream), then each host sub-
 optimizer waits only for its own event, steps, and issues its host-to-device copy on a
@@ -71,6 +75,8 @@ class HybridDeviceOptimizer(CompositeOptimizer):
         offload_fraction: share of the elements updated on the host, in [0, 1]. A param is
             offloaded when the middle of its elements, counted in group order, falls within
             that share.
+        offload_threshold: params with fewer elements stay on the device even within that
+            share (default 0: none does).
         cpu_optimizer_class: the torch optimizer class of the host updates.
         device_optimizer_class: that of the device updates (default: the same class).
         overlap: one host optimizer per param, each stepping as soon as its own grad has
@@ -91,6 +97,7 @@ class HybridDeviceOptimizer(CompositeOptimizer):
         *,
         offload_fraction: float,
         cpu_optimizer_class: type[torch.optim.Optimizer],
+        offload_threshold: int = 0,
         device_optimizer_class: type[torch.optim.Optimizer] | None = None,
         overlap: bool = True,
         pin_memory: bool = True,
@@ -98,12 +105,19 @@ class HybridDeviceOptimizer(CompositeOptimizer):
     ) -> None:
         if not 0.0 <= float(offload_fraction) <= 1.0:
             raise ValueError(f"offload_fraction must be in [0, 1], got {offload_fraction!r}")
+        if (
+            isinstance(offload_threshold, bool)
+            or not isinstance(offload_threshold, int)
+            or offload_threshold < 0
+        ):
+            raise ValueError(f"offload_threshold must be an int >= 0 (elements), got {offload_threshold!r}")
         device_optimizer_class = device_optimizer_class or cpu_optimizer_class
         super().__init__(params, [cpu_optimizer_class, device_optimizer_class], defaults)
         self.offload_fraction = float(offload_fraction)
+        self.offload_threshold = offload_threshold
         self.overlap = overlap
         ordered = self.ordered_params()
-        offloaded = _offloaded([p.numel() for _, p in ordered], self.offload_fraction)
+        offloaded = _offloaded([p.numel() for _, p in ordered], self.offload_fraction, offload_threshold)
         self._host: list[_HostCopy] = []
         self._host_subs: list[tuple[SubOptimizer, list[_HostCopy]]] = []
         self._device_masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (16-bit param, fp32 master)
@@ -235,13 +249,13 @@ class HybridDeviceOptimizer(CompositeOptimizer):
         )
 
 
-def _offloaded(numels: list[int], fraction: float) -> list[bool]:
+def _offloaded(numels: list[int], fraction: float, smallest: int = 0) -> list[bool]:
     """Whether each param is offloaded: the middle of its elements, counted in order, lies
-    in the first ``fraction`` of all elements."""
-    threshold = fraction * sum(numels)
+    in the first ``fraction`` of all elements, and it has at least ``smallest`` of them."""
+    limit = fraction * sum(numels)
     out, before = [], 0
     for n in numels:
-        out.append(before + n / 2 < threshold)
+        out.append(before + n / 2 < limit and n >= smallest)
         before += n
     return out
 
