@@ -24,6 +24,7 @@ import copy
 import pytest
 import torch
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
@@ -130,6 +131,24 @@ def test_whole_param_buckets_reduced_as_one_group_follow_ddp_exactly(stage):
         matrices=(NormalizedSGD, {"lr": 0.01}),
         others=(torch.optim.SGD, {"lr": 0.01}),
     )
+    check_parity(result, params=1e-5)
+    assert result["moved"] > 0.05
+
+
+def _whole_rule_on_a_mesh(stage: int) -> dict:
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    return train_muon_side_by_side(
+        {"stage": stage, "bucket_size": 3000, "group": mesh},
+        matrices=(NormalizedSGD, {"lr": 0.01}),
+        others=(torch.optim.SGD, {"lr": 0.01}),
+    )
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_whole_param_buckets_under_replicated_sharding_follow_ddp_exactly(stage):
+    """2 replicas x 2 shards: the uneven shards (some empty) are all-reduced across the
+    replicas as they are."""
+    (result, *_) = run_distributed(_whole_rule_on_a_mesh, 4, stage)
     check_parity(result, params=1e-5)
     assert result["moved"] > 0.05
 
