@@ -422,7 +422,7 @@ def _all_to_all(
     blocks hold two bucket-sized temporaries in flight (sent and received), one block (the
     whole bucket, sent as it is) one. Every rank issues the same number of all-to-alls: the
     blocks are cut from the longest shard, which every rank knows."""
-    n, own = world.size, sizes[world.rank]
+    n = world.size
     starts = [sum(sizes[:r]) for r in range(n)]
     width = max(1, block_bytes // (n * tensor.element_size()))
     works: list[Handle] = []
@@ -438,14 +438,13 @@ def _all_to_all(
         splits_out, splits_in = ([], []) if even else ([cut[world.rank]] * n, cut)
         opts = world.options(dist.AllToAllOptions)
         works.append(world.pg.alltoall_base(received, sent, splits_out, splits_in, opts))
-        blocks.append((received.view(n, -1), lo, lo + cut[world.rank]))
+        blocks.append((received.view(n, cut[world.rank]), lo, lo + cut[world.rank]))
 
     def sum_blocks() -> None:
         for received, lo, hi in blocks:
             if hi > lo:
                 sum_rows(received, shard[lo:hi])
 
-    assert own == shard.numel()
     return _Group(works, sum_blocks)
 
 

@@ -438,7 +438,9 @@ def _place(
         param_start = _round_up(cursor, PARAM_ALIGN) if shard else cursor
         slots.append(ParamSlot(p.spec.name, p.position, param_start, param_start + p.spec.numel, index))
         cursor = param_start + p.spec.numel
-    end = start + _round_up(cursor - start, multiple) if shard else cursor  # (start: see _place_by_owner)
+    # (a size, not an offset, is padded: after a whole-param bucket a start is a multiple of
+    # BUCKET_ALIGN only)
+    end = start + _round_up(cursor - start, multiple) if shard else cursor
     return BucketLayout(index, start, end, cursor - start, tuple(slots), world_size, shard)
 
 

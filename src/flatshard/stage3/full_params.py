@@ -72,7 +72,7 @@ def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, grads: Gra
         unsharder.unshard(u)
     for u in range(len(unsharder.units)):
         unsharder.wait(u)
-    with_grads = [part for part in parts if part.buffer.has_grads] if grads else []  # (frozen: none)
+    with_grads = [p for p in parts if p.buffer.has_grads] if grads is not None else []  # (frozen: none)
     previous = _gather_grads(with_grads, grads)
     if rank0_only and _rank(parts) != 0:
         unsharder.settle()
