@@ -117,8 +117,10 @@ class BucketGroup:
         pool: ScratchPool | None = None,
         replicate: World = ONE,
         reduce_dtype: torch.dtype | None = None,
+        unit: int | None = None,
     ) -> None:
         self.index = index
+        self.unit = index if unit is None else unit  # its launch unit ([Note: grad sync])
         self.buffer = buffer
         self.buckets = tuple(buckets)
         self.params = tuple(params)

@@ -6,7 +6,9 @@
   ``param.main_grad`` and marks the param ready in its bucket group.
 * Bucket groups are launched strictly in one fixed order (the order backward is expected
   to complete them: the group holding the last-registered param first). A complete group
-  launches once every group before it has; so every rank issues the same collectives in
+  launches once every group before it has and the other groups of its launch unit (the
+  same ``per_group`` buckets, of other buffers: ``build_bucket_groups``) are complete too;
+  so every rank issues the same collectives in
   the same order even when control flow differs, and a mismatch can never pair two
   different tensors in one collective.
 * At the first hook of a backward an end-of-backward callback is queued with autograd's
@@ -37,6 +39,7 @@ finished (waited for; at stage 3 only where that cannot deadlock with the param 
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -101,27 +104,42 @@ def build_bucket_groups(
     stats: CommStats,
     reduce_dtype: torch.dtype | None = None,
 ) -> list[BucketGroup]:
-    """Bucket groups of every buffer, in launch order (see [Note: grad sync])."""
-    found: list[tuple[int, int, BufferSet, FlatBuffer, tuple[BucketLayout, ...], list[FlatParam], list[str]]]
-    found = []
+    """Bucket groups of every buffer, in launch order (see [Note: grad sync]).
+
+    Each set's buckets, of all its buffers (dtypes), are taken in the order backward is
+    expected to complete them and cut into *launch units* of ``buckets_per_group`` (None:
+    all of them). A unit's buckets of one buffer are consecutive there and form one
+    ``BucketGroup``; the groups of a unit follow each other in the launch order, share its
+    ``unit`` number, and launch together once all of them are complete (Megatron's bucket
+    groups across dtypes)."""
+    units: list[tuple[int, int, BufferSet, list[tuple[FlatBuffer, list[BucketLayout]]]]] = []
     for bset in sets:
-        for buffer in bset.buffers:
-            buckets = buffer.layout.buckets
-            step = len(buckets) if buckets_per_group is None else buckets_per_group
-            for i in range(0, len(buckets), step):
-                chunk = buckets[i : i + step]
-                slots = [slot for bucket in chunk for slot in bucket.params]
-                params = [bset.params[s.index] for s in slots]
-                key = max(s.index for s in slots)
-                found.append((-key, len(found), bset, buffer, chunk, params, [s.name for s in slots]))
-    found.sort(key=lambda item: item[:2])
-    pool = ScratchPool(MAX_SCRATCH_IN_FLIGHT + 1)
-    return [
-        BucketGroup(
-            i, buffer, chunk, params, names, bset.world, bset.scale, stats, pool, bset.replicate, reduce_dtype
+        ordered = sorted(
+            ((buffer, bucket) for buffer in bset.buffers for bucket in buffer.layout.buckets),
+            key=lambda pair: -max(slot.index for slot in pair[1].params),
         )
-        for i, (_, _, bset, buffer, chunk, params, names) in enumerate(found)
-    ]
+        step = len(ordered) if buckets_per_group is None else buckets_per_group
+        for i in range(0, len(ordered), step):
+            chunk = ordered[i : i + step]
+            by_buffer: dict[int, tuple[FlatBuffer, list[BucketLayout]]] = {}
+            for buffer, bucket in chunk:
+                by_buffer.setdefault(buffer.layout.index, (buffer, []))[1].append(bucket)
+            key = max(slot.index for _, bucket in chunk for slot in bucket.params)
+            units.append((-key, len(units), bset, list(by_buffer.values())))
+    units.sort(key=lambda item: item[:2])
+    pool = ScratchPool(MAX_SCRATCH_IN_FLIGHT + 1)
+    groups: list[BucketGroup] = []
+    for unit, (_, _, bset, parts) in enumerate(units):
+        for buffer, buckets in parts:
+            slots = [slot for bucket in buckets for slot in bucket.params]
+            params, names = [bset.params[s.index] for s in slots], [s.name for s in slots]
+            groups.append(
+                BucketGroup(
+                    len(groups), buffer, buckets, params, names, bset.world, bset.scale, stats, pool,
+                    bset.replicate, reduce_dtype, unit=unit,
+                )
+            )  # fmt: skip
+    return groups
 
 
 class GradSync:
@@ -317,11 +335,16 @@ class GradSync:
 
     def _launch_ready(self) -> None:
         groups = self.groups
-        while self._next < len(groups) and groups[self._next].complete:
+        while self._next < len(groups) and self._unit_complete(self._next):
             if not groups[self._next].buffer.full_grads:
                 self._bound_scratch()
             groups[self._next].start_sync()
             self._next += 1
+
+    def _unit_complete(self, first: int) -> bool:
+        """Whether the groups of ``groups[first]``'s launch unit from it on are complete."""
+        unit = self.groups[first].unit
+        return all(g.complete for g in itertools.takewhile(lambda g: g.unit == unit, self.groups[first:]))
 
     # -- end of backward -----------------------------------------------------------------
     def finish(self) -> None:

@@ -505,7 +505,8 @@ def _global_norm_sq(
         grads = s.grad_shards()
         if not grads:
             continue
-        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)).double().square().sum()
+        wide = torch.promote_types(grads[0].dtype, torch.float32)  # (fp64 grads stay fp64)
+        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=wide)).double().square().sum()
         replicas = 1 if (local_only or state.policy.shards_optimizer) else s.world.size
         total += sq / replicas
     if local_only:

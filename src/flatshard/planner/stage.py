@@ -84,9 +84,10 @@ class Buckets:
 
     size: elements per bucket (a bucket closes once it holds at least this many); None for
         one bucket per buffer.
-    per_group: buckets reduced together once all their grads are in (on gloo, buckets of
-        up to 512 KiB by one all-to-all of the packed group; otherwise one collective a
-        bucket, launched together); None puts all of a buffer's buckets in one group.
+    per_group: buckets, of any dtype, reduced together once all their grads are in (on
+        gloo a buffer's buckets of up to 512 KiB by one all-to-all of the packed group;
+        otherwise one collective a bucket, launched together); None puts all of them in
+        one group.
     pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 elements as well (for
         collectives whose bus bandwidth is highest at such sizes).
     """

@@ -1,0 +1,101 @@
+"""Launch units of bucket groups across dtypes ([Note: grad sync] in engine/grad_sync.py):
+``Buckets(per_group=k)`` takes a set's buckets of every buffer (dtype) in backward order,
+k at a time, and a unit's groups (one per buffer) launch together. A GPT whose MLP input
+layers are fp64 (two buffers: fp32 and fp64) follows DDP exactly at stages 1-3 on 1-4
+ranks ([Note: parity tolerances] in tests/_parity.py: SGD, 1e-5; fp64 sums only make the
+fp32 comparison tighter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import flatshard
+from _parity import SGD, TiedGPT, check_parity, train_optimizer_side_by_side
+from flatshard.toolkit.testing import run_distributed
+
+
+class Float64Linear(nn.Linear):
+    """A linear layer that keeps its params and computes in fp64, in and out in the input's dtype."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.double(), self.weight, self.bias).to(x.dtype)
+
+
+class TwoDtypeGPT(TiedGPT):
+    """TiedGPT whose blocks' ``fc`` layers are fp64: its params fill two buffers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for block in self.blocks:
+            fc = block.fc
+            wide = Float64Linear(
+                fc.in_features, fc.out_features, bias=fc.bias is not None, dtype=torch.float64
+            )
+            wide.load_state_dict(fc.state_dict())
+            block.fc = wide
+
+
+def test_a_launch_unit_spans_both_dtypes_in_backward_order():
+    model = flatshard.shard(TwoDtypeGPT(), stage=1, buckets=flatshard.Buckets(size=1000, per_group=3))
+    groups = model.flatshard_state.grad_sync.groups
+    dtypes = {g.unit: set() for g in groups}
+    for g in groups:
+        dtypes[g.unit].add(g.buffer.layout.dtype)
+    assert any(len(d) == 2 for d in dtypes.values())  # a unit holds buckets of both buffers
+    units = [g.unit for g in groups]
+    assert units == sorted(units)  # a unit's groups follow each other
+    per_unit = {u: sum(len(g.buckets) for g in groups if g.unit == u) for u in units}
+    assert all(n == 3 for n in list(per_unit.values())[:-1])  # k buckets a unit (the last: the rest)
+    # backward order: each unit's params were registered before the previous unit's
+    last = [
+        max(model.flatshard_state.sets["main"].names.index(n) for g in groups if g.unit == u for n in g.names)
+        for u in sorted(set(units))
+    ]
+    assert last == sorted(last, reverse=True)
+
+
+GROUPED = [(world, stage, 2) for world in (1, 2, 3, 4) for stage in (1, 2, 3)] + [(3, 2, None)]
+
+
+@pytest.mark.parametrize(("world_size", "stage", "per_group"), GROUPED)
+def test_two_dtype_launch_units_follow_ddp(world_size, stage, per_group):
+    (result, *_) = run_distributed(
+        train_optimizer_side_by_side,
+        world_size,
+        {"stage": stage, "buckets": flatshard.Buckets(size=1000, per_group=per_group)},
+        **SGD,
+        model_cls=TwoDtypeGPT,
+    )
+    check_parity(result, params=1e-5)
+
+
+def _launches_case(stage: int) -> list[bool]:
+    """For every group launched in a backward: were all of its unit's groups complete?"""
+    from flatshard.engine import bucket_group
+    from flatshard.toolkit.data import SyntheticCorpus
+
+    torch.manual_seed(0)
+    model = flatshard.shard(TwoDtypeGPT(), stage=stage, buckets=flatshard.Buckets(size=1000, per_group=3))
+    flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    groups = model.flatshard_state.grad_sync.groups
+    seen: list[bool] = []
+    start_sync = bucket_group.BucketGroup.start_sync
+
+    def watched(group) -> None:
+        seen.append(all(g.complete for g in groups if g.unit == group.unit))
+        start_sync(group)
+
+    bucket_group.BucketGroup.start_sync = watched
+    corpus = SyntheticCorpus(64, 16)
+    x, y = corpus.batch(0, torch.distributed.get_rank(), 4)
+    model(x, y).backward()
+    return seen
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_a_group_launches_only_with_its_whole_unit(stage):
+    for seen in run_distributed(_launches_case, 2, stage):
+        assert seen and all(seen)
