@@ -344,7 +344,8 @@ class GradSync:
     def _unit_complete(self, first: int) -> bool:
         """Whether the groups of ``groups[first]``'s launch unit from it on are complete."""
         unit = self.groups[first].unit
-        return all(g.complete for g in itertools.takewhile(lambda g: g.unit == unit, self.groups[first:]))
+        members = itertools.takewhile(lambda g: g.unit == unit, itertools.islice(self.groups, first, None))
+        return all(g.complete for g in members)  # (no copy of the group list: it runs per ready group)
 
     # -- end of backward -----------------------------------------------------------------
     def finish(self) -> None:
