@@ -169,6 +169,15 @@ def _changed_after_wrapping(change: Callable[[nn.Module], None]) -> Callable[[Pa
     return run
 
 
+def _unfreeze_frozen(tmp: Path) -> object:
+    """A model wrapped with ``1.bias`` frozen, which is then made trainable."""
+    module = _model()
+    module[1].bias.requires_grad_(False)
+    model = flatshard.shard(module, stage=1)
+    model[1].bias.requires_grad_(True)
+    return model(torch.randn(3, 4))
+
+
 def _replace_param(model: nn.Module) -> None:
     model[0].weight = nn.Parameter(torch.zeros(4, 4))
 

@@ -37,6 +37,7 @@ from _catalog import (
     _sharded,
     _step_without_optimizer,
     _truncated_piece,
+    _unfreeze_frozen,
     _user_dir,
     _user_lock_file,
     _wider,
@@ -363,10 +364,10 @@ CASES = [
         r"param '0\.weight' was replaced",
     ),
     Case(
-        "a param frozen after shard()",
-        _changed_after_wrapping(lambda m: m[1].bias.requires_grad_(False)),
+        "a frozen param made trainable after shard()",
+        _unfreeze_frozen,
         RuntimeError,
-        r"param '1\.bias' has requires_grad=False",
+        r"param '1\.bias' has requires_grad=True, False when wrapped",
     ),
     Case(
         "a module added after shard()",

@@ -194,3 +194,17 @@ def test_design_notes_are_defined_once_and_indexed():
     assert named - set(defined) - {"name"} == set(), "named but never defined"  # ("name": the convention)
     assert set(defined) - index == set(), "defined but not in docs/design.md"
     assert index - set(defined) == set(), "docs/design.md lists a note the code does not define"
+
+
+def test_each_row_of_the_torch_utilities_table_names_tests_that_exist():
+    """docs/torch-utilities.md's table (torch utility -> behaviour per stage) is checked by
+    the tests it names in its last column: each row names at least one, and each exists."""
+    lines = (ROOT / "docs" / "torch-utilities.md").read_text().splitlines()
+    rows = [r for r in lines if r.startswith("| ") and not r.startswith(("| what", "| ---"))]
+    tests = (ROOT / "tests").glob("test_*.py")
+    defined = {m for p in tests for m in re.findall(r"^def (test_\w+)", p.read_text(), re.M)}
+    for row in rows:
+        named = re.findall(r"`(test_\w+)`", row.rstrip(" |").rsplit("|", 1)[-1])
+        assert named, f"a row names no test: {row[:80]}"
+        assert set(named) <= defined, f"named but not defined: {set(named) - defined}"
+    assert len(rows) >= 10

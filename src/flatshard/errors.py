@@ -29,6 +29,10 @@ where each is enforced:
   read *outside* its unit's forward is a ``Placeholder`` that refuses any operation on its
   values with a ``ShardedParamError`` naming the param and its unit ([Note: placeholders] in
   ``engine/placeholder.py``).
+* **A grad is whole or refused.** Where flatshard holds a param's grad in its buffers, its
+  ``.grad`` is a ``ShardedGrad``: torch's norms and clipping on it are global, any other use
+  is a ``ShardedGradError``, and a ``.grad`` assigned by hand is refused at the step
+  ([Note: grads seen by torch] in ``engine/grad_view.py``).
 * **A skipped step says why.** With a loss scaler a skip is fp16 overflow handling; without
   one every skip is a ``RuntimeWarning`` naming the params whose grads are not finite
   (``optim/distributed.py``).
@@ -59,6 +63,13 @@ class ShardedParamError(RuntimeError):
     """A stage-3 param's values were read while they are sharded: outside the forward and
     backward of the unit that holds it and outside ``summon_full_params``. The message names
     the param, its unit and the operation ([Note: placeholders] in ``engine/placeholder.py``)."""
+
+
+class ShardedGradError(RuntimeError):
+    """A param's ``.grad`` that flatshard holds in its buffers (sharded across ranks, or in
+    fp32 ``main_grad``) was used in a way that has no answer on one rank, or was assigned by
+    hand where no reduction would see it. The message names the param, the operation and
+    what to call instead ([Note: grads seen by torch] in ``engine/grad_view.py``)."""
 
 
 class DesyncError(RuntimeError):

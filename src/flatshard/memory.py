@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from flatshard.engine.dynamo import uncompiled
+from flatshard.engine.grad_view import ShardedGrad
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             held += [p.buffer.full_bucket(p.bucket) for parts in state.unsharder.parts for p in parts]
     param_bytes = _storage_bytes(held, seen)
     grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
+    grads = [g for g in grads if not isinstance(g, ShardedGrad)]  # (no storage: views of the buffers')
     if state is not None:  # grads that no param views between backwards (stage-2/3 shards)
         grads += [g for bset in state.sets.values() for b in bset.buffers for g in b.grad_storage()]
         grads += state.grad_sync.pooled_scratch()

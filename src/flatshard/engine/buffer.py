@@ -321,6 +321,12 @@ class FlatBuffer:
             return True
         return self.has_grads and _allocated(self.grad_shards[bucket.index])
 
+    def zero_grads(self) -> None:
+        """Zero every grad this buffer holds (``zero_grad(set_to_none=False)``)."""
+        for tensor in self.grad_storage():
+            if _allocated(tensor):
+                tensor.zero_()
+
     def free_grad_shards(self) -> None:
         """Release every grad shard's storage (``zero_grad(set_to_none=True)``)."""
         for shard in self.grad_shards:

@@ -52,6 +52,7 @@ from flatshard.comm.collectives import CommStats, all_reduce
 from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.bucket_group import BucketGroup, ScratchPool
 from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
+from flatshard.engine.grad_view import GradViews, Piece, ShardedGrad
 from flatshard.engine.lifecycle import Backward, Grads, advance
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import StagePolicy
@@ -187,10 +188,43 @@ class GradSync:
         self._pool = self.groups[0].pool if self.groups else ScratchPool(0)
         self._next = 0  # first group not yet launched in this backward
         self._done = 0  # groups before this one have finished their reduction
+        self.views = self._hidden_views()
         hook = WeakHook(self._on_grad)
         for bset in sets:
             for p in bset.params:
                 p.register_post_accumulate_grad_hook(hook)
+
+    def _hidden_views(self) -> GradViews:
+        """The ``ShardedGrad`` of every param whose ``.grad`` is not ``main_grad`` itself, with
+        the pieces of its reduced grad this rank holds ([Note: grads seen by torch])."""
+        hidden, exposed = [], []
+        pieces: dict[int, list[Piece]] = {}
+        for group in self.groups:
+            named = list(zip(group.names, group.params, strict=True))
+            exposed += [(n, p) for n, p in named if id(p) in self._exposed]
+            by_name = {n: p for n, p in named if id(p) not in self._exposed}
+            for name, p in by_name.items():
+                hidden.append((name, p, group.world, group.sharded, group.buffer.layout.grad_dtype))
+                pieces[id(p)] = []
+            buffer = group.buffer
+            for bucket in group.buckets:
+                for piece in bucket.local_ranges(buffer.rank):
+                    if piece.name in by_name:
+                        where: Piece = (buffer, bucket, slice(*piece.in_shard))
+                        pieces[id(by_name[piece.name])].append(where)
+        return GradViews(
+            hidden,
+            pieces,
+            stats=self.stats,
+            reduced=lambda: self.grads is not Grads.UNREDUCED,
+            changed=self._grads_written,
+            stage=self.policy.stage,
+            gathers_units=self.policy.gathers_units,
+            exposed=exposed,
+        )
+
+    def _grads_written(self) -> None:
+        self.generation += 1  # (what was derived from the grads, the optimizer's norm, is stale)
 
     def attach_optimizer(self) -> None:
         """A flatshard optimizer now steps this module: its steps are the steps."""
@@ -208,11 +242,15 @@ class GradSync:
         """Queue the end-of-backward callback once per backward (called from autograd)."""
         if self.backward is Backward.IDLE:
             self._move(Backward.RUNNING)
+            self.views.forget()
             HERE.enter(Phase.BACKWARD)
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self.on_backward_start()
+        grad = param.grad
+        if type(grad) is ShardedGrad:  # (no zero_grad since the last backward: autograd added to it)
+            param.grad = grad.take_pending()
         key = id(param)
         group = self._group_of[key]
         if group.launched:
@@ -363,6 +401,7 @@ class GradSync:
             self._move(Backward.IDLE)
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
+        self.views.attach()
         if self.sync_enabled and not self.optimizer_attached:
             HERE.step_done()
         else:
@@ -447,8 +486,9 @@ class GradSync:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
         self._written.clear()
-        self._set_grads(Grads.EMPTY)
+        self._set_grads(Grads.EMPTY if set_to_none else Grads.REDUCED)  # (zeros, as torch steps on)
         self.generation += 1
+        self.views.forget()
         for group in self.groups:
             group.zero_grad()
         if set_to_none:  # stages 2-3: no grad shards until the next backward's reductions
@@ -458,8 +498,7 @@ class GradSync:
         else:
             for bset in self.sets:
                 for buffer in bset.buffers:
-                    if buffer.full_grads and buffer.grad_data is not None:
-                        buffer.grad_data.zero_()
+                    buffer.zero_grads()
             for bset in self.sets:
                 for p in bset.params:
                     if id(p) in self._exposed:

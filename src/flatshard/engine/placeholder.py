@@ -104,7 +104,8 @@ class Placeholder(nn.Parameter):
         raise ShardedParamError(
             f"{where} was read by {op!r} while it is sharded (stage 3): only its unit's forward "
             "and backward see its values. Read it inside a module of that unit, or inside "
-            "`with model.summon_full_params():`"
+            "`with model.summon_full_params():`; to step it, use flatshard.DistributedOptimizer "
+            "(a torch optimizer over model.parameters() cannot)"
         )
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]

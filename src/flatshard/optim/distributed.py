@@ -299,6 +299,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return norm.clone()
 
     def _check_grads_synced(self) -> None:
+        self._sharded.grad_sync.views.check_assigned()
         if self._sharded.grad_sync.grads is Grads.UNREDUCED:
             raise RuntimeError(
                 "grads were accumulated under no_sync() and never reduced: run the last backward "

@@ -31,7 +31,11 @@ per rank, as FSDP does. Invariants:
   after the adapters' grads. So a unit holding frozen params is freed once, in addition,
   the grads of every forward's floating inputs that require grad are computed (a
   multi-grad hook on them, counted per forward); with no such input a frozen weight's
-  backward can only lead to the unit's own trainable params, whose grads come last. A unit
+  backward can only lead to the unit's own trainable params, whose grads come last. That
+  fails for a unit whose forward encloses other units (the root: its frozen final norm runs
+  after the blocks, its trainable head after that, so the head's grad comes before the
+  norm's backward; peft's ``modules_to_save`` made every grad NaN): such a unit holding
+  frozen params stays gathered until the end of backward, as FSDP2 keeps its root. A unit
   whose forward was never followed by a backward is freed at the end of the next one.
 * Frozen params of ``ignored_modules``, expert params and non-floating ones stay whole on
   every rank (as at stages 0-2, where frozen params are never sharded); a meta-device

@@ -184,6 +184,11 @@ class Unsharder:
         # [Note: frozen params] in stage3/build.py: a unit holding frozen params is freed in
         # backward only once the grads of its forward's inputs are computed too
         self._holds_frozen = [any(not p.buffer.has_grads for p in ps) for ps in parts]
+        # ... and one that encloses other units (the root) not before the end of backward
+        self._kept_in_backward = [
+            frozen and any(other.parent == unit.index for other in units)
+            for unit, frozen in zip(units, self._holds_frozen, strict=True)
+        ]
         self._inputs_pending = [0] * len(units)  # forwards whose inputs' grads are still to come
         self._in_backward = False
         self.summoned = False
@@ -478,7 +483,7 @@ class Unsharder:
     def _release_after_backward(self, u: int) -> None:
         """Free ``u`` once backward is done with it: every param of it has its grad and every
         forward's inputs theirs."""
-        if self._waiting[u] or self._inputs_pending[u] > 0 or self.summoned:
+        if self._waiting[u] or self._inputs_pending[u] > 0 or self.summoned or self._kept_in_backward[u]:
             return
         self.reshard(u)
         if self.options.backward_prefetch == "post":

@@ -2,12 +2,19 @@
 silent] in ``errors.py``).
 
 ``shard`` lays params out once: which are trainable (in flat buffers, reduced, stepped) and
-which frozen, each bound by identity. A param replaced by a new ``nn.Parameter``, a
-``requires_grad`` flipped, or a module or param added after wrapping would then be ignored:
-the new param never trained or synchronised, a frozen one still stepped. So each forward
-first compares the module tree with what was wrapped, by identity and a flag per param
-(a loop of plain attribute reads, no tensor work), and raises ``RuntimeError`` naming the
-param or module before anything runs.
+which frozen, each bound by identity. A param replaced by a new ``nn.Parameter``, a frozen
+param made trainable, or a module or param added after wrapping would then be ignored: the
+new param never trained or synchronised. So each forward first compares the module tree
+with what was wrapped, by identity and a flag per param (a loop of plain attribute reads,
+no tensor work), and raises ``RuntimeError`` naming the param or module before anything runs.
+
+A trainable param may be frozen for a while (peft's ``disable_adapter()`` sets its
+adapters' ``requires_grad`` to False and back; DeepSpeed users train a different part of the
+model each step): it stays in its buffer, gets no grad from a backward it is frozen in, and
+that grad counts as zero in the step (DeepSpeed's rule: momentum and weight decay still
+move it), on every rank alike. At stage 3 pass ``find_unused_parameters=True`` when a
+backward runs with such params frozen (a unit's backward would otherwise wait for their
+grads).
 """
 
 from __future__ import annotations
@@ -45,7 +52,7 @@ class WrappedTree:
             for name, m, attr, p, flag in self.params:
                 if m._parameters.get(attr) is not p:
                     _raise(f"param {_qualified(name, attr)!r} was replaced by another nn.Parameter")
-                if p.requires_grad is not flag:
+                if p.requires_grad is not flag and not flag:  # (trainable and frozen for now: allowed)
                     _raise(
                         f"param {_qualified(name, attr)!r} has requires_grad={not flag}, {flag} when wrapped"
                     )

@@ -246,6 +246,53 @@ class ShardedModule(nn.Module):
             super().zero_grad(set_to_none=set_to_none)
         self._flatshard.grad_sync.zero_grad(set_to_none=set_to_none)
 
+    def _apply(self, fn, recurse: bool = True):
+        """``to()``, ``cuda()``, ``half()``, ... after ``shard()``: a move or cast that leaves every
+        param where it is (the device and dtype it has) converts the buffers only; one that
+        would move or cast a param is refused, naming it (its values live in flat buffers
+        laid out for one device and dtype)."""
+        moved = _moved_param(self, fn)
+        if moved is not None:
+            name, p, out = moved
+            raise RuntimeError(
+                f"{type(self).__name__}._apply (to, cuda, half, ...) after flatshard.shard() would turn "
+                f"param {name!r} from {p.device}, {p.dtype} into {out.device}, {out.dtype}: its values "
+                "live in flat buffers laid out at wrap time for one device and dtype. Move or cast the "
+                "model before shard(); for bf16 compute with fp32 main params pass "
+                "shard(..., mixed_precision=flatshard.MixedPrecision(torch.bfloat16))"
+            )
+        for module in self.modules() if recurse else [self]:
+            for key, buf in module._buffers.items():
+                if buf is not None:
+                    module._buffers[key] = fn(buf)
+        return self
+
+    @property
+    def _ddp_params_and_buffers_to_ignore(self):
+        """Read by ``DistributedDataParallel`` as it wraps a module: a DDP around a sharded
+        model would all-reduce grads flatshard already reduces, and hand torch's utilities
+        its own: refused where it is built."""
+        raise RuntimeError(
+            f"DistributedDataParallel around a {type(self).__name__} that flatshard.shard() wrapped: "
+            "flatshard already makes it data-parallel (stage 0 is DDP). Use the sharded model "
+            "itself; under a trainer, use flatshard's integration instead of the trainer's DDP"
+        )
+
+
+def _moved_param(module: nn.Module, fn) -> tuple[str, nn.Parameter, torch.Tensor] | None:
+    """The first param ``fn`` would move or cast (probed on an empty tensor of each param's
+    device and dtype), with what it would become; None when ``fn`` leaves every param as it is."""
+    seen: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+    with torch._C.DisableTorchFunctionSubclass():  # (stage-3 placeholders: metadata only)
+        for name, p in module.named_parameters():
+            key = (p.dtype, p.device)
+            if key not in seen:
+                seen[key] = fn(torch.empty(0, dtype=p.dtype, device=p.device))
+            out = seen[key]
+            if out.dtype != p.dtype or out.device != p.device:
+                return name, p, out
+    return None
+
 
 class SyncedGenerate:
     """Mixed in with ``ShardedModule`` where the module has a ``generate`` method
