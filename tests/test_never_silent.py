@@ -75,8 +75,8 @@ def test_ranks_with_different_param_groups_are_refused_at_construction():
         assert "rank 1" in message
 
 
-def _scheduler_on_one_rank(stage: int, skip_nonfinite: bool, steps: int) -> dict:
-    model, opt = _model_and_opt(stage, skip_nonfinite=skip_nonfinite)
+def _scheduler_on_one_rank(stage: int, nonfinite: str, steps: int) -> dict:
+    model, opt = _model_and_opt(stage, nonfinite=nonfinite)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     done = 0
     try:
@@ -93,14 +93,14 @@ def _scheduler_on_one_rank(stage: int, skip_nonfinite: bool, steps: int) -> dict
 @pytest.mark.parametrize("stage", [1, 2, 3])
 def test_a_scheduler_stepped_on_one_rank_is_caught_at_the_next_step(stage):
     """The digest rides on the grad norm's all-reduce, so the very next step names it."""
-    for result in run_distributed(_scheduler_on_one_rank, 2, stage, True, 4):
+    for result in run_distributed(_scheduler_on_one_rank, 2, stage, "raise", 4):
         assert result["steps"] == 1, result
         assert "ranks disagree on the optimizer's settings" in result["error"]
         assert "lr=0.005" in result["error"]
 
 
 def test_without_a_norm_the_settings_are_checked_every_check_every_steps(monkeypatch):
-    """Stage 0 (no norm all-reduce) and skip_nonfinite=False: caught within CHECK_EVERY steps."""
+    """Stage 0 (no norm all-reduce) and nonfinite="step": caught within CHECK_EVERY steps."""
     monkeypatch.setattr(agreement, "CHECK_EVERY", 3)
     for stage in (0, 2):
         for result in run_distributed(_patched_check_every, 2, stage):
@@ -110,11 +110,11 @@ def test_without_a_norm_the_settings_are_checked_every_check_every_steps(monkeyp
 
 def _patched_check_every(stage: int) -> dict:
     agreement.CHECK_EVERY = 3  # (the ranks are new processes)
-    return _scheduler_on_one_rank(stage, False, 6)
+    return _scheduler_on_one_rank(stage, "step", 6)
 
 
 def _save_after_disagreeing(path: str) -> str:
-    model, opt = _model_and_opt(1, skip_nonfinite=False)
+    model, opt = _model_and_opt(1, nonfinite="step")
     _train_step(model, opt, 0)
     if dist.get_rank() == 0:
         opt.param_groups[0]["weight_decay"] = 0.5
@@ -144,8 +144,8 @@ def test_clip_grad_norm_refuses_a_max_norm_torch_would_misuse(bad):
     assert all(torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
 
 
-def _nan_on_rank_1(stage: int, error_if_nonfinite: bool) -> dict:
-    model, opt = _model_and_opt(stage)
+def _nan_on_rank_1(stage: int, error_if_nonfinite: bool, nonfinite: str = "skip") -> dict:
+    model, opt = _model_and_opt(stage, nonfinite=nonfinite)
     x, y = CORPUS.batch(0, dist.get_rank(), 4)
     loss = model(x, y)
     if dist.get_rank() == 1:
@@ -157,11 +157,22 @@ def _nan_on_rank_1(stage: int, error_if_nonfinite: bool) -> dict:
         try:
             opt.clip_grad_norm_(1.0, error_if_nonfinite=error_if_nonfinite)
             opt.step()
-        except RuntimeError as e:
-            out["error"] = str(e)
+        except (RuntimeError, flatshard.NonFiniteGradError) as e:
+            out["error"] = f"{type(e).__name__}: {e}"
     out["warnings"] = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
     out["skipped"] = opt.last_step_skipped
     return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_a_non_finite_grad_without_a_loss_scaler_raises_naming_the_params(stage):
+    """The default: every rank raises before stepping (it skipped the step with only a
+    warning, and peft's modules_to_save at stage 3 then never trained)."""
+    results = run_distributed(_nan_on_rank_1, 2, stage, False, "raise")
+    for rank, result in enumerate(results):
+        assert result["error"].startswith("NonFiniteGradError: the grads hold inf or NaN"), result
+        assert f"on rank {rank}" in result["error"] and "nonfinite='skip'" in result["error"]
+        assert not result["warnings"]
 
 
 @pytest.mark.parametrize("stage", [1, 3])

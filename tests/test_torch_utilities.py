@@ -284,3 +284,44 @@ def test_ddp_around_a_sharded_model_is_refused_where_it_is_built(stage):
     (a logged grad norm of 0.000) and raised an unrelated error at stage 3."""
     (message,) = run_distributed(_ddp_on_top, 1, stage, timeout=60)
     assert "DistributedDataParallel around" in message and "flatshard" in message, message
+
+
+def _load_into_trained(stage: int) -> dict:
+    """bf16 params with fp32 main params: ``load_state_dict`` of fp32 weights into a model
+    that has trained a step, then steps; against a model built from those weights. The main
+    params used to stay at their trained values unless ``reload_model_params()`` was called."""
+    mixed = flatshard.MixedPrecision(torch.bfloat16)
+    torch.manual_seed(1)
+    weights = {k: v.clone() for k, v in TiedGPT().state_dict().items()}
+    sides = []
+    for load_after in (True, False):
+        torch.manual_seed(0)
+        module = TiedGPT()
+        if not load_after:
+            module.load_state_dict(weights)
+        model = flatshard.shard(module, stage=stage, mixed_precision=mixed)
+        opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+        if load_after:
+            _backward(model, 0)
+            opt.step()
+            opt.zero_grad()
+            model.load_state_dict(weights)
+        sides.append((model, opt))
+    for step in range(1, 3):
+        for model, opt in sides:
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+    values = []
+    for model, _ in sides:
+        values.append(model.full_state_dict())
+    same = not values[0] or all(torch.equal(values[0][k], values[1][k]) for k in values[1])
+    return {"same": same}
+
+
+@pytest.mark.parametrize("stage, world_size", [(0, 2), (1, 3), (2, 2), (3, 3)])
+def test_load_state_dict_reaches_the_main_params(stage, world_size):
+    """Both sides start the step from the loaded fp32 values and compute the same sums in
+    the same order: equal to the bit."""
+    for result in run_distributed(_load_into_trained, world_size, stage, timeout=90):
+        assert result["same"]

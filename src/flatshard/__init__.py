@@ -30,7 +30,14 @@ from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, ver
 from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
 from flatshard.checkpoint.weights import export_checkpoint, load_weights
 from flatshard.comm.collectives import CommStats
-from flatshard.errors import CheckpointError, ChecksumError, DesyncError, ShardedGradError, ShardedParamError
+from flatshard.errors import (
+    CheckpointError,
+    ChecksumError,
+    DesyncError,
+    NonFiniteGradError,
+    ShardedGradError,
+    ShardedParamError,
+)
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.optim.grouped import GroupedOptimizer
@@ -58,6 +65,7 @@ __all__ = [
     "Layout",
     "MemoryReport",
     "MixedPrecision",
+    "NonFiniteGradError",
     "OptimizerPrecision",
     "OwnerShardedOptimizer",
     "ParamSpec",

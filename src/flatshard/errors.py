@@ -33,8 +33,9 @@ where each is enforced:
   ``.grad`` is a ``ShardedGrad``: torch's norms and clipping on it are global, any other use
   is a ``ShardedGradError``, and a ``.grad`` assigned by hand is refused at the step
   ([Note: grads seen by torch] in ``engine/grad_view.py``).
-* **A skipped step says why.** With a loss scaler a skip is fp16 overflow handling; without
-  one every skip is a ``RuntimeWarning`` naming the params whose grads are not finite
+* **A non-finite step is refused or says why.** With a loss scaler a skip is fp16 overflow
+  handling; without one a step on inf or NaN grads raises a ``NonFiniteGradError`` naming
+  the params (``nonfinite="skip"``: a skip with a ``RuntimeWarning`` naming them)
   (``optim/distributed.py``).
 * **Changes after wrapping are named** at the next forward (``wrap/changes.py``); ranks
   start from rank 0's params and buffers and take rank 0's buffers before each forward, as
@@ -70,6 +71,12 @@ class ShardedGradError(RuntimeError):
     fp32 ``main_grad``) was used in a way that has no answer on one rank, or was assigned by
     hand where no reduction would see it. The message names the param, the operation and
     what to call instead ([Note: grads seen by torch] in ``engine/grad_view.py``)."""
+
+
+class NonFiniteGradError(FloatingPointError):
+    """A step's grads hold inf or NaN on some rank and no loss scaler expects overflows: the
+    message names the params with non-finite grads on this rank; nothing was stepped
+    (``DistributedOptimizer(nonfinite=...)`` in ``optim/distributed.py``)."""
 
 
 class DesyncError(RuntimeError):

@@ -150,9 +150,7 @@ def _flatshard(stage: int, **options) -> Peer:
         if not model.flatshard_state.policy.shards_optimizer and compute is None:
             optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         else:
-            optimizer = flatshard.DistributedOptimizer(
-                model, torch.optim.AdamW, skip_nonfinite=False, **ADAMW
-            )
+            optimizer = flatshard.DistributedOptimizer(model, torch.optim.AdamW, nonfinite="step", **ADAMW)
         return Trainer(model, optimizer, optimizer)
 
     return wrap
@@ -276,7 +274,7 @@ def _flatshard_muon(stage: int) -> Peer:
             kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=compute)
         model = flatshard.shard(model, stage=stage, whole_params=is_hidden_matrix, **kwargs)
         optimizer = flatshard.DistributedOptimizer(
-            model, torch.optim.AdamW, params=_muon_groups(model), skip_nonfinite=False, **ADAMW
+            model, torch.optim.AdamW, params=_muon_groups(model), nonfinite="step", **ADAMW
         )
         return Trainer(model, optimizer, optimizer)
 

@@ -7,7 +7,7 @@ left out) updates its shard by other rules, and the model drifts with no error. 
 settings are compared:
 
 * at construction, in full (every group's hyperparameters and members);
-* at every step that computes the global grad norm (stages 1-3 with ``skip_nonfinite``, a
+* at every step that computes the global grad norm (stages 1-3 unless ``nonfinite="step"``, a
   loss scaler or clipping), by a digest *riding on the norm's own all-reduce*: two 16-bit
   digests ``d`` go along as ``(d, d²)``; the sums satisfy ``N·Σd² = (Σd)²`` exactly (in
   fp64, integers below 2^53) if and only if every rank's ``d`` is equal. No collective is

@@ -52,6 +52,7 @@ from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
+from flatshard.errors import NonFiniteGradError
 from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
@@ -61,6 +62,8 @@ from flatshard.optim.shards import BufferShards, build_shards
 from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.wrap.arguments import check_flags
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
+
+NONFINITE = ("raise", "skip", "step")
 
 
 class DistributedOptimizer(torch.optim.Optimizer):
@@ -85,7 +88,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             of ``step``; False leaves every unit sharded between steps.
         loss_scale: None, a number (static) or ``"dynamic"`` (or a scaler from
             ``flatshard.optim.loss_scale``): scale the loss with ``scale_loss`` before backward.
-        skip_nonfinite: skip a step whose grads hold inf or NaN on any rank.
+        nonfinite: what a step does when grads hold inf or NaN on any rank, without a loss
+            scaler: ``"raise"`` a ``NonFiniteGradError`` naming the params, before anything
+            changes (the default: outside fp16 overflow, a non-finite grad is a bug
+            upstream); ``"skip"`` the step with a ``RuntimeWarning`` naming them; ``"step"``
+            anyway. With a loss scaler an overflow skips the step and backs the scale off.
         elementwise: declare that ``optimizer_class`` updates each element from its own
             grad and state alone, so that it steps flat shards although it is not in
             ``ELEMENTWISE`` (see [Note: elementwise optimizers]).
@@ -106,14 +113,14 @@ class DistributedOptimizer(torch.optim.Optimizer):
         params: Iterable[Any] | None = None,
         overlap_param_gather: bool = True,
         loss_scale: float | str | StaticLossScaler | None = None,
-        skip_nonfinite: bool = True,
+        nonfinite: str = "raise",
         elementwise: bool = False,
         precision: OptimizerPrecision | None = None,
         **defaults: Any,
     ) -> None:
-        check_flags(
-            overlap_param_gather=overlap_param_gather, skip_nonfinite=skip_nonfinite, elementwise=elementwise
-        )
+        check_flags(overlap_param_gather=overlap_param_gather, elementwise=elementwise)
+        if nonfinite not in NONFINITE:
+            raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         model = uncompiled(model)
         state = _sharded_state(model)
         groups, group_of, classes = param_groups(state, params, optimizer_class)
@@ -152,7 +159,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._init_base()
         self.overlap_param_gather = overlap_param_gather
         self.loss_scaler = make_loss_scaler(loss_scale)
-        self.skip_nonfinite = skip_nonfinite
+        self.nonfinite = nonfinite
         self.skipped_steps = 0
         self._prepared_at: int | None = None  # grad_sync.generation when grads were prepared
         self._found_inf = False
@@ -314,16 +321,30 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._check_grads_synced()
         if self._sharded.grad_sync.grads is Grads.EMPTY:
             return loss  # no backward since zero_grad: nothing to step, as in torch
+        self._refuse_nonfinite()
         HERE.enter(Phase.STEP)
         with span("optimizer step"):  # ([Note: profiler ranges] in comm/trace.py)
             self._update()
         HERE.step_done()
         return loss
 
+    def _refuse_nonfinite(self) -> None:
+        """``nonfinite="raise"`` without a loss scaler: a ``NonFiniteGradError`` naming the
+        params, before anything is stepped (the norm's all-reduce tells every rank alike)."""
+        if self.nonfinite != "raise" or self.loss_scaler is not None:
+            return
+        self._prepare_grads()
+        if self._found_inf:
+            raise NonFiniteGradError(
+                f"the grads hold inf or NaN and there is no loss scaler, so this is no fp16 overflow "
+                f"({self._nonfinite_names()}); nothing was stepped. Find the NaN upstream (the data, "
+                "the loss); DistributedOptimizer(nonfinite='skip') skips such steps with a warning"
+            )
+
     def _update(self) -> None:
         """The step proper: skipped where grads overflowed, else the inner optimizer's update
         of the shards and the gathers that publish the new params."""
-        if self.skip_nonfinite or self.loss_scaler is not None:
+        if self.nonfinite != "step" or self.loss_scaler is not None:
             self._prepare_grads()
             if self._found_inf:
                 self.skipped_steps += 1
@@ -363,7 +384,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         warnings.warn(
             f"DistributedOptimizer skipped step {self.skipped_steps} of this run: the grads hold "
             f"inf or NaN, and there is no loss scaler, so this is not an fp16 overflow "
-            f"({self._nonfinite_names()}). skip_nonfinite=False steps anyway; "
+            f"({self._nonfinite_names()}). nonfinite='step' steps anyway, 'raise' raises; "
             "clip_grad_norm_(error_if_nonfinite=True) raises",
             RuntimeWarning,
             stacklevel=4,
@@ -403,6 +424,15 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._sharded.wait_for_params()
         for shards in self._buffer_shards:
             shards.load_main_from_params()
+        self.main_params_changed()
+
+    @torch.no_grad()
+    def load_main_values(self, values: Mapping[str, torch.Tensor]) -> None:
+        """The main params from full-precision ``values`` by param name, each piece from its
+        own (``ShardedModule.load_state_dict`` calls this; names not given keep theirs)."""
+        self._sharded.wait_for_params()
+        for shards in self._buffer_shards:
+            shards.load_main_from_originals(values)
         self.main_params_changed()
 
     def main_params_changed(self) -> None:

@@ -4,7 +4,7 @@ steps over them ([Note: distributed optimizer] in ``optim/distributed.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -60,9 +60,9 @@ class BufferShards:
                 lo, hi = piece.in_shard
                 yield piece, self.main_data[frame.start + lo : frame.start + hi]
 
-    def load_main_from_originals(self, originals: dict[str, torch.Tensor]) -> None:
-        """Seed main params with pre-cast fp32 values (see ``MixedPrecision``), piece by
-        piece: once, at construction."""
+    def load_main_from_originals(self, originals: Mapping[str, torch.Tensor]) -> None:
+        """Main params from full-precision values by param name, piece by piece: the pre-cast
+        fp32 values at construction (see ``MixedPrecision``), a state dict's at a load."""
         if self.main_data is None or not originals:
             return
         for piece, main in self.main_pieces():

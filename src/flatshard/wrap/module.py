@@ -49,6 +49,9 @@ class AttachedOptimizer(Protocol):
     def main_frame(self, buffer: FlatBuffer) -> torch.Tensor | None:
         """The fp32 main params of ``buffer``'s shard frame, if it keeps them."""
 
+    def load_main_values(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Main params from full-precision values by param name (a ``load_state_dict``)."""
+
 
 @dataclass
 class ShardState:
@@ -183,18 +186,22 @@ class ShardedModule(nn.Module):
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
-        """Load a full state dict (at stage 3 every rank passes it and keeps its shards).
-        Call ``optimizer.reload_model_params()`` after loading weights into a model whose
-        optimizer keeps fp32 main params."""
+        """Load a full state dict (at stage 3 every rank passes it and keeps its shards). An
+        optimizer that keeps fp32 main params of 16-bit params takes them from the state
+        dict's values at their own precision (no ``reload_model_params()`` needed)."""
         if assign:
             raise ValueError("load_state_dict(assign=True) would replace the flat buffers' views")
-        if self._flatshard.policy.shards_params:
+        state = self._flatshard
+        if state.policy.shards_params:  # (the main params hold the shards: loaded in place)
             plain = partial(nn.Module.state_dict, self)
             load = partial(nn.Module.load_state_dict, self)
-            missing, unexpected = load_full_state_dict(self._flatshard, state_dict, strict, plain, load)
+            missing, unexpected = load_full_state_dict(state, state_dict, strict, plain, load)
             return _IncompatibleKeys(missing, unexpected)
-        self._flatshard.wait_for_params()
-        return super().load_state_dict(state_dict, strict=strict)
+        state.wait_for_params()
+        result = super().load_state_dict(state_dict, strict=strict)
+        if state.optimizer is not None:
+            state.optimizer.load_main_values(state_dict)
+        return result
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A plain state dict on rank 0 (CPU tensors; other ranks get ``{}``), gathered one
