@@ -178,6 +178,27 @@ def _unfreeze_frozen(tmp: Path) -> object:
     return model(torch.randn(3, 4))
 
 
+class _ComplexNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.real = nn.Linear(4, 4)
+        self.rotation = nn.Parameter(torch.ones(4, dtype=torch.complex64))
+
+
+def _deepcopy(which: str) -> Callable[[Path], object]:
+    def run(tmp: Path) -> object:
+        import copy
+
+        model = _sharded(stage=3)
+        return copy.deepcopy(model if which == "model" else _opt(model))
+
+    return run
+
+
+def _nested(tmp: Path) -> object:
+    return flatshard.shard(nn.Sequential(flatshard.shard(nn.Linear(4, 4)), nn.Linear(4, 2)), stage=2)
+
+
 def _replace_param(model: nn.Module) -> None:
     model[0].weight = nn.Parameter(torch.zeros(4, 4))
 

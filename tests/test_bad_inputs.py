@@ -21,6 +21,8 @@ from _catalog import (
     _changed_after_wrapping,
     _cli,
     _clip,
+    _ComplexNet,
+    _deepcopy,
     _file,
     _flip_a_data_byte,
     _garbage,
@@ -28,6 +30,7 @@ from _catalog import (
     _missing_piece,
     _model,
     _nan_grads_clipped,
+    _nested,
     _opt,
     _piece_of_another_save,
     _replace_param,
@@ -368,6 +371,20 @@ CASES = [
         _unfreeze_frozen,
         RuntimeError,
         r"param '1\.bias' has requires_grad=True, False when wrapped",
+    ),
+    Case("a complex param", lambda t: flatshard.shard(_ComplexNet()), ValueError, r"'rotation' is complex"),
+    Case(
+        "nn.Embedding(sparse=True)",
+        lambda t: flatshard.shard(nn.Sequential(nn.Embedding(8, 4, sparse=True), nn.Linear(4, 2))),
+        ValueError,
+        r"submodule '0' \(Embedding\(sparse=True\)\) gives sparse grads",
+    ),
+    Case("shard() inside shard()", _nested, ValueError, r"submodule '0' is already sharded.*Stage3\(units="),
+    Case(
+        "copy.deepcopy(model)", _deepcopy("model"), TypeError, r"deepcopy of a Sequential.*before shard\(\)"
+    ),
+    Case(
+        "copy.deepcopy(optimizer)", _deepcopy("optimizer"), TypeError, r"deepcopy of a DistributedOptimizer"
     ),
     Case(
         "a module added after shard()",

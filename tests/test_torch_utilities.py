@@ -325,3 +325,78 @@ def test_load_state_dict_reaches_the_main_params(stage, world_size):
     the same order: equal to the bit."""
     for result in run_distributed(_load_into_trained, world_size, stage, timeout=90):
         assert result["same"]
+
+
+def _rebind(stage: int, how: str) -> dict:
+    """Params written by rebinding ``.data`` after a step, then two more steps; DDP does the
+    same. The params used to leave their buffer and never move again."""
+    ours, opt, reference, opt_ref = _pair(stage)
+    drift = []
+    for step in range(3):
+        if step == 1:
+            vec = torch.nn.utils.parameters_to_vector(reference.parameters()) * 0.5
+            for model in (ours, reference):
+                _write_by_rebinding(model, how, vec)
+        _backward(ours, step)
+        _backward(reference, step)
+        opt.step()
+        opt_ref.step()
+        opt.zero_grad()
+        opt_ref.zero_grad()
+        drift.append(_param_diff(ours, reference))
+    return {"drift": drift}
+
+
+def _write_by_rebinding(model, how: str, vec: torch.Tensor) -> None:
+    if how == "vector_to_parameters":
+        torch.nn.utils.vector_to_parameters(vec.clone(), model.parameters())
+    else:  # an EMA-style swap: .data rebound to other tensors
+        offset = 0
+        for p in model.parameters():
+            p.data = vec[offset : offset + p.numel()].view_as(p).to(p.dtype).clone()
+            offset += p.numel()
+
+
+@pytest.mark.parametrize("how", ["vector_to_parameters", "data ="])
+@pytest.mark.parametrize("stage, world_size", [(0, 2), (1, 3), (2, 2)])
+def test_params_rebound_by_torch_go_back_into_the_buffers(stage, world_size, how):
+    """fp32 params: DDP's trajectory within 1e-5 (SGD)."""
+    for result in run_distributed(_rebind, world_size, stage, how, timeout=90):
+        assert max(result["drift"]) < 1e-5, result["drift"]
+
+
+def _rebind_bf16(stage: int) -> dict:
+    """bf16 params with fp32 main params: a rebinding sets the main params from the bf16
+    values the params took, as ``load_state_dict`` of the same values does (itself bit-equal
+    to a model built from them): the two then train bit-equal."""
+    mixed = flatshard.MixedPrecision(torch.bfloat16)
+    sides = []
+    torch.manual_seed(1)
+    vec = torch.nn.utils.parameters_to_vector(TiedGPT().parameters())
+    for how in ("rebind", "load"):
+        torch.manual_seed(0)
+        model = flatshard.shard(TiedGPT(), stage=stage, mixed_precision=mixed)
+        opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+        _backward(model, 0)
+        opt.step()
+        opt.zero_grad()
+        if how == "rebind":
+            _write_by_rebinding(model, "data =", vec)
+        else:
+            plain = TiedGPT()
+            torch.nn.utils.vector_to_parameters(vec, plain.parameters())
+            model.load_state_dict(plain.to(torch.bfloat16).state_dict())  # (the values the params took)
+        sides.append((model, opt))
+    for step in range(1, 3):
+        for model, opt in sides:
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+    values = [model.full_state_dict() for model, _ in sides]
+    return {"same": not values[0] or all(torch.equal(values[0][k], values[1][k]) for k in values[1])}
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_a_rebinding_reaches_bf16_params_main_params(stage):
+    for result in run_distributed(_rebind_bf16, 2, stage, timeout=90):
+        assert result["same"]

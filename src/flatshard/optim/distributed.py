@@ -447,6 +447,13 @@ class DistributedOptimizer(torch.optim.Optimizer):
             "DistributedOptimizer lays out its param groups at construction; pass every group in params="
         )
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            "copy.deepcopy of a DistributedOptimizer: it steps shards bound to one sharded model; "
+            "copy its state with state_dict() (or flatshard.save_checkpoint) and load it into "
+            "another DistributedOptimizer"
+        )
+
     # -- checkpoints ----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: the inner optimizer's, the fp32 main params, the

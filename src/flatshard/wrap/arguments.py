@@ -88,6 +88,19 @@ def _check_not_wrapped(module: nn.Module) -> None:
 
     wrappers = (DistributedDataParallel, DataParallel, FullyShardedDataParallel, FSDPModule)
     for name, sub in module.named_modules():
+        if isinstance(sub, ShardedModule):
+            raise ValueError(
+                f"submodule {name!r} is already sharded by flatshard.shard(): shard the whole model once. "
+                "For FSDP2's one fully_shard per block, shard the root at stage 3 with "
+                "stage3=flatshard.Stage3(units=[BlockClass]) (each block is then gathered and freed "
+                "on its own)"
+            )
+        if isinstance(sub, (nn.Embedding, nn.EmbeddingBag)) and sub.sparse and sub.weight.requires_grad:
+            where = "the module" if not name else f"submodule {name!r}"
+            raise ValueError(
+                f"{where} ({type(sub).__name__}(sparse=True)) gives sparse grads, which flat grad "
+                "buffers cannot hold: build it with sparse=False"
+            )
         if isinstance(sub, wrappers):
             where = "the module" if not name else f"submodule {name!r}"
             inner = "its .module" if isinstance(sub, (DistributedDataParallel, DataParallel)) else "the model"
@@ -106,3 +119,9 @@ def check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
             )
         if p.is_sparse or p.layout != torch.strided:
             raise ValueError(f"param {name!r} has layout {p.layout}; only dense params can be flattened")
+        if p.is_complex():
+            raise ValueError(
+                f"param {name!r} is complex ({p.dtype}): flat buffers hold real dtypes. Keep it as "
+                "a real param with a last dimension of 2 and view it with torch.view_as_complex "
+                "in forward"
+            )

@@ -8,6 +8,12 @@ new param never trained or synchronised. So each forward first compares the modu
 with what was wrapped, by identity and a flag per param (a loop of plain attribute reads,
 no tensor work), and raises ``RuntimeError`` naming the param or module before anything runs.
 
+A param whose ``.data`` was rebound at stages 0-2 (``vector_to_parameters``, an EMA swap
+``p.data, ema.data = ema.data, p.data``) left its flat buffer: it would never move again.
+The same check finds it (its data pointer is not its buffer view's) and puts it back: the
+values are copied into the view, ``.data`` points at the view again, and an optimizer's
+main params take the values (``rebound``).
+
 A trainable param may be frozen for a while (peft's ``disable_adapter()`` sets its
 adapters' ``requires_grad`` to False and back; DeepSpeed users train a different part of the
 model each step): it stays in its buffer, gets no grad from a backward it is frozen in, and
@@ -19,15 +25,21 @@ grads).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+Rebound = Callable[[dict[str, torch.Tensor]], None]
 
 
 class WrappedTree:
     """What ``shard`` wrapped: every module's own params (by identity, with
     ``requires_grad``) and its numbers of child modules and params."""
 
-    def __init__(self, module: nn.Module) -> None:
+    def __init__(self, module: nn.Module, rebound: Rebound | None = None) -> None:
+        """``rebound``: when given (stages 0-2), params whose ``.data`` left their buffer view
+        are put back, and it is called with their names and values."""
         named = list(module.named_modules(remove_duplicate=False))
         self.modules = [(name or "(root)", m, len(m._modules), len(m._parameters)) for name, m in named]
         self.params = [
@@ -36,6 +48,9 @@ class WrappedTree:
             for attr, p in m._parameters.items()
             if p is not None
         ]
+        self.rebound = rebound
+        self.views = [(_qualified(n, attr), p, p.data, p.data_ptr()) for n, _, attr, p, _ in self.params]
+        self.views = [v for v in self.views if rebound is not None and hasattr(v[1], "main_grad")]
 
     def check(self) -> None:
         """Raise naming the first change (measured: 73 µs a forward for the deep GPT preset's
@@ -56,6 +71,21 @@ class WrappedTree:
                     _raise(
                         f"param {_qualified(name, attr)!r} has requires_grad={not flag}, {flag} when wrapped"
                     )
+
+        if self.rebound is not None:
+            self._put_back()
+
+    def _put_back(self) -> None:
+        """Params whose ``.data`` was rebound go back to their buffer views, keeping the values."""
+        moved = {name: p.data for name, p, _, ptr in self.views if p.data_ptr() != ptr}
+        if not moved or self.rebound is None:
+            return
+        with torch.no_grad():
+            for name, p, view, _ in self.views:
+                if name in moved:
+                    view.copy_(moved[name])
+                    p.data = view
+        self.rebound(moved)
 
     def hook(self, module: nn.Module, args: tuple) -> None:
         self.check()

@@ -274,6 +274,14 @@ class ShardedModule(nn.Module):
                     module._buffers[key] = fn(buf)
         return self
 
+    def __deepcopy__(self, memo):
+        raise TypeError(
+            f"copy.deepcopy of a {type(self).__name__} that flatshard.shard() wrapped: its params are "
+            "views of flat buffers bound to its process groups. For an EMA or reference copy, "
+            "deepcopy the model before shard() (and shard the copy too, or keep it whole), or load "
+            "model.full_state_dict() into a new model"
+        )
+
     @property
     def _ddp_params_and_buffers_to_ignore(self):
         """Read by ``DistributedDataParallel`` as it wraps a module: a DDP around a sharded
