@@ -5,8 +5,6 @@ checkpoints written before checksums still load; ``flatshard verify`` checks wit
 
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ from flatshard.checkpoint import pieces
 from flatshard.checkpoint.pieces import Crc32Trailer
 from flatshard.toolkit.testing import run_distributed
 from test_checkpoint import ADAMW, _build, _load_step_case, _save_case
+from test_cli import _main
 
 
 def _flip(path: str, at: int) -> None:
@@ -78,14 +77,13 @@ def test_the_index_and_the_manifest_are_checked_too(saved, tmp_path):
 def test_verify_counts_what_it_checked_and_the_cli_exits_1_on_a_bad_file(saved, tmp_path):
     counts = verify_checkpoint(saved)
     assert counts["checked"] > 50 and counts["unchecked"] == 0
-    cli = [sys.executable, "-m", "flatshard", "verify"]
-    good = subprocess.run([*cli, saved], capture_output=True, text=True)
+    good = _main("verify", saved)
     assert good.returncode == 0 and "match their checksums" in good.stdout
     copy = str(tmp_path / "bad")
     shutil.copytree(saved, copy)
     name = next(n for n in os.listdir(copy) if n.endswith(".distcp"))
     _flip(os.path.join(copy, name), 700)
-    bad = subprocess.run([*cli, copy], capture_output=True, text=True)
+    bad = _main("verify", copy)
     assert bad.returncode == 1 and f"{copy}/{name}" in bad.stderr
 
 

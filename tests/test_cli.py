@@ -1,10 +1,27 @@
 """The flatshard command line, end to end (real processes)."""
 
+import contextlib
+import io
 import os
 import subprocess
 import sys
 
 import pytest
+
+
+def _main(*args) -> subprocess.CompletedProcess:
+    """``python -m flatshard ARGS`` in this process, for commands that start no ranks (plan,
+    layout, export, verify, --help): what a process would return, without its interpreter
+    start and torch import (~3 s each)."""
+    from flatshard.app.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main([str(a) for a in args])
+        except SystemExit as e:  # (argparse's errors and --help)
+            code = e.code if isinstance(e.code, int) else 1
+    return subprocess.CompletedProcess(["flatshard", *args], code, out.getvalue(), err.getvalue())
 
 
 def _flatshard(*args, timeout=240):
@@ -79,7 +96,30 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
         (["bench", "--dtype", "fp8"], "argument --dtype: invalid choice: 'fp8'"),
     ],
 )
-def test_bad_arguments_exit_nonzero_with_a_reason(args, reason):
+def test_bad_arguments_exit_nonzero_with_a_reason(args, reason, capsys, monkeypatch):
+    """In this process (``main`` as ``python -m flatshard`` calls it; each case used to cost a
+    new interpreter and torch import, ~3 s): exit status 2 and the reason on stderr's last line."""
+    from flatshard.app.cli import main
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    try:
+        code = main(list(args))  # (a check after parsing returns the status)
+    except SystemExit as e:  # (argparse's own errors exit)
+        code = e.code
+    assert code == 2
+    assert reason in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["train", "--stage", "7"], "argument --stage: invalid choice: 7"),
+        (["export", "/nonexistent/ckpt", "out.pt"], "no checkpoint at /nonexistent/ckpt"),
+    ],
+)
+def test_the_command_exits_2_with_the_reason(args, reason):
+    """The same through a real ``python -m flatshard`` process, for a parser error and a check."""
     out = _flatshard(*args, timeout=60)
     assert out.returncode == 2
     assert reason in out.stderr.strip().splitlines()[-1]
@@ -112,7 +152,7 @@ def test_device_auto_is_cuda_only_with_a_gpu_per_local_rank(monkeypatch, device,
 
 
 def test_help_lists_every_train_option():
-    out = _flatshard("train", "--help", timeout=60)
+    out = _main("train", "--help")
     assert out.returncode == 0
     for option in (
         "--world-size",
@@ -139,24 +179,24 @@ def test_help_lists_every_train_option():
 
 def test_layout_prints_every_ranks_shards_and_draws_a_png(tmp_path):
     png = tmp_path / "layout.png"
-    out = _flatshard("layout", "--model", "tiny", "-n", "3", "--stage", "3", "--out", str(png), timeout=120)
+    out = _main("layout", "--model", "tiny", "-n", "3", "--stage", "3", "--out", str(png))
     assert out.returncode == 0, out.stderr
     assert "sharded over 3 ranks" in out.stdout and "wte.weight" in out.stdout
     shard_lines = [line for line in out.stdout.splitlines() if line.strip().startswith("buffer 0 bucket")]
     assert shard_lines and all("rank 2:" in line for line in shard_lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    help_text = _flatshard("layout", "--help", timeout=60).stdout
+    help_text = _main("layout", "--help").stdout
     for option in ("--model", "--world-size", "--stage", "--param-dtype", "--bucket-size", "--out"):
         assert option in help_text
 
 
 def test_layout_shows_whole_param_buckets():
-    out = _flatshard("layout", "--model", "tiny", "-n", "2", "--whole-params", r"blocks\.", timeout=120)
+    out = _main("layout", "--model", "tiny", "-n", "2", "--whole-params", r"blocks\.")
     assert out.returncode == 0, out.stderr
     owned = [line for line in out.stdout.splitlines() if "attn.qkv.weight" in line]
     assert owned and all("(rank " in line for line in owned)
     assert "(whole params)" in out.stdout
-    bad = _flatshard("layout", "--model", "tiny", "--whole-params", "(", timeout=60)
+    bad = _main("layout", "--model", "tiny", "--whole-params", "(")
     assert bad.returncode == 2 and "--whole-params '(' is not a regular expression" in bad.stderr
 
 
@@ -169,14 +209,14 @@ def test_export_writes_a_state_dict_the_plain_model_loads(tmp_path):
     torch.manual_seed(3)
     model = flatshard.shard(TiedGPT(), stage=0)
     flatshard.save_checkpoint(str(tmp_path / "ckpt"), model)
-    out = _flatshard("export", str(tmp_path / "ckpt"), str(tmp_path / "m.pt"), "--dtype", "bf16", timeout=120)
+    out = _main("export", str(tmp_path / "ckpt"), str(tmp_path / "m.pt"), "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"wrote {tmp_path / 'm.pt'}: ")
     plain = TiedGPT()
     plain.load_state_dict(torch.load(str(tmp_path / "m.pt"), weights_only=True))
     for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q.bfloat16().float())
-    help_text = _flatshard("export", "--help", timeout=60).stdout
+    help_text = _main("export", "--help").stdout
     for option in ("checkpoint", "out", "--weights", "--dtype", "--chunk-mib"):
         assert option in help_text
 

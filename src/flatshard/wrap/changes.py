@@ -49,8 +49,8 @@ class WrappedTree:
             if p is not None
         ]
         self.rebound = rebound
-        self.views = [(_qualified(n, attr), p, p.data, p.data_ptr()) for n, _, attr, p, _ in self.params]
-        self.views = [v for v in self.views if rebound is not None and hasattr(v[1], "main_grad")]
+        bound = [] if rebound is None else [e for e in self.params if hasattr(e[3], "main_grad")]
+        self.views = [(_qualified(n, attr), p, p.data, p.data_ptr()) for n, _, attr, p, _ in bound]
 
     def check(self) -> None:
         """Raise naming the first change (measured: 73 µs a forward for the deep GPT preset's
