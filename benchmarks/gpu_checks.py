@@ -39,6 +39,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from gpu_parts import arguments, child_part, run_one_rank, run_parts, write_result
+
 DRY = "--dry-run" in sys.argv
 CUDA = torch.cuda.is_available() and not DRY
 DEADLINES = {"step": 200, "memory": 90, "hybrid": 120, "generate": 75, "desync": 45}
@@ -485,50 +487,20 @@ PARTS = {
 
 
 def _one(part: str, path: str) -> None:
-    if CUDA:
-        torch.cuda.set_device(0)
-    result = {
-        "part": part,
-        "device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d"),
-    }
-    result.update(PARTS[part]())
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_result(path, part, CUDA, PARTS[part])
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--dry-run"]
-    out_dir, parts = args[0], args[1:] or list(PARTS)
-    os.makedirs(out_dir, exist_ok=True)
-    if len(parts) == 1 and os.environ.get("GPU_CHECKS_CHILD"):
-        from flatshard.toolkit.testing import run_distributed
-
-        part = parts[0]
-        if part == "desync":  # (its own ranks)
-            _one(part, os.path.join(out_dir, f"gpu-{part}.json"))
-        else:
-            run_distributed(
-                _one,
-                1,
-                part,
-                os.path.join(out_dir, f"gpu-{part}.json"),
-                backend="nccl" if CUDA else "gloo",
-                timeout=DEADLINES[part],
-                threads=os.cpu_count() if part == "hybrid" else 1,
-            )
-        return
-    for part in parts:  # each in its own process, under its own deadline
-        start = time.perf_counter()
-        argv = [sys.executable, __file__, out_dir, part] + (["--dry-run"] if DRY else [])
-        env = {**os.environ, "GPU_CHECKS_CHILD": "1"}
-        try:
-            rc = subprocess.run(argv, env=env, timeout=DEADLINES[part] + 30).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"== {part}: rc {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+    out_dir, parts = arguments(list(PARTS))
+    part = child_part(parts)
+    if part is None:
+        run_parts(__file__, out_dir, parts, DEADLINES, DRY)
+    elif part == "desync":  # (its own ranks)
+        _one(part, os.path.join(out_dir, f"gpu-{part}.json"))
+    else:
+        threads = (os.cpu_count() or 1) if part == "hybrid" else 1
+        path = os.path.join(out_dir, f"gpu-{part}.json")
+        run_one_rank(_one, part, path, cuda=CUDA, timeout=DEADLINES[part], threads=threads)
 
 
 if __name__ == "__main__":

@@ -31,11 +31,12 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
 import torch
+
+from gpu_parts import arguments, child_part, run_one_rank, run_parts, write_result
 
 DRY = "--dry-run" in sys.argv
 CUDA = torch.cuda.is_available() and not DRY
@@ -283,45 +284,17 @@ PARTS = {
 
 
 def _one(part: str, path: str) -> None:
-    if CUDA:
-        torch.cuda.set_device(0)
-    result = {
-        "part": part,
-        "device": torch.cuda.get_device_name() if CUDA else "cpu (dry run)",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "date": time.strftime("%Y-%m-%d"),
-        "model": _dims(),
-        "seq_len": SEQ,
-        "batch": BATCH,
-        "torchtitan": TITAN,
-    }
-    result.update(PARTS[part]())
-    with open(path, "w") as f:
-        json.dump(result, f, indent=1, default=str)
+    write_result(path, part, CUDA, PARTS[part], model=_dims(), seq_len=SEQ, batch=BATCH, torchtitan=TITAN)
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--dry-run"]
-    out_dir, parts = args[0], args[1:] or list(PARTS)
-    os.makedirs(out_dir, exist_ok=True)
-    if len(parts) == 1 and os.environ.get("GPU_SHOWCASE_CHILD"):
-        from flatshard.toolkit.testing import run_distributed
-
-        part = parts[0]
-        path = os.path.join(out_dir, f"gpu-showcase-{part}.json")
-        backend = "nccl" if CUDA else "gloo"
-        run_distributed(_one, 1, part, path, backend=backend, timeout=DEADLINES[part], threads=4)
+    out_dir, parts = arguments(list(PARTS))
+    part = child_part(parts)
+    if part is None:
+        run_parts(__file__, out_dir, parts, DEADLINES, DRY)
         return
-    for part in parts:  # each in its own process, under its own deadline
-        start = time.perf_counter()
-        argv = [sys.executable, __file__, out_dir, part] + (["--dry-run"] if DRY else [])
-        env = {**os.environ, "GPU_SHOWCASE_CHILD": "1"}
-        try:
-            rc = subprocess.run(argv, env=env, timeout=DEADLINES[part] + 30).returncode
-        except subprocess.TimeoutExpired:
-            rc = "timeout"
-        print(f"== {part}: rc {rc} in {time.perf_counter() - start:.0f} s", flush=True)
+    path = os.path.join(out_dir, f"gpu-showcase-{part}.json")
+    run_one_rank(_one, part, path, cuda=CUDA, timeout=DEADLINES[part], threads=4)
 
 
 if __name__ == "__main__":

@@ -48,23 +48,28 @@ def _param_diff(ours, reference) -> float:
         return max(max_rel_diff(p, q) for p, q in pairs)
 
 
+def _train_both(ours, opt, reference, opt_ref, step: int, between=None) -> float:
+    """One step of both sides (``between(model)`` after each backward); the params' drift."""
+    for model in (ours, reference):
+        _backward(model, step)
+        if between is not None:
+            between(model)
+    for o in (opt, opt_ref):
+        o.step()
+        o.zero_grad()
+    return _param_diff(ours, reference)
+
+
 def _utility_run(stage: int, utility: str, steps: int = 3) -> dict:
     """Train both sides with ``utility`` applied to each one's ``.grad`` between backward and
     step; the values it returns on each side and the params' drift."""
     ours, opt, reference, opt_ref = _pair(stage)
-    returned, drift = [], []
-    for step in range(steps):
-        _backward(ours, step)
-        _backward(reference, step)
-        got = _apply(utility, ours)
-        want = _apply(utility, reference)
-        returned.append((got, want))
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
-        drift.append(_param_diff(ours, reference))
-    return {"returned": returned, "drift": drift}
+    values: list = []
+    drift = [
+        _train_both(ours, opt, reference, opt_ref, step, lambda m: values.append(_apply(utility, m)))
+        for step in range(steps)
+    ]
+    return {"returned": list(zip(values[::2], values[1::2], strict=True)), "drift": drift}
 
 
 def _apply(utility: str, model) -> float | None:
@@ -248,13 +253,7 @@ def _moves(stage: int) -> dict:
     for step in range(3):
         for move in (lambda m: m.to("cpu"), lambda m: m.to(torch.device("cpu", 0)), lambda m: m.float()):
             assert move(ours) is ours
-        _backward(ours, step)
-        _backward(reference, step)
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
-        drift.append(_param_diff(ours, reference))
+        drift.append(_train_both(ours, opt, reference, opt_ref, step))
     return {"refused": refused, "drift": drift}
 
 
@@ -286,6 +285,18 @@ def test_ddp_around_a_sharded_model_is_refused_where_it_is_built(stage):
     assert "DistributedDataParallel around" in message and "flatshard" in message, message
 
 
+def _train_alike(sides: list) -> bool:
+    """Two more steps of each (model, optimizer); whether their params are then bit-equal
+    (on rank 0, which holds the full state dicts)."""
+    for step in range(1, 3):
+        for model, opt in sides:
+            _backward(model, step)
+            opt.step()
+            opt.zero_grad()
+    values = [model.full_state_dict() for model, _ in sides]
+    return not values[0] or all(torch.equal(values[0][k], values[1][k]) for k in values[1])
+
+
 def _load_into_trained(stage: int) -> dict:
     """bf16 params with fp32 main params: ``load_state_dict`` of fp32 weights into a model
     that has trained a step, then steps; against a model built from those weights. The main
@@ -307,16 +318,7 @@ def _load_into_trained(stage: int) -> dict:
             opt.zero_grad()
             model.load_state_dict(weights)
         sides.append((model, opt))
-    for step in range(1, 3):
-        for model, opt in sides:
-            _backward(model, step)
-            opt.step()
-            opt.zero_grad()
-    values = []
-    for model, _ in sides:
-        values.append(model.full_state_dict())
-    same = not values[0] or all(torch.equal(values[0][k], values[1][k]) for k in values[1])
-    return {"same": same}
+    return {"same": _train_alike(sides)}
 
 
 @pytest.mark.parametrize("stage, world_size", [(0, 2), (1, 3), (2, 2), (3, 3)])
@@ -337,13 +339,7 @@ def _rebind(stage: int, how: str) -> dict:
             vec = torch.nn.utils.parameters_to_vector(reference.parameters()) * 0.5
             for model in (ours, reference):
                 _write_by_rebinding(model, how, vec)
-        _backward(ours, step)
-        _backward(reference, step)
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad()
-        drift.append(_param_diff(ours, reference))
+        drift.append(_train_both(ours, opt, reference, opt_ref, step))
     return {"drift": drift}
 
 
@@ -387,13 +383,7 @@ def _rebind_bf16(stage: int) -> dict:
             torch.nn.utils.vector_to_parameters(vec, plain.parameters())
             model.load_state_dict(plain.to(torch.bfloat16).state_dict())  # (the values the params took)
         sides.append((model, opt))
-    for step in range(1, 3):
-        for model, opt in sides:
-            _backward(model, step)
-            opt.step()
-            opt.zero_grad()
-    values = [model.full_state_dict() for model, _ in sides]
-    return {"same": not values[0] or all(torch.equal(values[0][k], values[1][k]) for k in values[1])}
+    return {"same": _train_alike(sides)}
 
 
 @pytest.mark.parametrize("stage", [0, 2])
