@@ -169,3 +169,44 @@ def test_peft_modules_to_save_follow_ddp(stage):
         for got, want in result["norms"]:
             assert got == pytest.approx(want, rel=1e-5), result["norms"]
         assert max(result["drift"]) < 1e-5, result["drift"]
+
+
+def _reference_model(world_size: int) -> dict:
+    """A model with no trainable param at stage 3 (a DPO reference, a distillation teacher):
+    its frozen params are sharded, its logits and greedy tokens are the unsharded model's."""
+    import torch.distributed as dist
+
+    from _finetune import prompt, tiny_llama
+
+    plain = tiny_llama(seed=2).eval()
+    reference = flatshard.shard(tiny_llama(seed=2).requires_grad_(False), stage=3).eval()
+    x = prompt(dist.get_rank())
+    with torch.no_grad():
+        equal = torch.equal(plain(input_ids=x).logits, reference(input_ids=x).logits)
+    tokens = [m.generate(input_ids=x, max_new_tokens=4, do_sample=False) for m in (plain, reference)]
+    try:
+        flatshard.DistributedOptimizer(reference, torch.optim.AdamW, lr=1e-3)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
+    frozen = sum(p.numel() * p.element_size() for p in plain.parameters())
+    return {
+        "equal": equal and torch.equal(*tokens),
+        "held": flatshard.memory_report(reference).params,
+        "frozen_bytes": frozen,
+        "refused": refused,
+        "keys": len(reference.full_state_dict()),
+    }
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_a_model_with_no_trainable_param_is_sharded_at_stage_3(world_size):
+    """It was refused ("nothing to shard"). Each rank holds about its 1/N of the frozen
+    bytes (plus each bucket's padding: at most 128 elements a bucket, 4 bytes each)."""
+    pytest.importorskip("transformers")  # (in the dev extras: CI has it)
+    results = run_distributed(_reference_model, world_size, world_size, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["equal"], r
+        assert r["frozen_bytes"] / world_size <= r["held"] <= r["frozen_bytes"] / world_size + 64 * 512, r
+        assert "no parameter that requires grad" in r["refused"], r
+        assert (r["keys"] > 0) == (rank == 0)

@@ -123,6 +123,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             raise ValueError(f"nonfinite must be one of {NONFINITE}, got {nonfinite!r}")
         model = uncompiled(model)
         state = _sharded_state(model)
+        if not state.sets:
+            raise ValueError(
+                f"{type(model).__name__} has no parameter that requires grad: nothing to optimize (a "
+                "stage-3 model of frozen params serves forward passes: a reference model, a teacher)"
+            )
         groups, group_of, classes = param_groups(state, params, optimizer_class)
         check_optimizer_class(
             optimizer_class, defaults, elementwise=elementwise, groups=groups, classes=classes

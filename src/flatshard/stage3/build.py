@@ -37,6 +37,8 @@ per rank, as FSDP does. Invariants:
   norm's backward; peft's ``modules_to_save`` made every grad NaN): such a unit holding
   frozen params stays gathered until the end of backward, as FSDP2 keeps its root. A unit
   whose forward was never followed by a backward is freed at the end of the next one.
+* A model whose params are all frozen (a DPO reference, a distillation teacher) has only
+  this buffer set: forward and ``generate`` gather it unit by unit; no optimizer takes it.
 * Frozen params of ``ignored_modules``, expert params and non-floating ones stay whole on
   every rank (as at stages 0-2, where frozen params are never sharded); a meta-device
   model's sharded frozen params are materialized unit by unit like the trainable ones.

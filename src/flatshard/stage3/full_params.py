@@ -201,7 +201,7 @@ def _unsharder(state: Stage3State) -> Unsharder:
 
 
 def replicate_rank(state: Stage3State) -> int:
-    return min((bset.replicate.rank for bset in state.sets.values()), default=0)
+    return min((bset.replicate.rank for bset in state.param_sets()), default=0)
 
 
 def load_full_state_dict(

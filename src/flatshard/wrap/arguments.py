@@ -111,6 +111,8 @@ def _check_not_wrapped(module: nn.Module) -> None:
 
 
 def check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
+    if not named:
+        return
     device = named[0][1].device
     for name, p in named:
         if p.device != device:

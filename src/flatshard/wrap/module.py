@@ -211,7 +211,7 @@ class ShardedModule(nn.Module):
         state = self._flatshard
         check_dtype(dtype)  # (on every rank, before any gather)
         state.wait_for_params()
-        rank0 = next(iter(state.sets.values())).world.rank == 0 and replicate_rank(state) == 0
+        rank0 = state.param_sets()[0].world.rank == 0 and replicate_rank(state) == 0
         with HERE.during(Phase.GATHER):
             covered, main = main_values(list(state.sets.values()), state.optimizer, keep=rank0)
             if state.policy.shards_params:

@@ -302,8 +302,12 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
     a meta model gets placeholders on ``device`` (its frozen params too, unless kept
     ``whole``); params are cast to ``mp.param_dtype``."""
     named = _trainable(module)
-    if not named:
-        raise ValueError(f"{type(module).__name__} has no parameter that requires grad: nothing to shard")
+    if not named and not policy.shards_params:
+        raise ValueError(
+            f"{type(module).__name__} has no parameter that requires grad: below stage 3 frozen params "
+            "stay whole on every rank, so there is nothing to shard (stage 3 shards them: a reference "
+            "model or a teacher)"
+        )
     meta = is_meta_model(named)
     if meta and not policy.gathers_units:
         raise ValueError(f"a model on the meta device is materialized unit by unit at stage 3; got {policy}")
