@@ -118,11 +118,21 @@ def _rank(parts: list[Part]) -> int:
 
 def _write_back(parts: list[Part]) -> None:
     """Each rank's own part of every full bucket back into its shard; leaving
-    ``param_dtype_shards`` then sets the main params where the value changed."""
-    with torch.no_grad():
+    ``param_dtype_shards`` then sets the main params where the value changed. A param whose
+    ``.data`` was rebound inside the block (``vector_to_parameters``) gives its new values
+    to the full bucket first (they would be lost with the view it left)."""
+    with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for part in parts:
             buffer, bucket = part.buffer, part.bucket
-            buffer.param_shard(bucket).copy_(buffer.own_part(buffer.full_bucket(bucket), bucket))
+            full = buffer.full_bucket(bucket)
+            for slot in bucket.params:
+                view, param = (
+                    full[slot.start - bucket.start : slot.end - bucket.start],
+                    part.params[slot.index],
+                )
+                if param.data_ptr() != view.data_ptr():
+                    view.copy_(param.data.reshape(-1))
+            buffer.param_shard(bucket).copy_(buffer.own_part(full, bucket))
 
 
 def _gather_grads(parts: list[Part], grads: Grads | None) -> list[torch.Tensor | None]:
