@@ -146,7 +146,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ]
         originals = state.take_originals()
         for shards in self._buffer_shards:
-            shards.load_main_from_originals(originals)
+            shards.load_main_values(originals)
             if shards.main_data is not None and shards.buffer.sharded_params:
                 shards.buffer.adopt_main(shards.main_data)  # stage 3: [Note: main-backed shards]
         inner_groups = [{**hyper, "params": []} for hyper in groups]
@@ -437,7 +437,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         own (``ShardedModule.load_state_dict`` calls this; names not given keep theirs)."""
         self._sharded.wait_for_params()
         for shards in self._buffer_shards:
-            shards.load_main_from_originals(values)
+            shards.load_main_values(values)
         self.main_params_changed()
 
     def main_params_changed(self) -> None:

@@ -60,7 +60,7 @@ class BufferShards:
                 lo, hi = piece.in_shard
                 yield piece, self.main_data[frame.start + lo : frame.start + hi]
 
-    def load_main_from_originals(self, originals: Mapping[str, torch.Tensor]) -> None:
+    def load_main_values(self, originals: Mapping[str, torch.Tensor]) -> None:
         """Main params from full-precision values by param name, piece by piece: the pre-cast
         fp32 values at construction (see ``MixedPrecision``), a state dict's at a load."""
         if self.main_data is None or not originals:
