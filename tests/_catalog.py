@@ -199,6 +199,13 @@ def _nested(tmp: Path) -> object:
     return flatshard.shard(nn.Sequential(flatshard.shard(nn.Linear(4, 4)), nn.Linear(4, 2)), stage=2)
 
 
+def _second_derivative(tmp: Path) -> object:
+    """A gradient penalty's backward (create_graph=True) at stage 3."""
+    model = _sharded(stage=3)
+    _opt(model)
+    return model(torch.randn(3, 4)).square().sum().backward(create_graph=True)
+
+
 def _replace_param(model: nn.Module) -> None:
     model[0].weight = nn.Parameter(torch.zeros(4, 4))
 

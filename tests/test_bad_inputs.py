@@ -37,6 +37,7 @@ from _catalog import (
     _save_over,
     _save_while_locked,
     _saved,
+    _second_derivative,
     _sharded,
     _step_without_optimizer,
     _truncated_piece,
@@ -378,6 +379,12 @@ CASES = [
         lambda t: flatshard.shard(nn.Sequential(nn.Embedding(8, 4, sparse=True), nn.Linear(4, 2))),
         ValueError,
         r"submodule '0' \(Embedding\(sparse=True\)\) gives sparse grads",
+    ),
+    Case(
+        "backward(create_graph=True) at stage 3",
+        _second_derivative,
+        flatshard.ShardedParamError,
+        r"create_graph=True reached unit '.*' at stage 3.*Use stage 2",
     ),
     Case("shard() inside shard()", _nested, ValueError, r"submodule '0' is already sharded.*Stage3\(units="),
     Case(

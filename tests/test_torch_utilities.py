@@ -394,3 +394,66 @@ def _rebind_bf16(stage: int) -> dict:
 def test_a_rebinding_reaches_bf16_params_main_params(stage):
     for result in run_distributed(_rebind_bf16, 2, stage, timeout=90):
         assert result["same"]
+
+
+def _grad_scaler_run(stage: int) -> dict:
+    """torch's loss-scaling loop on both sides: DDP with ``torch.amp.GradScaler``, ours with
+    ``flatshard.ShardedGradScaler``. At step 1 one param's grad overflows (times inf on every
+    rank, as an fp16 overflow in one layer): on the sharded side only the ranks holding a
+    piece of it see it. Even steps unscale first and clip with torch's clip, odd ones let
+    ``step`` unscale. Then a plain GradScaler drives ours: refused, nothing stepped."""
+    ours, opt, reference, opt_ref = _pair(stage)
+    sides = [
+        (ours, opt, flatshard.ShardedGradScaler("cpu", init_scale=2.0**10, growth_interval=1)),
+        (reference, opt_ref, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)),
+    ]
+    norms, scales, drift = [], [], []
+    for step in range(4):
+        for model, o, scaler in sides:
+            scaler.scale(_loss(model, step)).backward()
+            if step == 1:
+                list(model.parameters())[-1].grad.mul_(float("inf"))
+            if step % 2 == 0:
+                scaler.unscale_(o)
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)))
+            scaler.step(o)
+            scaler.update()
+            o.zero_grad()
+        scales.append((sides[0][2].get_scale(), sides[1][2].get_scale()))
+        drift.append(_param_diff(ours, reference))
+    plain = torch.amp.GradScaler("cpu")
+    plain.scale(_loss(ours, 4)).backward()
+    refused = "stepped"
+    try:
+        plain.step(opt)
+    except flatshard.ShardedGradError as e:
+        refused = str(e)
+    return {
+        "norms": norms,
+        "scales": scales,
+        "drift": drift,
+        "skipped": opt.skipped_steps,
+        "refused": refused,
+    }
+
+
+def _loss(model, step: int) -> torch.Tensor:
+    x, y = CORPUS.batch(step, dist.get_rank(), 4)
+    return model(x, y)
+
+
+@pytest.mark.parametrize("stage, world_size", [(0, 2), (1, 3), (2, 2), (3, 3), (3, 1)])
+def test_grad_scaler_sees_an_overflow_in_any_ranks_shard(stage, world_size):
+    """An overflow in one rank's shard made that rank skip while the others stepped (then a
+    DesyncError naming no scaler). With ShardedGradScaler every rank skips step 1 and backs
+    its scale off, as under DDP: the same scales to the bit (powers of two), the same norms
+    and params as DDP within 1e-5 (unscaling by a power of two is exact: the tolerance of the
+    unscaled runs above). torch's own GradScaler on a DistributedOptimizer is refused."""
+    for result in run_distributed(_grad_scaler_run, world_size, stage, timeout=90):
+        assert all(a == b for a, b in result["scales"]), result["scales"]
+        assert [s for s, _ in result["scales"]] == [2.0**11, 2.0**10, 2.0**11, 2.0**12]
+        assert result["skipped"] == 1
+        for got, want in zip(result["norms"][::2], result["norms"][1::2], strict=True):
+            assert got == pytest.approx(want, rel=1e-5), result["norms"]
+        assert max(result["drift"]) < 1e-5, result["drift"]
+        assert "ShardedGradScaler" in result["refused"] and "nothing was stepped" in result["refused"]

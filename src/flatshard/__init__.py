@@ -40,6 +40,7 @@ from flatshard.errors import (
 )
 from flatshard.memory import MemoryReport, memory_report
 from flatshard.optim.distributed import DistributedOptimizer
+from flatshard.optim.grad_scaler import ShardedGradScaler
 from flatshard.optim.grouped import GroupedOptimizer
 from flatshard.optim.hybrid import HybridDeviceOptimizer
 from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
@@ -70,6 +71,7 @@ __all__ = [
     "OwnerShardedOptimizer",
     "ParamSpec",
     "ShardedGradError",
+    "ShardedGradScaler",
     "ShardedModule",
     "ShardedParamError",
     "Stage3",

@@ -52,13 +52,13 @@ from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
-from flatshard.errors import NonFiniteGradError
+from flatshard.errors import NonFiniteGradError, ShardedGradError
 from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
-from flatshard.optim.shards import BufferShards, build_shards
+from flatshard.optim.shards import BufferShards, build_shards, describe_nonfinite
 from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.wrap.arguments import check_flags
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
@@ -104,6 +104,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
     A param that got no grad in any backward still takes a step with a zero grad (torch
     optimizers would skip a param whose ``.grad`` is None): freeze params you do not train.
     """
+
+    # torch.amp.GradScaler.step hands this optimizer its inf check ([Note: grad scaler])
+    _step_supports_amp_scaling = True
 
     def __init__(
         self,
@@ -168,6 +171,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.skipped_steps = 0
         self._prepared_at: int | None = None  # grad_sync.generation when grads were prepared
         self._found_inf = False
+        self._scaler_checked = False  # a ShardedGradScaler checked the grads since the last step
         self._grad_norm = torch.zeros(())  # of the grads as they are now (unscaled)
         self._grad_factor = 1.0  # multiplier not yet applied to the grad shards
         members = [[n for n, g in group_of.items() if g == i] for i in range(len(groups))]
@@ -258,6 +262,47 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """``loss`` times the current loss scale: call backward on this."""
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
 
+    def unscale_grads_(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """A ``ShardedGradScaler``'s check ([Note: grad scaler]): ``found_inf`` becomes 1 where
+        any rank's grads hold inf or NaN, else the grads are multiplied by ``inv_scale``."""
+        if self.loss_scaler is not None:
+            raise ValueError(
+                "a GradScaler drives a DistributedOptimizer that has its own loss_scale: the loss "
+                "would be scaled twice; use one of them"
+            )
+        self._check_grads_synced()
+        self._scaler_checked = True
+        if self._sharded.grad_sync.grads is Grads.EMPTY:
+            return
+        self._prepare_grads()
+        found_inf.fill_(float(self._found_inf))
+        factor = float(inv_scale)
+        if not self._found_inf and factor != 1.0:
+            self._grad_factor *= factor
+            self._grad_norm = self._grad_norm * factor
+            self._apply_grad_factor()
+            self._sharded.grad_sync.views.forget()  # (their cached norms were of scaled grads)
+
+    def _scaled_step(self) -> bool:
+        """Whether this step's loss was scaled: by ``loss_scale``, or by a GradScaler whose
+        ``step`` called this one (it sets ``found_inf`` and ``grad_scale`` first)."""
+        checked, self._scaler_checked = self._scaler_checked, False
+        if not hasattr(self, "found_inf"):
+            return self.loss_scaler is not None
+        if not checked:
+            raise ShardedGradError(
+                f"torch.amp.GradScaler checked only this rank's grads for inf and NaN, but at stage "
+                f"{self._sharded.stage} each rank holds a shard of them: ranks would disagree on "
+                "skipping this step and on the next scale. Use flatshard.ShardedGradScaler (the same "
+                "arguments), or DistributedOptimizer(loss_scale='dynamic'); nothing was stepped"
+            )
+        grad_scale = getattr(self, "grad_scale", None)  # None: unscale_ ran already
+        pending = self._sharded.grad_sync.grads is not Grads.EMPTY and not self._found_inf
+        if grad_scale is not None and pending:
+            self._grad_factor /= float(grad_scale)
+            self._grad_norm = self._grad_norm / float(grad_scale)
+        return True
+
     # -- grads ---------------------------------------------------------------------------------
     def _grad_shards(self) -> list[torch.Tensor]:
         return [g for shards in self._buffer_shards for g in shards.grad_shards()]
@@ -324,19 +369,21 @@ class DistributedOptimizer(torch.optim.Optimizer):
         """One update of this rank's shards, then the param all-gathers; see the note."""
         loss = run_closure(closure)
         self._check_grads_synced()
+        scaled = self._scaled_step()
         if self._sharded.grad_sync.grads is Grads.EMPTY:
             return loss  # no backward since zero_grad: nothing to step, as in torch
-        self._refuse_nonfinite()
+        if not scaled:
+            self._refuse_nonfinite()
         HERE.enter(Phase.STEP)
         with span("optimizer step"):  # ([Note: profiler ranges] in comm/trace.py)
-            self._update()
+            self._update(scaled)
         HERE.step_done()
         return loss
 
     def _refuse_nonfinite(self) -> None:
-        """``nonfinite="raise"`` without a loss scaler: a ``NonFiniteGradError`` naming the
+        """``nonfinite="raise"`` without loss scaling: a ``NonFiniteGradError`` naming the
         params, before anything is stepped (the norm's all-reduce tells every rank alike)."""
-        if self.nonfinite != "raise" or self.loss_scaler is not None:
+        if self.nonfinite != "raise":
             return
         self._prepare_grads()
         if self._found_inf:
@@ -346,16 +393,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "the loss); DistributedOptimizer(nonfinite='skip') skips such steps with a warning"
             )
 
-    def _update(self) -> None:
+    def _update(self, scaled: bool) -> None:
         """The step proper: skipped where grads overflowed, else the inner optimizer's update
         of the shards and the gathers that publish the new params."""
-        if self.nonfinite != "step" or self.loss_scaler is not None:
+        if self.nonfinite != "step" or scaled:
             self._prepare_grads()
             if self._found_inf:
                 self.skipped_steps += 1
                 if self.loss_scaler is not None:
                     self.loss_scaler.update(True)
-                else:
+                elif not scaled:
                     self._warn_skipped()
                 return
         if not self._norm_checked_settings:
@@ -374,14 +421,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
         before saving ([Note: never silent] in ``errors.py``)."""
         self._settings.check(self.inner)
 
-    def _nonfinite_names(self, most: int = 8) -> str:
-        """Which params have non-finite grads on this rank, in words."""
-        names = [name for shards in self._buffer_shards for name in shards.nonfinite_grads()]
-        rank = self._buffer_shards[0].buffer.rank if self._buffer_shards else 0
-        if not names:
-            return f"rank {rank} holds no non-finite grad: another rank does"
-        more = f" and {len(names) - most} more" if len(names) > most else ""
-        return f"params with non-finite grads on rank {rank}: " + ", ".join(map(repr, names[:most])) + more
+    def _nonfinite_names(self) -> str:
+        return describe_nonfinite(self._buffer_shards)
 
     def _warn_skipped(self) -> None:
         """Without a loss scaler a non-finite grad is no fp16 overflow that the next scale

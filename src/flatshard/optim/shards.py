@@ -4,7 +4,7 @@ steps over them ([Note: distributed optimizer] in ``optim/distributed.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -75,6 +75,16 @@ class BufferShards:
             for bucket in self.buckets:
                 frame = self.buffer.frame_range(bucket)
                 self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
+
+
+def describe_nonfinite(all_shards: Sequence[BufferShards], most: int = 8) -> str:
+    """Which params have non-finite grads on this rank, in words (for an error)."""
+    names = [name for shards in all_shards for name in shards.nonfinite_grads()]
+    rank = all_shards[0].buffer.rank if all_shards else 0
+    if not names:
+        return f"rank {rank} holds no non-finite grad: another rank does"
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return f"params with non-finite grads on rank {rank}: " + ", ".join(map(repr, names[:most])) + more
 
 
 def run_dtype(param_dtype: torch.dtype, main_dtype: torch.dtype) -> torch.dtype:

@@ -139,6 +139,7 @@ from flatshard.engine.dynamo import eager
 from flatshard.engine.lifecycle import Gather, advance
 from flatshard.engine.placeholder import label
 from flatshard.engine.units import Unit, entry_points
+from flatshard.errors import ShardedParamError
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import UnitOptions
 
@@ -455,6 +456,8 @@ class Unsharder:
         return hook
 
     def _pre_backward(self, u: int) -> None:
+        if torch.is_grad_enabled():  # (autograd records the backward: create_graph=True)
+            raise _second_derivative(self.units[u])
         if not self._in_backward:
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
@@ -529,6 +532,15 @@ def _all_equal(checks: list[tuple[torch.Tensor, Handle]]) -> bool:
         handle.wait()
         agree = agree and int(both[0]) == -int(both[1])  # the largest and (minus) the smallest
     return agree
+
+
+def _second_derivative(unit: Unit) -> ShardedParamError:
+    return ShardedParamError(
+        f"a backward with create_graph=True reached unit {unit.name or '(root)'!r} at stage 3 (a gradient "
+        "penalty, a double backward): the graph it records reads the unit's full params, which are "
+        "freed as soon as the unit's grads are reduced, so a second backward would read freed "
+        "storage. Use stage 2 (params stay whole on every rank), or a penalty without second derivatives"
+    )
 
 
 def _in_backward() -> bool:
