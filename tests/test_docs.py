@@ -1,7 +1,8 @@
 """The docs site and the README: every Python block runs, the site builds, the README stays short.
 
-A page's ``python`` blocks are run in order as one script on 2 gloo ranks under torchrun
-(the way a reader runs them), in a fresh directory; a page that says
+A page's ``python`` blocks are run in order as one script on 2 gloo ranks, in a fresh
+directory, as torchrun runs it (each rank runs it as ``__main__`` and joins the process group
+through torchrun's environment), but in ranks forked with torch already imported; a page that says
 ``<!-- docs-test: verbatim FILE -->`` shows parts of FILE instead: ``tests/test_examples.py``
 checks its blocks are in FILE word for word and runs FILE. Blocks in any
 other language are output or shell: ``text`` and ``bash`` only, and every ``python -m
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 
 from flatshard.app.cli import build_parser
+from flatshard.toolkit.testing import RankError, run_distributed
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
@@ -45,24 +47,21 @@ def test_pages_of_example_code_are_the_ones_test_examples_checks():
     assert marked == EXAMPLE_PAGES
 
 
+def _run_page(script: str) -> None:
+    os.chdir(os.path.dirname(script))
+    code = compile(Path(script).read_text(), script, "exec")
+    exec(code, {"__name__": "__main__", "__file__": script})
+
+
 @pytest.mark.parametrize("page", RUNNABLE, ids=_name)
 def test_the_python_blocks_of_each_page_run(page, tmp_path):
     code = [body for lang, body in _blocks(page) if lang == "python"]
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(code))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src"), env.get("PYTHONPATH", "")])
-    run = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "2",
-        str(script),
-    ]
-    done = subprocess.run(run, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=420)
-    assert done.returncode == 0, f"{_name(page)}'s code failed:\n{done.stdout[-3000:]}\n{done.stderr[-6000:]}"
+    try:
+        run_distributed(_run_page, 2, str(script), init=False, timeout=420)
+    except RankError as e:
+        pytest.fail(f"{_name(page)}'s code failed on rank {e.rank}:\n{e.trace[-6000:]}")
 
 
 def test_every_block_says_its_language():

@@ -8,7 +8,10 @@ hosts the rendezvous store on a port the OS picks. A rank that raises makes the 
 raises ``TimeoutError`` naming the ranks that had not finished: a hang fails, it never
 stalls.
 
-``fn`` must be importable by name (a module-level function), as must its arguments.
+``fn`` must be importable by name (a module-level function), as must its arguments. With
+``init=False`` it joins the process group itself, as a script under torchrun does:
+``dist.init_process_group("gloo")`` finds the job's store through the environment torchrun
+would set (the docs' pages run this way, without an interpreter start per rank).
 """
 
 from __future__ import annotations
@@ -30,6 +33,14 @@ import torch.distributed as dist
 from flatshard.toolkit.malloc import cpu_malloc_env
 
 _CONTEXT: Any = None
+PRELOAD = [
+    *("torch", "torch.distributed", "flatshard"),
+    # imported once in the forkserver rather than for seconds in every rank: torch._dynamo
+    # (shard() wraps its hooks with torch.compiler.disable), inductor (torch.compile), and the
+    # Hugging Face libraries where installed (a missing one is skipped)
+    *("torch._dynamo", "torch._inductor.compile_fx"),
+    *("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "peft"),
+]
 
 
 class RankError(RuntimeError):
@@ -46,9 +57,7 @@ def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
         ctx = mp.get_context("forkserver")
-        # torch._dynamo: shard() wraps its hooks with torch.compiler.disable (_compile.py), which
-        # imports it; loaded once here rather than for seconds in every rank
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "flatshard"])
+        ctx.set_forkserver_preload(PRELOAD)
         _start_forkserver()
         _CONTEXT = ctx
     return _CONTEXT
@@ -76,6 +85,7 @@ def run_distributed(
     timeout: float = 120.0,
     backend: str = "gloo",
     threads: int | None = None,
+    init: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
@@ -104,6 +114,7 @@ def run_distributed(
                 threads,
                 timeout,
                 results,
+                init,
             ),
             daemon=True,
         )
@@ -158,7 +169,7 @@ def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) ->
     return [done[r] for r in range(world_size)]
 
 
-def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeout, results) -> None:
+def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeout, results, init) -> None:
     torch.set_num_threads(threads)
     os.environ.update(
         RANK=str(rank),
@@ -166,17 +177,11 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeo
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
     )
+    if not init:  # (torchrun's agent hosts the store that env:// rendezvous joins; here the parent)
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
-        store = dist.TCPStore(
-            "127.0.0.1", port, world_size, is_master=False, timeout=timedelta(seconds=timeout)
-        )
-        dist.init_process_group(
-            backend,
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        if init:
+            _join(rank, world_size, port, backend, timeout)
         # plain pickle copies tensors by value; the queue's own pickler would share them
         # through file descriptors that vanish when this process exits
         out = pickle.dumps(fn(*args, **kwargs))
@@ -186,3 +191,9 @@ def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeo
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _join(rank: int, world_size: int, port: int, backend: str, timeout: float) -> None:
+    deadline = timedelta(seconds=timeout)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=deadline)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=deadline)
