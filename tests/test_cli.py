@@ -33,8 +33,18 @@ def _flatshard(*args, timeout=240):
     )
 
 
-@pytest.mark.parametrize(("stage", "extra"), [("0", []), ("3", []), ("1", ["--offload-fraction", "0.5"])])
+def _check_the_loss_fell(out: subprocess.CompletedProcess, stage: str) -> None:
+    assert out.returncode == 0, out.stderr
+    assert "tiny GPT" in out.stdout and f"stage {stage}, 2 rank(s)" in out.stdout
+    line = next(x for x in out.stdout.splitlines() if x.strip().startswith("loss"))
+    first, final = (float(v) for v in line.split()[1:4:2])
+    uniform = float(line.split("uniform guess ")[1].split(",")[0])
+    assert final < first - 0.5 and final < uniform - 0.5, line
+
+
+@pytest.mark.parametrize(("stage", "extra"), [("0", []), ("1", ["--offload-fraction", "0.5"])])
 def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
+    """(Stage 3's run is the first of test_train_starts_from_plain_weights.)"""
     out = _flatshard(
         "train",
         "--world-size",
@@ -49,14 +59,9 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
         stage,
         *extra,
     )
-    assert out.returncode == 0, out.stderr
-    assert "tiny GPT" in out.stdout and f"stage {stage}, 2 rank(s)" in out.stdout
+    _check_the_loss_fell(out, stage)
     if extra:
         assert "50% of the optimizer on the host" in out.stdout
-    line = next(x for x in out.stdout.splitlines() if x.strip().startswith("loss"))
-    first, final = (float(v) for v in line.split()[1:4:2])
-    uniform = float(line.split("uniform guess ")[1].split(",")[0])
-    assert final < first - 0.5 and final < uniform - 0.5, line
 
 
 @pytest.mark.parametrize(
@@ -316,14 +321,14 @@ def test_train_on_a_text_file_with_metrics_plot_checkpoints_and_exact_resume(tmp
 
 
 def test_train_starts_from_plain_weights(tmp_path):
-    """--init-from: the exported weights of one run start the next (its first loss is the
-    trained model's, far below an untrained one's)."""
+    """A stage-3 run whose loss falls; then --init-from: its exported weights start the next
+    run (whose first loss is the trained model's, far below an untrained one's)."""
     import json
 
     ckpt = tmp_path / "ckpt"
     base = ["train", "-n", "2", "--model", "tiny", "--lr", "1e-2", "--checkpoint-dir", str(ckpt)]
     out = _flatshard(*base, "--steps", "60", "--stage", "3", "--metrics", str(tmp_path / "a.jsonl"))
-    assert out.returncode == 0, out.stderr
+    _check_the_loss_fell(out, "3")
     weights = tmp_path / "w.safetensors"
     out = _flatshard("export", str(ckpt / "step-60"), str(weights), timeout=120)
     assert out.returncode == 0, out.stderr

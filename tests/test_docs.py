@@ -9,7 +9,6 @@ other language are output or shell: ``text`` and ``bash`` only, and every ``pyth
 flatshard`` line of a ``bash`` block must parse with the CLI's own parser.
 """
 
-import os
 import re
 import shlex
 import subprocess
@@ -19,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from flatshard.app.cli import build_parser
-from flatshard.toolkit.testing import RankError, run_distributed
+from flatshard.toolkit.testing import RankError, run_script
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
@@ -47,19 +46,13 @@ def test_pages_of_example_code_are_the_ones_test_examples_checks():
     assert marked == EXAMPLE_PAGES
 
 
-def _run_page(script: str) -> None:
-    os.chdir(os.path.dirname(script))
-    code = compile(Path(script).read_text(), script, "exec")
-    exec(code, {"__name__": "__main__", "__file__": script})
-
-
 @pytest.mark.parametrize("page", RUNNABLE, ids=_name)
 def test_the_python_blocks_of_each_page_run(page, tmp_path):
     code = [body for lang, body in _blocks(page) if lang == "python"]
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(code))
     try:
-        run_distributed(_run_page, 2, str(script), init=False, timeout=420)
+        run_script(script, 2, cwd=tmp_path, timeout=420)
     except RankError as e:
         pytest.fail(f"{_name(page)}'s code failed on rank {e.rank}:\n{e.trace[-6000:]}")
 

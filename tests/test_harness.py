@@ -3,6 +3,7 @@
 import ctypes
 import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,3 +86,24 @@ def test_launched_cpu_ranks_get_the_tunables_and_cuda_ranks_do_not():
     assert cpu["RANK"] == "1" and cpu["WORLD_SIZE"] == "2" and cpu["MASTER_PORT"] == "1234"
     assert cpu["GLIBC_TUNABLES"] == "glibc.malloc.tcache_count=0"
     assert "GLIBC_TUNABLES" not in rank_env({"PATH": "/bin"}, 1, 2, 1234, threads=1, cpu=False)
+
+
+def test_a_test_over_its_share_of_the_suite_fails_the_run(pytester):
+    """[Note: test budget] in conftest.py, on a suite of its own: three tests, one of which
+    takes nearly all the time; the budget's floor on the number of tests lowered to 3."""
+    conftest = (Path(__file__).parent / "conftest.py").read_text()
+    pytester.makeconftest(conftest.replace("BUDGET_MIN_TESTS = 500", "BUDGET_MIN_TESTS = 3"))
+    pytester.makepyfile(
+        "import time\ndef test_quick(): pass\ndef test_also_quick(): pass\ndef test_slow(): time.sleep(0.3)\n"
+    )
+    result = pytester.runpytest("-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["*over their budget of 8%*", "*test_slow*"])
+    assert "test_quick" not in result.stdout.str()
+
+
+def test_a_run_within_budget_passes(pytester):
+    conftest = (Path(__file__).parent / "conftest.py").read_text()
+    pytester.makeconftest(conftest.replace("BUDGET_MIN_TESTS = 500", "BUDGET_MIN_TESTS = 3"))
+    pytester.makepyfile("import time\n" + "".join(f"def test_{i}(): time.sleep(0.02)\n" for i in range(20)))
+    assert pytester.runpytest("-p", "no:cacheprovider").ret == pytest.ExitCode.OK

@@ -3,9 +3,6 @@
 state dict seeds a sharded run at full precision; both stream with bounded memory."""
 
 import os
-import subprocess
-import sys
-import textwrap
 import zipfile
 
 import pytest
@@ -166,35 +163,35 @@ def test_bad_weights_are_refused_with_the_name():
 
 
 # -- bounded memory ----------------------------------------------------------------------------------
-_BIG = textwrap.dedent(
-    """
-    import resource, sys, torch, flatshard
-    from torch import nn
-    def peak():
+def _save_big(path: str) -> None:
+    model = flatshard.shard(torch.nn.Sequential(*[torch.nn.Linear(2000, 2000) for _ in range(12)]), stage=0)
+    flatshard.save_checkpoint(path, model)  # 12 x 16 MB
+
+
+def _export_growth(path: str, out: str) -> int:
+    """How far an export grows this process's peak RSS (a rank of its own: its peak is its
+    own, from what it held when it started)."""
+    import resource
+
+    def peak() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    mode, path, out = sys.argv[1:]
-    if mode == "save":
-        model = flatshard.shard(nn.Sequential(*[nn.Linear(2000, 2000) for _ in range(12)]), stage=0)
-        flatshard.save_checkpoint(path, model)  # 12 x 16 MB
-    else:
-        before = peak()
-        flatshard.export_checkpoint(path, out, chunk_bytes=4 << 20)
-        print(peak() - before)
-    """
-)
+
+    before = peak()
+    flatshard.export_checkpoint(path, out, chunk_bytes=4 << 20)
+    return peak() - before
+
+
+@pytest.fixture(scope="module")
+def big_checkpoint(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("big") / "ckpt")
+    run_distributed(_save_big, 1, path, timeout=240)
+    return path
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])
-def test_export_streams_with_bounded_memory(tmp_path, suffix):
+def test_export_streams_with_bounded_memory(tmp_path, suffix, big_checkpoint):
     """Exporting 192 MB of params grows the process's peak RSS by far less than that."""
-    path, out = str(tmp_path / "ckpt"), str(tmp_path / f"big{suffix}")
-    script = str(tmp_path / "big.py")
-    with open(script, "w") as f:
-        f.write(_BIG)
-    subprocess.run([sys.executable, script, "save", path, out], check=True, timeout=240)
-    done = subprocess.run(
-        [sys.executable, script, "export", path, out], check=True, timeout=240, capture_output=True, text=True
-    )
-    grown = int(done.stdout.strip().splitlines()[-1])
+    out = str(tmp_path / f"big{suffix}")
+    (grown,) = run_distributed(_export_growth, 1, big_checkpoint, out, timeout=240)
     assert os.path.getsize(out) > 190e6
     assert grown < 80e6, f"peak RSS grew by {grown / 1e6:.0f} MB while exporting 192 MB"

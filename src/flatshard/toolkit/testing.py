@@ -11,15 +11,21 @@ stalls.
 ``fn`` must be importable by name (a module-level function), as must its arguments. With
 ``init=False`` it joins the process group itself, as a script under torchrun does:
 ``dist.init_process_group("gloo")`` finds the job's store through the environment torchrun
-would set (the docs' pages run this way, without an interpreter start per rank).
+would set. ``run_script(path, world_size, *argv)`` runs a Python file that way, as
+``__main__`` on every rank, and returns what each rank printed (the docs' pages and the
+example run so, without an interpreter start and imports per rank).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import runpy
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -33,14 +39,11 @@ import torch.distributed as dist
 from flatshard.toolkit.malloc import cpu_malloc_env
 
 _CONTEXT: Any = None
-PRELOAD = [
-    *("torch", "torch.distributed", "flatshard"),
-    # imported once in the forkserver rather than for seconds in every rank: torch._dynamo
-    # (shard() wraps its hooks with torch.compiler.disable), inductor (torch.compile), and the
-    # Hugging Face libraries where installed (a missing one is skipped)
-    *("torch._dynamo", "torch._inductor.compile_fx"),
-    *("transformers.modeling_utils", "transformers.models.auto.modeling_auto", "peft"),
-]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "flatshard"]
+"""Modules the forkserver imports once before forking ranks, rather than each rank for
+seconds (torch._dynamo: shard() wraps its hooks with torch.compiler.disable). A process
+whose ranks need more (the test suite: inductor, transformers, peft) extends the list
+before its first ``run_distributed``; a module that is not installed is skipped."""
 
 
 class RankError(RuntimeError):
@@ -131,6 +134,40 @@ def run_distributed(
             p.join(timeout=5)
         results.close()
         del store
+
+
+def run_script(
+    path: str | os.PathLike,
+    world_size: int,
+    *argv: str,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 300.0,
+) -> list[str]:
+    """Run the file ``path`` with ``argv`` as ``__main__`` on ``world_size`` ranks, as torchrun
+    would (the script joins the process group itself), in ``cwd``; each rank's printed text.
+    A script that raises, or exits with a status other than 0, fails as in ``run_distributed``."""
+    cwd = None if cwd is None else os.fspath(cwd)
+    return run_distributed(
+        _script_main, world_size, os.fspath(path), list(argv), cwd, init=False, timeout=timeout
+    )
+
+
+def _script_main(path: str, argv: list[str], cwd: str | None) -> str:
+    if cwd is not None:
+        os.chdir(cwd)
+    printed = io.StringIO()
+    sys.argv = [path, *argv]
+    try:
+        with contextlib.redirect_stdout(printed):
+            runpy.run_path(path, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise RuntimeError(
+                f"{path} exited with {e.code!r}; it printed:\n{printed.getvalue()[-3000:]}"
+            ) from e
+    except BaseException as e:
+        raise RuntimeError(f"{path} raised; it printed:\n{printed.getvalue()[-3000:]}") from e
+    return printed.getvalue()
 
 
 def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:

@@ -1,0 +1,61 @@
+"""What every test file shares: the modules ranks start with, and the suite's time budget
+per test.
+
+[Note: test budget]
+
+The whole suite must run in ten minutes on a 2-core machine, and it grows with each
+feature; one test quietly growing (a bigger model, more steps, a new world size) is how it
+got slow. So each test's time (setup, call and teardown, as pytest measures them) is held
+to a share of the whole run's: ``BUDGET_SHARE`` of the summed time of all tests. A share,
+not seconds, so that a machine three times slower, or busy beside other work, gives the
+same verdict. It is checked at the end of a run of at least ``BUDGET_MIN_TESTS`` tests (a
+few selected tests are each a large share of their own run); a test over its share fails
+the run, naming it and its time. Heavy work shared by many tests (the Hugging Face type
+sweep) runs once in a fixture and counts against the first test that uses it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+
+from flatshard.toolkit import testing
+
+# The suite's ranks fork with these already imported: each rank used to import them for
+# ~2.5 s (test_hf.py: 79 s -> 32 s); one import in the forkserver instead.
+testing.PRELOAD.extend(["torch._inductor.compile_fx", "transformers.modeling_utils", "peft"])
+
+pytest_plugins = ["pytester"]  # (tests/test_harness.py runs the budget on suites of its own)
+
+BUDGET_SHARE = 0.08
+BUDGET_MIN_TESTS = 500
+
+_seconds: dict[str, float] = defaultdict(float)
+
+
+def over_budget(seconds: dict[str, float], share: float) -> list[tuple[str, float]]:
+    """The tests whose time is above ``share`` of the total, slowest first."""
+    total = sum(seconds.values())
+    return sorted(((k, v) for k, v in seconds.items() if v > share * total), key=lambda kv: -kv[1])
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _seconds[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if len(_seconds) < BUDGET_MIN_TESTS:
+        return
+    over = over_budget(_seconds, BUDGET_SHARE)
+    if over:
+        total = sum(_seconds.values())
+        lines = [f"  {name}: {t:.1f} s of {total:.0f} s ({t / total:.1%})" for name, t in over]
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(
+                f"tests over their budget of {BUDGET_SHARE:.0%} of the suite's time "
+                "([Note: test budget] in tests/conftest.py):\n" + "\n".join(lines),
+                red=True,
+            )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
