@@ -64,7 +64,7 @@ LAYERS = [
     ["flatshard.optim"],
     ["flatshard.checkpoint"],
     ["flatshard", "flatshard.memory"],
-    ["flatshard.app", "flatshard.toolkit", "flatshard.__main__"],
+    ["flatshard.app", "flatshard.toolkit", "flatshard.hosts", "flatshard.__main__"],
 ]
 
 

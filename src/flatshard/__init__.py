@@ -18,12 +18,13 @@ listed before it (``tests/test_repo.py`` checks every import):
 6. ``checkpoint/``: checkpoint directories, pieces, checksums, weights files;
 7. the public surface: this module (``flatshard.__all__``) and ``memory``
    (``memory_report``, which reads a wrapped module and its optimizer);
-8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings)
-   and ``toolkit/``: ``models`` (the demo GPT, Hugging Face configs), ``data`` (the
-   synthetic corpus) and ``testing`` (the multi-process test harness).
+8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings),
+   ``hosts/`` (flatshard inside other libraries' loops: ``hf``, the Trainer) and
+   ``toolkit/``: ``models`` (the demo GPT, Hugging Face configs), ``data`` (the synthetic
+   corpus) and ``testing`` (the multi-process test harness).
 
-Public: the names in ``__all__``, the modules of ``planner/``, ``memory``, ``toolkit/``
-and the CLI. Everything else may move between releases.
+Public: the names in ``__all__``, the modules of ``planner/``, ``memory``, ``toolkit/``,
+``hosts/`` and the CLI. Everything else may move between releases.
 """
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint

@@ -1,0 +1,2 @@
+"""Layer 8, flatshard inside other libraries' training loops: ``hf`` (``transformers.Trainer``
+and the trainers built on it). [Note: hosted training] in ``hf.py``."""

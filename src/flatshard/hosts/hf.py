@@ -1,0 +1,234 @@
+"""flatshard under ``transformers.Trainer``: ``flatshard.hosts.hf.Trainer`` is the Trainer,
+training a sharded model.
+
+[Note: hosted training]
+
+A host library (the Trainer, and TRL's trainers built on it) runs the loop: it wraps the
+model, builds the optimizer, accumulates, clips, logs, saves and resumes. Under it flatshard
+keeps the invariants it keeps in a hand-written loop, by taking over exactly the points
+where the host would otherwise break them:
+
+* **No wrapper on top.** The host prepares the model for evaluation only (autocast, no
+  DDP): flatshard's hooks reduce the grads (DDP on top is refused anyway).
+* **Only flatshard's optimizer steps.** The host's choice of optimizer (``args.optim``, or
+  ``optimizer_cls_and_kwargs``), its hyperparameters and its weight-decay groups become a
+  ``DistributedOptimizer`` of that class; LR schedulers see its param groups as usual. An
+  optimizer the host builds from the model by itself (factories, layer-wise, GaLore's
+  params) is refused, naming ``optim``.
+* **Accumulation and clipping are the host's own**: it runs the micro-batches before the last
+  under ``model.no_sync()``, and its clip is torch's ``clip_grad_norm_`` over the params,
+  whose grads give the global norm ([Note: grads seen by torch]); so the logged
+  ``grad_norm`` is the one DDP's Trainer logs. fp16 loss scaling uses ``ShardedGradScaler``
+  ([Note: grad scaler]) in place of the host's scaler.
+* **Saves are collective.** ``save_model`` gathers the full state dict on rank 0 (every rank
+  takes part) and writes it with the host's own ``save_pretrained`` path, so
+  ``from_pretrained`` loads the directory (a peft model: its adapter). A Trainer checkpoint
+  holds a flatshard checkpoint (``flatshard/``: params, fp32 main params, optimizer state) in
+  place of ``optimizer.pt``; ``resume_from_checkpoint`` loads it at any world size and stage,
+  with the scheduler, the trainer state and the RNG states the host saves itself.
+* **What cannot hold is refused** before training: FSDP or DeepSpeed in the same arguments,
+  full-eval casts (they cast the params), ranks the host does not see (on CPU, without
+  ``use_cpu=True`` the host trains each rank alone), a torch optimizer passed in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
+from flatshard.optim.distributed import DistributedOptimizer
+from flatshard.optim.grad_scaler import ShardedGradScaler
+from flatshard.wrap.module import ShardedModule
+from flatshard.wrap.shard import shard as shard_model
+
+try:
+    import transformers
+except ImportError as e:  # (the hf extra)
+    raise ImportError("flatshard.hosts.hf needs transformers: pip install 'flatshard[hf]'") from e
+
+CHECKPOINT = "flatshard"
+"""The flatshard checkpoint's folder inside a Trainer checkpoint (``checkpoint-N/flatshard``)."""
+SCHEDULER = "scheduler.pt"
+
+
+class ShardedTrainerMixin:
+    """The Trainer's methods that flatshard takes over ([Note: hosted training]); put it first
+    among the bases of any ``transformers.Trainer`` subclass (``sharded(cls)`` does)."""
+
+    optimizer: Any  # (the Trainer's)
+
+    def __init__(self, model: nn.Module | None = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+        how = kwargs.pop("shard", None)
+        if model is None or args is None:
+            raise TypeError("a sharded Trainer needs model= and args= (the model is sharded before training)")
+        _check_arguments(args)
+        model = _sharded(model, how, args.device)
+        optimizers = kwargs.get("optimizers", (None, None))
+        if optimizers[0] is not None and not isinstance(optimizers[0], DistributedOptimizer):
+            raise TypeError(
+                f"optimizers=({type(optimizers[0]).__name__}, ...): flatshard steps its own shards; pass "
+                "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) built over the sharded model "
+                "(shard it first with flatshard.shard), or leave optimizers out and choose args.optim"
+            )
+        super().__init__(model, args, *rest, **kwargs)  # type: ignore[call-arg]
+
+    # -- the host's pieces ------------------------------------------------------------------
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()  # type: ignore[misc]
+        accelerator = self.accelerator  # type: ignore[attr-defined]
+        old = getattr(accelerator, "scaler", None)
+        if old is not None and not isinstance(old, ShardedGradScaler):  # fp16: [Note: grad scaler]
+            accelerator.scaler = ShardedGradScaler(
+                self.args.device.type,  # type: ignore[attr-defined]
+                init_scale=old.get_scale() if old.is_enabled() else 2.0**16,
+                growth_factor=old.get_growth_factor(),
+                backoff_factor=old.get_backoff_factor(),
+                growth_interval=old.get_growth_interval(),
+                enabled=old.is_enabled(),
+            )
+
+    def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
+        """Autocast and the prepared mark, no DDP: flatshard reduces the grads."""
+        return self.accelerator.prepare_model(  # type: ignore[attr-defined]
+            model, device_placement=False, evaluation_mode=True
+        )
+
+    def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = _distributed_optimizer(self, self.model)  # type: ignore[attr-defined]
+        return self.optimizer
+
+    # -- saving and resuming ----------------------------------------------------------------
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        """Every rank gathers; rank 0 writes what ``from_pretrained`` loads (the host's own
+        ``_save`` with the full state dict, as the host does for FSDP)."""
+        state = self.model.full_state_dict()  # type: ignore[attr-defined]
+        self._save(output_dir, state_dict=state)  # type: ignore[attr-defined]
+        if self.args.push_to_hub and not _internal_call:  # type: ignore[attr-defined]
+            self.push_to_hub(commit_message="Model save")  # type: ignore[attr-defined]
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        save_checkpoint(os.path.join(output_dir, CHECKPOINT), self.model, _flat(self.optimizer))  # type: ignore[attr-defined]
+        if self.args.should_save:  # type: ignore[attr-defined]
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))  # type: ignore[attr-defined]
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: nn.Module | None = None) -> None:
+        if not os.path.isdir(os.path.join(resume_from_checkpoint, CHECKPOINT)):
+            raise FileNotFoundError(
+                f"{resume_from_checkpoint} holds no flatshard checkpoint ({CHECKPOINT}/): it was not "
+                "written by a sharded Trainer. To start from its weights, load them into the model "
+                "before sharding (from_pretrained) and train without resume_from_checkpoint"
+            )
+        # (the params load with the optimizer's state, in _load_optimizer_and_scheduler)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        if checkpoint is None:
+            return
+        load_checkpoint(os.path.join(checkpoint, CHECKPOINT), self.model, _flat(self.optimizer))  # type: ignore[attr-defined]
+        scheduler = os.path.join(checkpoint, SCHEDULER)
+        if os.path.isfile(scheduler):
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))  # type: ignore[attr-defined]
+
+    def _load_best_model(self) -> None:
+        raise NotImplementedError(
+            "load_best_model_at_end with a sharded model: not supported yet; evaluate the checkpoints "
+            "and resume from the best one"
+        )
+
+
+class Trainer(ShardedTrainerMixin, transformers.Trainer):
+    """``transformers.Trainer`` training a sharded model: ``Trainer(model=..., args=...,
+    shard=2)``, where ``shard`` is the stage, or ``flatshard.shard``'s keyword arguments as a
+    dict (``{"stage": 3, "mixed_precision": ...}``), or omitted for a model already sharded.
+    Everything else is the Trainer's ([Note: hosted training])."""
+
+
+def sharded(trainer_class: type) -> type:
+    """``trainer_class`` (a ``transformers.Trainer`` subclass: TRL's ``SFTTrainer``,
+    ``DPOTrainer``, yours) training a sharded model, as ``Trainer`` does."""
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, transformers.Trainer)):
+        raise TypeError(f"sharded() takes a transformers.Trainer subclass, got {trainer_class!r}")
+    if issubclass(trainer_class, ShardedTrainerMixin):
+        return trainer_class
+    return type(f"Sharded{trainer_class.__name__}", (ShardedTrainerMixin, trainer_class), {})
+
+
+# -- helpers ------------------------------------------------------------------------------------
+def _check_arguments(args: Any) -> None:
+    """Refuse what would train wrong or fail late ([Note: hosted training])."""
+    refused = [
+        (bool(getattr(args, "fsdp", None)), "fsdp"),
+        (bool(getattr(args, "deepspeed", None)), "deepspeed"),
+        (bool(getattr(args, "fp16_full_eval", False)), "fp16_full_eval"),
+        (bool(getattr(args, "bf16_full_eval", False)), "bf16_full_eval"),
+        (bool(getattr(args, "auto_find_batch_size", False)), "auto_find_batch_size"),
+        (bool(getattr(args, "load_best_model_at_end", False)), "load_best_model_at_end"),
+    ]
+    for on, name in refused:
+        if on:
+            raise ValueError(
+                f"TrainingArguments({name}=...) with a sharded Trainer: flatshard shards the model itself "
+                f"and {name} would change or reshard it; leave it out"
+            )
+    ranks = int(os.environ.get("WORLD_SIZE", "1"))
+    if ranks != args.world_size:
+        raise ValueError(
+            f"the job has {ranks} ranks but the Trainer sees {args.world_size} (on CPU the Trainer "
+            "trains each rank alone unless TrainingArguments(use_cpu=True)): every rank would train "
+            "its own copy"
+        )
+
+
+def _sharded(model: nn.Module, how: int | Mapping[str, Any] | None, device: torch.device) -> nn.Module:
+    if isinstance(model, ShardedModule):
+        if how is not None:
+            raise ValueError(f"shard={how!r} for a model that is already sharded: leave shard out")
+        return model
+    if how is None:
+        raise ValueError(
+            "the model is not sharded: pass shard=STAGE (0-3) or shard={...} (flatshard.shard's keywords)"
+        )
+    options = {"stage": how} if isinstance(how, int) and not isinstance(how, bool) else how
+    if not isinstance(options, Mapping):
+        raise TypeError(f"shard must be a stage (0-3) or a dict of flatshard.shard's keywords, got {how!r}")
+    if not dist.is_initialized():
+        raise RuntimeError(
+            "no process group: TrainingArguments starts it under torchrun (use_cpu=True on CPU)"
+        )
+    return shard_model(model.to(device), **options)
+
+
+def _distributed_optimizer(trainer: Any, model: nn.Module) -> DistributedOptimizer:
+    """The host's optimizer choice over its weight-decay groups, as a ``DistributedOptimizer``."""
+    decay = set(trainer.get_decay_parameter_names(model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for n, p in named if n in decay], "weight_decay": trainer.args.weight_decay},
+        {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0},
+    ]
+    chosen = trainer.optimizer_cls_and_kwargs or trainer.get_optimizer_cls_and_kwargs(trainer.args, model)
+    cls, kwargs = chosen
+    built_by_host = {"params", "model", "optimizer_dict"} & set(kwargs)
+    if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)) or built_by_host:
+        raise ValueError(
+            f"optim={trainer.args.optim!r} builds its optimizer from the model itself ({cls!r}); flatshard "
+            "steps a torch.optim class over its shards: choose e.g. optim='adamw_torch', 'sgd' or "
+            "'adafactor'... or pass optimizer_cls_and_kwargs=(torch.optim.X, {...})"
+        )
+    return DistributedOptimizer(model, cls, params=[g for g in groups if g["params"]], **kwargs)
+
+
+def _flat(optimizer: Any) -> DistributedOptimizer:
+    """The ``DistributedOptimizer`` under the host's wrapper (accelerate's)."""
+    while not isinstance(optimizer, DistributedOptimizer):
+        inner = getattr(optimizer, "optimizer", None)
+        if inner is None:
+            raise TypeError(f"the Trainer's optimizer is {type(optimizer).__name__}, not flatshard's")
+        optimizer = inner
+    return optimizer

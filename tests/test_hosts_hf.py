@@ -1,0 +1,264 @@
+"""flatshard under a real ``transformers.Trainer`` ([Note: hosted training] in
+``hosts/hf.py``), against the Trainer's own DDP on the plain model doing the same job:
+accumulation of 2 micro-batches, clipping (every step clips: the norm is well above 0.5),
+a linear schedule, weight-decay groups, at stages 0-3 on 2 ranks and on 3 (padding).
+
+Tolerances ([Note: parity tolerances] in _parity.py): the logged loss and grad norm follow
+DDP's within 1e-5 relative: fp32 sums of the same terms in another order differ by a few
+ulps (~1e-7), which AdamW's first steps (each element moves by about lr whatever its grad's
+size) spread to the params at most as lr / |param| ~ 1e-3 relative for the smallest ones,
+and the loss, a mean over the params' effect, moves far less (measured below 1e-6).
+A resumed run logs what the uninterrupted one logged, to the bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from flatshard.toolkit.models import tiny_model
+from flatshard.toolkit.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+SEQ = 16
+
+
+class _Tokens(torch.utils.data.Dataset):
+    """32 fixed sequences of random tokens (labels = inputs: the model shifts them)."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, 256, (32, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def _args(out: str, **overrides) -> transformers.TrainingArguments:
+    settings = dict(
+        output_dir=out,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        max_grad_norm=0.5,
+        lr_scheduler_type="linear",
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+    )
+    return transformers.TrainingArguments(**{**settings, **overrides})
+
+
+def _logged(trainer) -> list[tuple[float, float]]:
+    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return tiny_model("llama", seq_len=SEQ)
+
+
+def _against_ddp(stages: list[int], out: str, optim: str) -> dict:
+    """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage."""
+    from flatshard.hosts import hf
+
+    model, data = _model(), _Tokens()
+    logged = {}
+    reference = transformers.Trainer(
+        model=copy.deepcopy(model), args=_args(f"{out}/ddp", optim=optim), train_dataset=data
+    )
+    reference.train()
+    logged["ddp"] = _logged(reference)
+    for stage in stages:
+        args = _args(f"{out}/{stage}", optim=optim)
+        trainer = hf.Trainer(model=copy.deepcopy(model), args=args, train_dataset=data, shard=stage)
+        trainer.train()
+        logged[stage] = _logged(trainer)
+    return logged
+
+
+def _check_follows(logged: dict, rel: float, clip: float = 0.5) -> None:
+    want = logged.pop("ddp")
+    assert len(want) == 4 and all(norm > clip for _, norm in want), want  # (every step clips)
+    for stage, got in logged.items():
+        assert len(got) == len(want), (stage, got)
+        for (loss, norm), (loss_ref, norm_ref) in zip(got, want, strict=True):
+            assert loss == pytest.approx(loss_ref, rel=rel), (stage, got, want)
+            assert norm == pytest.approx(norm_ref, rel=rel), (stage, got, want)
+
+
+def test_the_trainer_follows_its_ddp_at_every_stage(tmp_path):
+    for logged in run_distributed(_against_ddp, 2, [0, 1, 2, 3], str(tmp_path), "adamw_torch", init=False):
+        _check_follows(logged, rel=1e-5)
+
+
+def test_the_trainer_follows_its_ddp_on_3_ranks(tmp_path):
+    """3 ranks (buckets padded to a multiple of 3); SGD, which does not amplify a grad's last
+    ulps as AdamW's first steps do."""
+    for logged in run_distributed(_against_ddp, 3, [1, 3], str(tmp_path), "sgd", init=False):
+        _check_follows(logged, rel=1e-5)
+
+
+def _save_resume_export(out: str, stage: int) -> dict:
+    """4 steps saving a Trainer checkpoint every 2; a new Trainer resumed from step 2's; then
+    save_model of the resumed run, loaded by from_pretrained on rank 0."""
+    from flatshard.hosts import hf
+
+    data = _Tokens()
+    first = hf.Trainer(
+        model=_model(),
+        args=_args(f"{out}/a", save_strategy="steps", save_steps=2),
+        train_dataset=data,
+        shard=stage,
+    )
+    first.train()
+    again = hf.Trainer(model=_model(), args=_args(f"{out}/b"), train_dataset=data, shard=stage)
+    again.train(resume_from_checkpoint=f"{out}/a/checkpoint-2")
+    again.save_model(f"{out}/saved")
+    state = again.model.full_state_dict()
+    same = None
+    if torch.distributed.get_rank() == 0:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/saved").state_dict()
+        same = all(torch.equal(loaded[k], v) for k, v in state.items() if k in loaded)
+        same = same and set(loaded) <= set(state)
+    return {
+        "first": _logged(first),
+        "resumed": _logged(again),
+        "same": same,
+        "files": sorted(os.listdir(f"{out}/a/checkpoint-2")),
+    }
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_a_checkpoint_resumes_exactly_and_save_model_loads_with_from_pretrained(tmp_path, stage):
+    for rank, result in enumerate(run_distributed(_save_resume_export, 2, str(tmp_path), stage, init=False)):
+        # the history of steps 1-2 comes back from the checkpoint; steps 3-4 are trained again
+        assert result["resumed"] == result["first"], result  # to the bit
+        assert "flatshard" in result["files"] and "optimizer.pt" not in result["files"], result["files"]
+        if rank == 0:
+            assert result["same"], "from_pretrained loads other values than the sharded model holds"
+
+
+class _AtTrainBegin(transformers.TrainerCallback):
+    """The full params a run starts from (after any resume), on rank 0."""
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.params = model.full_state_dict()
+
+
+def _resume_elsewhere(out: str, stage: int) -> dict:
+    """Resume a checkpoint written by 2 ranks at another world size and stage: the params
+    it starts from are the checkpoint's (its model.safetensors, which save_model wrote, to
+    the bit), and it trains on to step 4."""
+    from flatshard.hosts import hf
+
+    start = _AtTrainBegin()
+    args = _args(f"{out}/c")
+    trainer = hf.Trainer(model=_model(), args=args, train_dataset=_Tokens(), shard=stage, callbacks=[start])
+    trainer.train(resume_from_checkpoint=f"{out}/a/checkpoint-2")
+    same = True
+    if torch.distributed.get_rank() == 0:
+        saved = transformers.AutoModelForCausalLM.from_pretrained(f"{out}/a/checkpoint-2").state_dict()
+        same = all(torch.equal(saved[k], v) for k, v in start.params.items() if k in saved)
+    losses = [loss for loss, _ in _logged(trainer)]
+    return {"steps": trainer.state.global_step, "losses": losses, "same": same}
+
+
+def test_a_checkpoint_of_2_ranks_resumes_on_3_at_another_stage(tmp_path):
+    run_distributed(_save_resume_export, 2, str(tmp_path), 2, init=False)
+    for result in run_distributed(_resume_elsewhere, 3, str(tmp_path), 3, init=False):
+        assert result["same"], "the resumed run does not start from the checkpoint's params"
+        assert result["steps"] == 4 and len(result["losses"]) == 4, result
+        assert all(5.0 < loss < 6.0 for loss in result["losses"]), result
+
+
+def _lora() -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    return get_peft_model(_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+
+
+def _peft_against_ddp(stages: list[int], out: str) -> dict:
+    """LoRA: the Trainer's DDP on the peft model, then flatshard's at each stage; then
+    save_model of the last writes the adapter, with the values the sharded model holds."""
+    from safetensors.torch import load_file
+
+    from flatshard.hosts import hf
+
+    model, data = _lora(), _Tokens()
+    args = {"learning_rate": 1e-2, "max_grad_norm": 0.1}  # (LoRA B starts at zero; its grads are small)
+    reference = transformers.Trainer(
+        model=copy.deepcopy(model), args=_args(f"{out}/ddp", **args), train_dataset=data
+    )
+    reference.train()
+    logged = {"ddp": _logged(reference)}
+    for stage in stages:
+        trainer = hf.Trainer(
+            model=copy.deepcopy(model), args=_args(f"{out}/{stage}", **args), train_dataset=data, shard=stage
+        )
+        trainer.train()
+        logged[stage] = _logged(trainer)
+    trainer.save_model(f"{out}/adapter")
+    state = trainer.model.full_state_dict()
+    if torch.distributed.get_rank() == 0:
+        saved = load_file(f"{out}/adapter/adapter_model.safetensors")
+        mine = {k: v for k, v in state.items() if "lora_" in k}
+        logged["adapter"] = len(saved) == len(mine) > 0 and all(
+            torch.equal(saved[k.replace(".default", "")], v) for k, v in mine.items()
+        )
+    return logged
+
+
+def test_a_peft_model_follows_ddp_and_saves_its_adapter(tmp_path):
+    for rank, logged in enumerate(run_distributed(_peft_against_ddp, 2, [2, 3], str(tmp_path), init=False)):
+        if rank == 0:
+            assert logged.pop("adapter"), "the adapter written is not the trained one"
+        _check_follows(logged, rel=1e-5, clip=0.1)
+
+
+def _refusals(out: str) -> dict:
+    """What would train wrong under the Trainer, refused before training, naming the cause."""
+    from flatshard.hosts import hf
+
+    attempts = {
+        "no use_cpu": lambda: hf.Trainer(model=_model(), args=_args(out, use_cpu=False), shard=2),
+        "a torch optimizer": lambda: hf.Trainer(
+            model=_model(),
+            args=_args(out),
+            shard=2,
+            optimizers=(torch.optim.SGD(_model().parameters()), None),
+        ),
+        "best model": lambda: hf.Trainer(
+            model=_model(),
+            args=_args(out, load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"),
+            shard=2,
+        ),
+        "not sharded": lambda: hf.Trainer(model=_model(), args=_args(out)),
+    }
+    refused = {}
+    for name, attempt in attempts.items():
+        try:
+            attempt()
+        except (ValueError, TypeError) as e:
+            refused[name] = str(e)
+    return refused
+
+
+def test_what_would_train_wrong_is_refused_before_training(tmp_path):
+    for refused in run_distributed(_refusals, 2, str(tmp_path), init=False):
+        assert "use_cpu=True" in refused["no use_cpu"] and "2 ranks" in refused["no use_cpu"], refused
+        assert "flatshard.DistributedOptimizer" in refused["a torch optimizer"], refused
+        assert "load_best_model_at_end" in refused["best model"], refused
+        assert "shard=STAGE" in refused["not sharded"], refused
