@@ -70,19 +70,19 @@ def _model() -> torch.nn.Module:
     return tiny_model("llama", seq_len=SEQ)
 
 
-def _against_ddp(stages: list[int], out: str, optim: str) -> dict:
+def _against_ddp(stages: list[int], out: str, optim: str, **more) -> dict:
     """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage."""
     from flatshard.hosts import hf
 
     model, data = _model(), _Tokens()
     logged = {}
     reference = transformers.Trainer(
-        model=copy.deepcopy(model), args=_args(f"{out}/ddp", optim=optim), train_dataset=data
+        model=copy.deepcopy(model), args=_args(f"{out}/ddp", optim=optim, **more), train_dataset=data
     )
     reference.train()
     logged["ddp"] = _logged(reference)
     for stage in stages:
-        args = _args(f"{out}/{stage}", optim=optim)
+        args = _args(f"{out}/{stage}", optim=optim, **more)
         trainer = hf.Trainer(model=copy.deepcopy(model), args=args, train_dataset=data, shard=stage)
         trainer.train()
         logged[stage] = _logged(trainer)
@@ -108,6 +108,15 @@ def test_the_trainer_follows_its_ddp_on_3_ranks(tmp_path):
     """3 ranks (buckets padded to a multiple of 3); SGD, which does not amplify a grad's last
     ulps as AdamW's first steps do."""
     for logged in run_distributed(_against_ddp, 3, [1, 3], str(tmp_path), "sgd", init=False):
+        _check_follows(logged, rel=1e-5)
+
+
+def test_the_trainer_follows_its_ddp_under_bf16_autocast(tmp_path):
+    """bf16=True: the Trainer's autocast on both sides, fp32 params and grads: the same bf16
+    products from the same fp32 params, so the same tolerance as in fp32."""
+    for logged in run_distributed(
+        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", bf16=True, init=False
+    ):
         _check_follows(logged, rel=1e-5)
 
 
