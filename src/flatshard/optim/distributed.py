@@ -105,8 +105,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
     optimizers would skip a param whose ``.grad`` is None): freeze params you do not train.
     """
 
-    # torch.amp.GradScaler.step hands this optimizer its inf check ([Note: grad scaler])
-    _step_supports_amp_scaling = True
+    _step_supports_amp_scaling = True  # GradScaler.step hands step its check ([Note: grad scaler])
 
     def __init__(
         self,
@@ -291,10 +290,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             return self.loss_scaler is not None
         if not checked:
             raise ShardedGradError(
-                f"torch.amp.GradScaler checked only this rank's grads for inf and NaN, but at stage "
-                f"{self._sharded.stage} each rank holds a shard of them: ranks would disagree on "
-                "skipping this step and on the next scale. Use flatshard.ShardedGradScaler (the same "
-                "arguments), or DistributedOptimizer(loss_scale='dynamic'); nothing was stepped"
+                f"torch.amp.GradScaler made its own inf check on the flat grads this rank holds (at "
+                f"stage {self._sharded.stage}; at stages 1-3 only a shard of them), so ranks could "
+                "disagree on skipping this step and on the next scale. Use flatshard.ShardedGradScaler "
+                "(the same arguments), whose check is the optimizer's global norm, or "
+                "DistributedOptimizer(loss_scale='dynamic'); nothing was stepped"
             )
         grad_scale = getattr(self, "grad_scale", None)  # None: unscale_ ran already
         pending = self._sharded.grad_sync.grads is not Grads.EMPTY and not self._found_inf
