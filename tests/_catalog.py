@@ -50,6 +50,20 @@ def _saved(tmp: Path) -> Path:
     return tmp / "ckpt"
 
 
+def _peft_exported_for_from_pretrained(tmp: Path) -> object:
+    """A LoRA model's checkpoint exported as ``model.safetensors``, the file from_pretrained
+    reads (it would find none of peft's names there and load a random-init model)."""
+    from peft import LoraConfig, get_peft_model
+
+    from flatshard.toolkit.models import tiny_model
+
+    torch.manual_seed(0)
+    lora = get_peft_model(tiny_model("llama", seq_len=8), LoraConfig(r=2, target_modules=["q_proj"]))
+    model = flatshard.shard(lora, stage=1)
+    flatshard.save_checkpoint(tmp / "ckpt", model, _opt(model))
+    return flatshard.export_checkpoint(tmp / "ckpt", tmp / "model.safetensors")
+
+
 def _load(path: Path, model=None) -> None:
     model = model if model is not None else _sharded()
     flatshard.load_checkpoint(path, model, _opt(model))

@@ -32,6 +32,7 @@ from _catalog import (
     _nan_grads_clipped,
     _nested,
     _opt,
+    _peft_exported_for_from_pretrained,
     _piece_of_another_save,
     _replace_param,
     _save_over,
@@ -385,6 +386,12 @@ CASES = [
         _second_derivative,
         flatshard.ShardedParamError,
         r"create_graph=True reached unit '.*' at stage 3.*Use stage 2",
+    ),
+    Case(
+        "export_checkpoint of a peft model as model.safetensors",
+        _peft_exported_for_from_pretrained,
+        ValueError,
+        r"holds a peft model .*'model\.safetensors' is a file from_pretrained reads.*save_pretrained",
     ),
     Case("shard() inside shard()", _nested, ValueError, r"submodule '0' is already sharded.*Stage3\(units="),
     Case(

@@ -38,14 +38,12 @@ import torch
 from torch import nn
 
 from flatshard.checkpoint.files import Source, open_source
-from flatshard.checkpoint.weights import load_source
+from flatshard.checkpoint.weights import PEFT_PREFIX, load_source
 from flatshard.comm.world import all_gather_bytes
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError
 from flatshard.wrap.module import ShardedModule, job_world
 from flatshard.wrap.record import cast, check_dtype
-
-PEFT_PREFIX = "base_model.model."
 
 
 # -- load -----------------------------------------------------------------------------------------

@@ -33,6 +33,16 @@ WEIGHTS = ("main", "model")
 
 
 # -- export ---------------------------------------------------------------------------------------
+PEFT_PREFIX = "base_model.model."
+"""How a peft model's names begin ([Note: pretrained directories] in ``pretrained.py``)."""
+READ_BY_FROM_PRETRAINED = (
+    "model.safetensors",
+    "pytorch_model.bin",
+    "adapter_model.safetensors",
+    "adapter_model.bin",
+)
+
+
 def export_checkpoint(
     checkpoint: str | os.PathLike,
     out: str | os.PathLike,
@@ -56,6 +66,7 @@ def export_checkpoint(
         raise ValueError(f"chunk_bytes must be positive, got {chunk_bytes}")
     path = resolve_checkpoint(checkpoint)
     manifest = read_manifest(path)
+    _refuse_peft_for_from_pretrained(path, manifest["params"], os.fspath(out))
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     entries: dict[str, Entry] = {}
     for name, (shape, _) in manifest["params"].items():
@@ -75,6 +86,21 @@ def export_checkpoint(
         os.fspath(out), listed, partial(_read_checkpoint, path, manifest.get("save_id"), saved, chunk_bytes)
     )
     return listed
+
+
+def _refuse_peft_for_from_pretrained(path: str, names: Mapping[str, Any], out: str) -> None:
+    """A peft model's names under a file name ``from_pretrained`` reads would match none of the
+    names it looks for: it would load a random-init model (or adapter) without failing."""
+    peft = bool(names) and all(name.startswith(PEFT_PREFIX) for name in names)
+    if peft and os.path.basename(out) in READ_BY_FROM_PRETRAINED:
+        raise ValueError(
+            f"checkpoint {path} holds a peft model (its names start with {PEFT_PREFIX!r}), and "
+            f"{os.path.basename(out)!r} is a file from_pretrained reads: it would find none of the names it "
+            "expects and load random weights. Load the checkpoint into the sharded peft model and write "
+            "flatshard.save_pretrained(model, directory) (the adapter) or save_pretrained(..., merged=True) "
+            "(the base model with the adapter merged); or export under another name, for "
+            "peft_model.load_state_dict"
+        )
 
 
 def _read_checkpoint(
