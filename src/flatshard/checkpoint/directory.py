@@ -96,6 +96,7 @@ from flatshard.comm.trace import span
 from flatshard.comm.world import World, all_gather_bytes, check_ranks_agree, timed_group
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
+from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import job_world
 
@@ -110,6 +111,7 @@ def _stage(model: nn.Module) -> int | None:
 def _optimizer_entries(model, optimizer, *, load: bool, saved=None):
     if optimizer is None:
         return {}, None
+    optimizer = unwrap_optimizer(optimizer)  # (accelerate's wrapper: the optimizer it prepared)
     if isinstance(optimizer, DistributedOptimizer):
         if load:
             return cs.distributed_optimizer_to_load(optimizer, saved)

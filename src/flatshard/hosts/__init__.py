@@ -1,2 +1,3 @@
 """Layer 8, flatshard inside other libraries' training loops: ``hf`` (``transformers.Trainer``
-and the trainers built on it). [Note: hosted training] in ``hf.py``."""
+and the trainers built on it) and ``accelerate`` (``Accelerator.prepare``). [Note: hosted
+training] in ``hf.py``."""

@@ -42,8 +42,9 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
+from flatshard.hosts.accelerate import use_sharded_scaler
+from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
-from flatshard.optim.grad_scaler import ShardedGradScaler
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import shard as shard_model
 
@@ -81,17 +82,7 @@ class ShardedTrainerMixin:
     # -- the host's pieces ------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()  # type: ignore[misc]
-        accelerator = self.accelerator  # type: ignore[attr-defined]
-        old = getattr(accelerator, "scaler", None)
-        if old is not None and not isinstance(old, ShardedGradScaler):  # fp16: [Note: grad scaler]
-            accelerator.scaler = ShardedGradScaler(
-                self.args.device.type,  # type: ignore[attr-defined]
-                init_scale=old.get_scale() if old.is_enabled() else 2.0**16,
-                growth_factor=old.get_growth_factor(),
-                backoff_factor=old.get_backoff_factor(),
-                growth_interval=old.get_growth_interval(),
-                enabled=old.is_enabled(),
-            )
+        use_sharded_scaler(self.accelerator)  # type: ignore[attr-defined]
 
     def _wrap_model(self, model: nn.Module, training: bool = True, dataloader: Any = None) -> nn.Module:
         """Autocast and the prepared mark, no DDP: flatshard reduces the grads."""
@@ -226,9 +217,7 @@ def _distributed_optimizer(trainer: Any, model: nn.Module) -> DistributedOptimiz
 
 def _flat(optimizer: Any) -> DistributedOptimizer:
     """The ``DistributedOptimizer`` under the host's wrapper (accelerate's)."""
-    while not isinstance(optimizer, DistributedOptimizer):
-        inner = getattr(optimizer, "optimizer", None)
-        if inner is None:
-            raise TypeError(f"the Trainer's optimizer is {type(optimizer).__name__}, not flatshard's")
-        optimizer = inner
-    return optimizer
+    inner = unwrap_optimizer(optimizer)
+    if not isinstance(inner, DistributedOptimizer):
+        raise TypeError(f"the Trainer's optimizer is {type(inner).__name__}, not flatshard's")
+    return inner

@@ -65,6 +65,14 @@ def run_closure(closure) -> Any:
         return closure()
 
 
+def unwrap_optimizer(optimizer: Any) -> Any:
+    """The optimizer under a host library's wrapper (accelerate's ``AcceleratedOptimizer``
+    holds it as ``.optimizer``), or ``optimizer`` itself."""
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
 def class_defaults(
     optimizer_class: type, defaults: dict[str, Any], groups: Sequence[dict[str, Any]] = ()
 ) -> dict[str, Any]:

@@ -290,7 +290,8 @@ class ShardedModule(nn.Module):
         raise RuntimeError(
             f"DistributedDataParallel around a {type(self).__name__} that flatshard.shard() wrapped: "
             "flatshard already makes it data-parallel (stage 0 is DDP). Use the sharded model "
-            "itself; under a trainer, use flatshard's integration instead of the trainer's DDP"
+            "itself; under a host library use its flatshard integration instead of its DDP "
+            "(flatshard.hosts.hf.Trainer, flatshard.hosts.accelerate.prepare)"
         )
 
 
