@@ -220,6 +220,14 @@ def _second_derivative(tmp: Path) -> object:
     return model(torch.randn(3, 4)).square().sum().backward(create_graph=True)
 
 
+def _rebound_while_sharded(tmp: Path) -> object:
+    """``.data`` of a stage-3 param rebound outside ``summon_full_params`` (an EMA swap):
+    the next gather would overwrite it."""
+    model = _sharded(stage=3)
+    model[0].weight.data = torch.zeros(4, 4)
+    return model(torch.randn(3, 4))
+
+
 def _replace_param(model: nn.Module) -> None:
     model[0].weight = nn.Parameter(torch.zeros(4, 4))
 

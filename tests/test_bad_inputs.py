@@ -34,6 +34,7 @@ from _catalog import (
     _opt,
     _peft_exported_for_from_pretrained,
     _piece_of_another_save,
+    _rebound_while_sharded,
     _replace_param,
     _save_over,
     _save_while_locked,
@@ -392,6 +393,12 @@ CASES = [
         _peft_exported_for_from_pretrained,
         ValueError,
         r"holds a peft model .*'model\.safetensors' is a file from_pretrained reads.*save_pretrained",
+    ),
+    Case(
+        ".data rebound at stage 3 outside summon_full_params",
+        _rebound_while_sharded,
+        flatshard.ShardedParamError,
+        r"param '0\.weight'.*rebound while sharded.*summon_full_params",
     ),
     Case("shard() inside shard()", _nested, ValueError, r"submodule '0' is already sharded.*Stage3\(units="),
     Case(

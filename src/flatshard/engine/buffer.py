@@ -233,8 +233,8 @@ class FlatBuffer:
         """Point the bucket's params at their views of the full bucket, or at their
         placeholders (both made once, at ``bind``: this runs twice per unit and pass)."""
         if full:
-            for param, view, _ in self._pointers[bucket.index].values():
-                show(param, view)
+            for param, view, placeholder in self._pointers[bucket.index].values():
+                show(param, view, placeholder)
         else:
             for param, _, placeholder in self._pointers[bucket.index].values():
                 hide(param, placeholder)

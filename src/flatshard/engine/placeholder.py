@@ -133,8 +133,20 @@ def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
         param.__class__ = Placeholder
 
 
-def show(param: nn.Parameter, view: torch.Tensor) -> None:
-    """Make ``param`` a plain ``nn.Parameter`` over ``view``, its gathered values."""
+def show(param: nn.Parameter, view: torch.Tensor, placeholder: torch.Tensor) -> None:
+    """Make ``param`` a plain ``nn.Parameter`` over ``view``, its gathered values. A
+    ``.data`` rebound while sharded (neither placeholder nor view) would be overwritten
+    here without a word: refused instead."""
+    with torch._C.DisableTorchFunctionSubclass():
+        where = param.data_ptr()
+    if where not in (placeholder.data_ptr(), view.data_ptr()):
+        name = getattr(param, "sharded_where", "a stage-3 param")
+        raise ShardedParamError(
+            f"{name} had its .data rebound while sharded (outside its unit's forward and "
+            "outside summon_full_params): gathering it would overwrite that write. Write params "
+            "inside `with model.summon_full_params():` (written back on exit), or load values "
+            "with model.load_state_dict"
+        )
     if type(param) is Placeholder:
         setattr(param, "__class__", nn.Parameter)  # noqa: B010 (mypy narrows the class otherwise)
     param.data = view
