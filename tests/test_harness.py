@@ -105,5 +105,6 @@ def test_a_test_over_its_share_of_the_suite_fails_the_run(pytester):
 def test_a_run_within_budget_passes(pytester):
     conftest = (Path(__file__).parent / "conftest.py").read_text()
     pytester.makeconftest(conftest.replace("BUDGET_MIN_TESTS = 500", "BUDGET_MIN_TESTS = 3"))
-    pytester.makepyfile("import time\n" + "".join(f"def test_{i}(): time.sleep(0.02)\n" for i in range(20)))
+    # 40 equal tests: each 2.5% of the run, far from 8% even if one pays a start-up cost
+    pytester.makepyfile("import time\n" + "".join(f"def test_{i}(): time.sleep(0.05)\n" for i in range(40)))
     assert pytester.runpytest("-p", "no:cacheprovider").ret == pytest.ExitCode.OK
