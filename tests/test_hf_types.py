@@ -98,8 +98,12 @@ def _plain_fails(kind: str) -> str | None:
         x = torch.randint(1, 256, (2, 17))
         lm_loss(plain, x[:, :-1], x[:, 1:]).backward()
     except Exception as e:  # (any error of transformers' own, unwrapped)
-        return f"does not build or run from a tiny config on CPU: {type(e).__name__}: {str(e)[:160]}"
+        return _cannot(e)
     return None
+
+
+def _cannot(e: Exception) -> str:
+    return f"does not build or run from a tiny config on CPU: {type(e).__name__}: {str(e)[:160]}"
 
 
 def _sweep(kinds: list[str]) -> dict:
@@ -115,7 +119,7 @@ def _sweep(kinds: list[str]) -> dict:
         try:
             reason = _too_large(kind)
         except Exception as e:
-            reason = f"does not build or run from a tiny config on CPU: {type(e).__name__}: {str(e)[:160]}"
+            reason = _cannot(e)
         if reason is not None:
             out[kind] = ("skip", reason)
             continue

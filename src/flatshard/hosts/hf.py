@@ -56,6 +56,11 @@ except ImportError as e:  # (the hf extra)
 CHECKPOINT = "flatshard"
 """The flatshard checkpoint's folder inside a Trainer checkpoint (``checkpoint-N/flatshard``)."""
 SCHEDULER = "scheduler.pt"
+REFUSED_ARGUMENTS = (
+    *("fsdp", "deepspeed", "fp16_full_eval", "bf16_full_eval"),
+    *("auto_find_batch_size", "load_best_model_at_end"),
+)
+"""What would cast, reshard or reload the model behind flatshard's back ([Note: hosted training])."""
 
 
 class ShardedTrainerMixin:
@@ -96,13 +101,11 @@ class ShardedTrainerMixin:
         return self.optimizer
 
     # -- saving and resuming ----------------------------------------------------------------
-    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        """Every rank gathers; rank 0 writes what ``from_pretrained`` loads (the host's own
-        ``_save`` with the full state dict, as the host does for FSDP)."""
-        state = self.model.full_state_dict()  # type: ignore[attr-defined]
-        self._save(output_dir, state_dict=state)  # type: ignore[attr-defined]
-        if self.args.push_to_hub and not _internal_call:  # type: ignore[attr-defined]
-            self.push_to_hub(commit_message="Model save")  # type: ignore[attr-defined]
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """Every rank gathers the full state dict; the host's own ``_save`` writes it on rank 0
+        (what ``from_pretrained`` loads), as the host does for FSDP."""
+        state = self.model.full_state_dict() if state_dict is None else state_dict  # type: ignore[attr-defined]
+        super()._save(output_dir, state_dict=state)  # type: ignore[misc]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         save_checkpoint(os.path.join(output_dir, CHECKPOINT), self.model, _flat(self.optimizer))  # type: ignore[attr-defined]
@@ -126,12 +129,6 @@ class ShardedTrainerMixin:
         if os.path.isfile(scheduler):
             self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))  # type: ignore[attr-defined]
 
-    def _load_best_model(self) -> None:
-        raise NotImplementedError(
-            "load_best_model_at_end with a sharded model: not supported yet; evaluate the checkpoints "
-            "and resume from the best one"
-        )
-
 
 class Trainer(ShardedTrainerMixin, transformers.Trainer):
     """``transformers.Trainer`` training a sharded model: ``Trainer(model=..., args=...,
@@ -153,16 +150,8 @@ def sharded(trainer_class: type) -> type:
 # -- helpers ------------------------------------------------------------------------------------
 def _check_arguments(args: Any) -> None:
     """Refuse what would train wrong or fail late ([Note: hosted training])."""
-    refused = [
-        (bool(getattr(args, "fsdp", None)), "fsdp"),
-        (bool(getattr(args, "deepspeed", None)), "deepspeed"),
-        (bool(getattr(args, "fp16_full_eval", False)), "fp16_full_eval"),
-        (bool(getattr(args, "bf16_full_eval", False)), "bf16_full_eval"),
-        (bool(getattr(args, "auto_find_batch_size", False)), "auto_find_batch_size"),
-        (bool(getattr(args, "load_best_model_at_end", False)), "load_best_model_at_end"),
-    ]
-    for on, name in refused:
-        if on:
+    for name in REFUSED_ARGUMENTS:
+        if getattr(args, name):
             raise ValueError(
                 f"TrainingArguments({name}=...) with a sharded Trainer: flatshard shards the model itself "
                 f"and {name} would change or reshard it; leave it out"
