@@ -31,13 +31,21 @@ def child_part(parts: list[str]) -> str | None:
 
 
 def run_one_rank(
-    one: Callable[..., None], part: str, path: str, *, cuda: bool, timeout: float, threads: int
+    one: Callable[..., None],
+    part: str,
+    path: str,
+    *,
+    cuda: bool,
+    timeout: float,
+    threads: int,
+    init: bool = True,
 ) -> None:
-    """``one(part, path)`` on a world of one rank (NCCL on a GPU, else gloo)."""
+    """``one(part, path)`` on a world of one rank (NCCL on a GPU, else gloo); ``init=False``
+    leaves the process group to the part (a host library starts it from torchrun's variables)."""
     from flatshard.toolkit.testing import run_distributed
 
     backend = "nccl" if cuda else "gloo"
-    run_distributed(one, 1, part, path, backend=backend, timeout=timeout, threads=threads)
+    run_distributed(one, 1, part, path, backend=backend, timeout=timeout, threads=threads, init=init)
 
 
 def arguments(all_parts: list[str]) -> tuple[str, list[str]]:
