@@ -140,6 +140,9 @@ TORCH_PRIVATE = {
     # takes per-op options, which carry the deadline ([Note: deadlines])
     "_allgather_base",
     "_reduce_scatter_base",
+    # a tensor's version counter: how in-place writes through a param are seen ([Note: writes
+    # through the params])
+    "_version",
 }
 # transformers' per-module initializer: its public init_weights() re-initializes the whole
 # model, where a meta model is initialized one unit at a time ([Note: default init])

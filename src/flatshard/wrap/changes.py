@@ -14,13 +14,25 @@ The same check finds it (its data pointer is not its buffer view's) and puts it 
 values are copied into the view, ``.data`` points at the view again, and an optimizer's
 main params take the values (``rebound``).
 
-A trainable param may be frozen for a while (peft's ``disable_adapter()`` sets its
-adapters' ``requires_grad`` to False and back; DeepSpeed users train a different part of the
-model each step): it stays in its buffer, gets no grad from a backward it is frozen in, and
-that grad counts as zero in the step (DeepSpeed's rule: momentum and weight decay still
-move it), on every rank alike. At stage 3 pass ``find_unused_parameters=True`` when a
-backward runs with such params frozen (a unit's backward would otherwise wait for their
-grads).
+[Note: writes through the params]
+
+A 16-bit param stepped from fp32 main params (``MixedPrecision``, stages 0-2) written in
+place through torch (``p.mul_(...)``, ``p.copy_(ema)``, an ``nn.init`` function, a hand-made
+weight decay between backward and step) holds the new values, but the next step would start
+from the main params and overwrite them. Such writes bump the param's own version counter,
+which flatshard's writes never touch (they go through the buffer, whose views count apart
+from the ``nn.Parameter`` bound to them), so each look compares the counters and hands the
+written params' values to ``rebound`` like a rebinding's. The look runs at each forward and
+wherever the values of record are about to be read or stepped (``ShardState.wait_for_params``:
+the step, ``full_state_dict``, a checkpoint): a loop of attribute reads over the 16-bit
+params, no tensor work. A write through ``p.data`` (``p.data.mul_(...)``) bypasses the
+counter and is not seen: write through the param under ``torch.no_grad()``.
+
+Such code reaches the params through ``parameters()`` or ``named_parameters()``, which first
+wait for the param all-gathers a step at stages 1-2 leaves running: the gathers would
+otherwise land after the write, or under a read (an EMA taken right after the step averaged
+half-written buffers). ``zero_grad`` does not wait, so the gathers still overlap the loop's
+own work.
 """
 
 from __future__ import annotations
@@ -29,6 +41,8 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+
+from flatshard.planner.mixed_precision import HALF_DTYPES
 
 Rebound = Callable[[dict[str, torch.Tensor]], None]
 
@@ -52,6 +66,9 @@ class WrappedTree:
         # (name, param, its buffer view, that view's data pointer) of the params in flat buffers
         in_buffers = [] if rebound is None else [e for e in self.params if hasattr(e[3], "main_grad")]
         self.bound = [(_qualified(n, attr), p, p.data, p.data_ptr()) for n, _, attr, p, _ in in_buffers]
+        # the 16-bit ones, with their version counters ([Note: writes through the params])
+        self.watched = [(name, p) for name, p, _, _ in self.bound if p.dtype in HALF_DTYPES]
+        self.forget_writes()
 
     def check(self) -> None:
         """Raise naming the first change (measured: 73 µs a forward for the deep GPT preset's
@@ -72,19 +89,30 @@ class WrappedTree:
                     _raise(
                         f"param {_qualified(name, attr)!r} has requires_grad={not flag}, {flag} when wrapped"
                     )
-        self._put_back()
+        self.absorb_writes()
 
-    def _put_back(self) -> None:
-        """Params whose ``.data`` was rebound go back to their buffer views, keeping the values."""
+    def absorb_writes(self) -> None:
+        """Params whose ``.data`` was rebound go back to their buffer views, keeping the
+        values; they and the 16-bit params written in place since the last look go to
+        ``rebound`` ([Note: writes through the params])."""
+        if self.rebound is None:
+            return
         moved = {name: p.data for name, p, _, ptr in self.bound if p.data_ptr() != ptr}
-        if not moved or self.rebound is None:
+        versions = zip(self.watched, self.versions, strict=True)
+        written = {name: p.data for (name, p), seen in versions if p._version != seen}
+        if not (moved or written):
             return
         with torch.no_grad():
             for name, p, view, _ in self.bound:
                 if name in moved:
                     view.copy_(moved[name])
                     p.data = view
-        self.rebound(moved)
+        self.forget_writes()  # (before rebound, which may look again)
+        self.rebound({**written, **moved})
+
+    def forget_writes(self) -> None:
+        """Take the params' values as they are now as seen (after flatshard wrote them itself)."""
+        self.versions = [p._version for _, p in self.watched]
 
     def hook(self, module: nn.Module, args: tuple) -> None:
         self.check()

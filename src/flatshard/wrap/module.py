@@ -31,6 +31,7 @@ from flatshard.stage3.full_params import (
     summon_grads,
 )
 from flatshard.stage3.unshard import Unsharder
+from flatshard.wrap.changes import WrappedTree
 from flatshard.wrap.record import cast, check_dtype, main_values
 
 
@@ -66,6 +67,9 @@ class ShardState:
     originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
     unsharder: Unsharder | None = None  # stage 3
     frozen: BufferSet | None = None  # stage 3: the frozen params' shards ([Note: frozen params])
+    tree: WrappedTree | None = (
+        None  # what was wrapped, looked at before each use ([Note: writes through the params])
+    )
     _materialized: int = 0  # depth of param_dtype_shards() blocks
 
     @property
@@ -115,11 +119,25 @@ class ShardState:
 
     def wait_for_params(self) -> None:
         """Wait for every param all-gather still in flight after a step; at stage 3, free
-        every unit (so a step never leaves a stale full copy)."""
+        every unit (so a step never leaves a stale full copy); at stages 0-2, params written
+        by torch since the last look reach the main params ([Note: writes through the params])."""
         if self.param_gather is not None:
             self.param_gather.wait_all()
         if self.unsharder is not None:
             self.unsharder.settle()
+        if self.tree is not None:
+            self.tree.absorb_writes()
+
+    def take_values(self, values: Mapping[str, torch.Tensor]) -> None:
+        """Values written into params other than by a step (by name) reach what the next step
+        starts from: the optimizer's main params, or, before one is built, the fp32 values
+        it will take them from (``originals``)."""
+        if self.optimizer is not None:
+            self.optimizer.load_main_values(values)
+        elif self.originals:
+            for name, value in values.items():
+                if name in self.originals:
+                    self.originals[name].copy_(value)
 
 
 class ShardedModule(nn.Module):
@@ -166,8 +184,9 @@ class ShardedModule(nn.Module):
     def wait_for_params(self) -> None:
         """Wait for the param all-gathers a sharded step left running (stages 1 and 2).
 
-        The forward waits for them bucket by bucket; call this before reading params
-        outside a forward. ``state_dict`` and ``load_state_dict`` call it.
+        The forward waits for them bucket by bucket; ``parameters()``, ``named_parameters()``,
+        ``state_dict`` and ``load_state_dict`` call it. Call it before reading a param through
+        a reference kept from before the step.
         """
         self._flatshard.wait_for_params()
 
@@ -197,10 +216,11 @@ class ShardedModule(nn.Module):
             load = partial(nn.Module.load_state_dict, self)
             missing, unexpected = load_full_state_dict(state, state_dict, strict, plain, load)
             return _IncompatibleKeys(missing, unexpected)
-        state.wait_for_params()
+        state.wait_for_params()  # (earlier writes first: the load may cover only some params)
         result = super().load_state_dict(state_dict, strict=strict)
-        if state.optimizer is not None:
-            state.optimizer.load_main_values(state_dict)
+        if state.tree is not None:
+            state.tree.forget_writes()  # (the load's own writes: taken at their own precision below)
+        state.take_values(state_dict)
         return result
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
@@ -248,9 +268,25 @@ class ShardedModule(nn.Module):
         ):
             yield
 
+    def named_parameters(self, *args, **kwargs):
+        """torch's, once the param all-gathers a step left running are done (stages 1-2): code
+        that reads or writes the params between a step and the next forward (an EMA,
+        ``parameters_to_vector``, a logged norm, an in-place write) sees the stepped values, not
+        a buffer that a gather is still writing ([Note: writes through the params])."""
+        gather = self._flatshard.param_gather
+        if gather is not None and gather.pending:
+            gather.wait_all()
+        return super().named_parameters(*args, **kwargs)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """torch's, without waiting for the param all-gathers (grads only)."""
         with torch._C.DisableTorchFunctionSubclass():  # (a placeholder's .grad: no dispatch)
-            super().zero_grad(set_to_none=set_to_none)
+            for _, p in nn.Module.named_parameters(self):
+                if p.grad is not None and set_to_none:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_() if p.grad.grad_fn is not None else p.grad.requires_grad_(False)
+                    p.grad.zero_()
         self._flatshard.grad_sync.zero_grad(set_to_none=set_to_none)
 
     def _apply(self, fn, recurse: bool = True):

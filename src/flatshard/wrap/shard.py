@@ -207,17 +207,12 @@ def shard(
     return sharded
 
 
-def _rebound(state: ShardState, values: dict[str, torch.Tensor]) -> None:
-    """Params put back into their buffers after a rebinding: the main params take their values."""
-    if state.optimizer is not None:
-        state.optimizer.load_main_values(values)
-
-
 def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_worlds) -> None:
     """The root's own: the check that nothing was replaced since wrapping (first), rank 0's
     buffers (``broadcast_buffers``: ``buffer_worlds``), the mixed-precision input cast."""
     state = sharded.flatshard_state
-    tree = WrappedTree(sharded, None if state.policy.shards_params else partial(_rebound, state))
+    tree = WrappedTree(sharded, None if state.policy.shards_params else state.take_values)
+    state.tree = tree
     sharded.register_forward_pre_hook(eager(tree.hook), prepend=True)
     if buffer_worlds and any(w.size > 1 for w in buffer_worlds) and any(True for _ in sharded.buffers()):
         sharded.register_forward_pre_hook(eager(_buffer_broadcast_hook(buffer_worlds)))
