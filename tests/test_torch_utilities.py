@@ -298,10 +298,12 @@ def _train_alike(sides: list) -> bool:
     return not values[0] or all(torch.equal(values[0][k], values[1][k]) for k in values[1])
 
 
-def _load_into_trained(stage: int) -> dict:
+def _load_into_trained(stage: int, when: str = "after a step") -> dict:
     """bf16 params with fp32 main params: ``load_state_dict`` of fp32 weights into a model
-    that has trained a step, then steps; against a model built from those weights. The main
-    params used to stay at their trained values unless ``reload_model_params()`` was called."""
+    that has trained a step (or, ``when="before the optimizer"``, into the sharded model
+    before its optimizer is built), then steps; against a model built from those weights.
+    The main params used to stay at their trained values unless ``reload_model_params()``
+    was called (before the optimizer: at the values the model was built with)."""
     mixed = flatshard.MixedPrecision(torch.bfloat16)
     torch.manual_seed(1)
     weights = {k: v.clone() for k, v in TiedGPT().state_dict().items()}
@@ -312,8 +314,10 @@ def _load_into_trained(stage: int) -> dict:
         if not load_after:
             module.load_state_dict(weights)
         model = flatshard.shard(module, stage=stage, mixed_precision=mixed)
+        if load_after and when == "before the optimizer":
+            model.load_state_dict(weights)
         opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
-        if load_after:
+        if load_after and when == "after a step":
             _backward(model, 0)
             opt.step()
             opt.zero_grad()
@@ -323,10 +327,11 @@ def _load_into_trained(stage: int) -> dict:
 
 
 @pytest.mark.parametrize("stage, world_size", [(0, 2), (1, 3), (2, 2), (3, 3)])
-def test_load_state_dict_reaches_the_main_params(stage, world_size):
+@pytest.mark.parametrize("when", ["after a step", "before the optimizer"])
+def test_load_state_dict_reaches_the_main_params(stage, world_size, when):
     """Both sides start the step from the loaded fp32 values and compute the same sums in
     the same order: equal to the bit."""
-    for result in run_distributed(_load_into_trained, world_size, stage, timeout=90):
+    for result in run_distributed(_load_into_trained, world_size, stage, when, timeout=90):
         assert result["same"]
 
 

@@ -215,6 +215,8 @@ class ShardedModule(nn.Module):
             plain = partial(nn.Module.state_dict, self)
             load = partial(nn.Module.load_state_dict, self)
             missing, unexpected = load_full_state_dict(state, state_dict, strict, plain, load)
+            if state.optimizer is None:  # (the optimizer to come takes the pre-cast values)
+                state.take_values(state_dict)
             return _IncompatibleKeys(missing, unexpected)
         state.wait_for_params()  # (earlier writes first: the load may cover only some params)
         result = super().load_state_dict(state_dict, strict=strict)
