@@ -230,3 +230,43 @@ def test_a_rank_stalled_inside_a_save_is_a_desync_error_within_the_deadline(tmp_
     assert "torch.distributed.checkpoint" in rank0["error"], rank0
     assert rank0["after"] < 2 * DEADLINE + 2, rank0
     assert not (tmp_path / "ckpt").exists()
+
+
+def _gathers_alone(stage: int, call: str) -> dict:
+    """Rank 0 alone gathers full params in step 2 (``summon_full_params``, with grads, or
+    ``full_state_dict``): every other rank trains on, clipping as usual."""
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    model = flatshard.shard(GPT(CFG), stage=stage, bucket_size=3000, timeout=DEADLINE)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            model(*corpus.batch(step, rank, 4)).backward()
+            if step == 1 and rank == 0 and call == "full_state_dict":
+                model.full_state_dict()
+            elif step == 1 and rank == 0:
+                with model.summon_full_params(with_grads=call == "with_grads"):
+                    pass
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    except flatshard.DesyncError as e:
+        return {"error": str(e), "after": time.monotonic() - start}
+    return {"error": None, "after": time.monotonic() - start}
+
+
+@pytest.mark.parametrize(
+    "stage, call, world_size", [(3, "summon_full_params", 3), (3, "full_state_dict", 2), (1, "with_grads", 2)]
+)
+def test_full_params_gathered_on_one_rank_are_a_desync_error(stage, call, world_size):
+    """A gather of full params on one rank (a print of the weights under ``if rank == 0``)
+    while the others train on: every rank raises within the deadline naming where each is
+    (it was reported to end in gloo's SIGABRT, which kills the job with no word)."""
+    results = run_distributed(_gathers_alone, world_size, stage, call, timeout=60)
+    for r in results:
+        assert r["error"] is not None and r["after"] < DEADLINE + 3, results
+        assert "Where each rank is" in r["error"] and "rank 1: step 2" in r["error"], r["error"]
+    where = "after backward" if call == "with_grads" else "gathering full params"
+    assert f"rank 0: step 2, {where}" in results[0]["error"], results[0]["error"]
