@@ -47,6 +47,7 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if len(_seconds) < BUDGET_MIN_TESTS:
         return
+    _write_times(session.config)
     over = over_budget(_seconds, BUDGET_SHARE)
     if over:
         total = sum(_seconds.values())
@@ -59,3 +60,22 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
                 red=True,
             )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _write_times(config: pytest.Config) -> None:
+    """Each test's and each file's seconds, slowest first, in the cache folder
+    (``.pytest_cache/v/flatshard/test-times``): where the suite's time goes, without a rerun."""
+    if config.cache is None:
+        return
+    files: dict[str, float] = defaultdict(float)
+    for nodeid, seconds in _seconds.items():
+        files[nodeid.split("::")[0]] += seconds
+    slowest = sorted(_seconds.items(), key=lambda kv: -kv[1])
+    config.cache.set(
+        "flatshard/test-times",
+        {
+            "total": sum(_seconds.values()),
+            "files": dict(sorted(files.items(), key=lambda kv: -kv[1])),
+            "tests": dict(slowest),
+        },
+    )
