@@ -17,9 +17,11 @@ sweep) runs once in a fixture and counts against the first test that uses it.
 from __future__ import annotations
 
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 
+import _early
 from flatshard.toolkit import testing
 
 # The suite's ranks fork with these already imported: each rank used to import them for
@@ -38,6 +40,11 @@ def over_budget(seconds: dict[str, float], share: float) -> list[tuple[str, floa
     """The tests whose time is above ``share`` of the total, slowest first."""
     total = sum(seconds.values())
     return sorted(((k, v) for k, v in seconds.items() if v > share * total), key=lambda kv: -kv[1])
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """The heavy jobs of the selected modules start now ([Note: early starts] in _early.py)."""
+    _early.start_selected({Path(item.path).resolve() for item in session.items})
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
@@ -65,7 +72,7 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 def _write_times(config: pytest.Config) -> None:
     """Each test's and each file's seconds, slowest first, in the cache folder
     (``.pytest_cache/v/flatshard/test-times``): where the suite's time goes, without a rerun."""
-    if config.cache is None:
+    if getattr(config, "cache", None) is None:  # (-p no:cacheprovider)
         return
     files: dict[str, float] = defaultdict(float)
     for nodeid, seconds in _seconds.items():

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import flatshard
+from _early import Early
 from flatshard.toolkit.models import lm_loss, model_factory, tiny_model
 from flatshard.toolkit.testing import run_distributed
 
@@ -131,8 +132,7 @@ def _sweep(kinds: list[str]) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def sweep() -> dict:
+def _both_halves() -> dict:
     """Two one-rank runs side by side (two cores), each taking every other type."""
     kinds = _every_type()
     with ThreadPoolExecutor(2) as pool:
@@ -140,6 +140,14 @@ def sweep() -> dict:
             lambda part: run_distributed(_sweep, 1, part, timeout=900)[0], (kinds[::2], kinds[1::2])
         )
         return {k: v for half in halves for k, v in half.items()}
+
+
+SWEEP = Early(__file__, _both_halves)  # ([Note: early starts] in _early.py)
+
+
+@pytest.fixture(scope="module")
+def sweep() -> dict:
+    return SWEEP.result()
 
 
 @pytest.mark.parametrize("kind", _every_type())
