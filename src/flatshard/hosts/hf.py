@@ -8,6 +8,10 @@ model, builds the optimizer, accumulates, clips, logs, saves and resumes. Under 
 keeps the invariants it keeps in a hand-written loop, by taking over exactly the points
 where the host would otherwise break them:
 
+* **Sharded once the host has prepared the model.** With ``shard=``, the host's own
+  ``__init__`` runs on the plain model first (TRL adds its peft adapters, copies a reference
+  model, resizes embeddings), exactly as under its DDP; then the model it kept is sharded in
+  place (the same object, so every reference the host holds stays valid).
 * **No wrapper on top.** The host prepares the model for evaluation only (autocast, no
   DDP): flatshard's hooks reduce the grads (DDP on top is refused anyway).
 * **Only flatshard's optimizer steps.** The host's choice of optimizer (``args.optim``, or
@@ -74,7 +78,13 @@ class ShardedTrainerMixin:
         if model is None or args is None:
             raise TypeError("a sharded Trainer needs model= and args= (the model is sharded before training)")
         _check_arguments(args)
-        model = _sharded(model, how, args.device)
+        _check_sharding(model, how)
+        if isinstance(model, ShardedModule) and kwargs.get("peft_config") is not None:
+            raise ValueError(
+                "peft_config= with a model that is already sharded: the adapters would be params flatshard "
+                "never laid out. Pass the plain model with shard=STAGE (the host adds them, then flatshard "
+                "shards the result), or add them before flatshard.shard and leave peft_config out"
+            )
         optimizers = kwargs.get("optimizers", (None, None))
         if optimizers[0] is not None and not isinstance(optimizers[0], DistributedOptimizer):
             raise TypeError(
@@ -83,6 +93,8 @@ class ShardedTrainerMixin:
                 "(shard it first with flatshard.shard), or leave optimizers out and choose args.optim"
             )
         super().__init__(model, args, *rest, **kwargs)  # type: ignore[call-arg]
+        if how is not None:  # sharded in place (same object) once the host prepared the model
+            self.model = self.model_wrapped = _sharded(self.model, how, args.device)  # type: ignore[attr-defined]
 
     # -- the host's pieces ------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -165,18 +177,22 @@ def _check_arguments(args: Any) -> None:
         )
 
 
-def _sharded(model: nn.Module, how: int | Mapping[str, Any] | None, device: torch.device) -> nn.Module:
-    if isinstance(model, ShardedModule):
-        if how is not None:
-            raise ValueError(f"shard={how!r} for a model that is already sharded: leave shard out")
-        return model
-    if how is None:
+def _check_sharding(model: nn.Module, how: int | Mapping[str, Any] | None) -> None:
+    if isinstance(model, ShardedModule) and how is not None:
+        raise ValueError(f"shard={how!r} for a model that is already sharded: leave shard out")
+    if not isinstance(model, ShardedModule) and how is None:
         raise ValueError(
             "the model is not sharded: pass shard=STAGE (0-3) or shard={...} (flatshard.shard's keywords)"
         )
-    options = {"stage": how} if isinstance(how, int) and not isinstance(how, bool) else how
-    if not isinstance(options, Mapping):
+    stage = isinstance(how, int) and not isinstance(how, bool)
+    if how is not None and not (stage or isinstance(how, Mapping)):
         raise TypeError(f"shard must be a stage (0-3) or a dict of flatshard.shard's keywords, got {how!r}")
+
+
+def _sharded(model: nn.Module, how: int | Mapping[str, Any], device: torch.device) -> nn.Module:
+    """``model`` as the host prepared it (TRL's adapters added, its reference model copied),
+    sharded in place."""
+    options = {"stage": how} if isinstance(how, int) else how
     if not dist.is_initialized():
         raise RuntimeError(
             "no process group: TrainingArguments starts it under torchrun (use_cpu=True on CPU)"

@@ -1,0 +1,150 @@
+"""flatshard under TRL's trainers, which build on ``transformers.Trainer``
+(``flatshard.hosts.hf.sharded(trl.SFTTrainer)``, [Note: hosted training] in ``hosts/hf.py``),
+against TRL's own trainer on the plain model (its DDP) doing the same job: SFT on
+pre-tokenized sequences with a tokenizer built here (no download), at stages 0-3 on 2 ranks.
+
+Tolerance: 1e-5 relative on the logged loss and grad norm, as ``test_hosts_hf.py`` derives
+for the Trainer (fp32, AdamW's first steps, the same terms summed in another order).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from flatshard.toolkit.models import tiny_model
+from flatshard.toolkit.testing import run_distributed
+
+transformers = pytest.importorskip("transformers")
+trl = pytest.importorskip("trl")
+datasets = pytest.importorskip("datasets")
+SEQ = 16
+VOCAB = 256
+
+
+def _tokenizer():
+    """A word-level tokenizer over the tiny model's vocabulary: token ``i`` is the word ``str(i)``."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {str(i): i for i in range(VOCAB - 2)} | {"<pad>": VOCAB - 2, "<eos>": VOCAB - 1}
+    core = Tokenizer(models.WordLevel(vocab, unk_token="0"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", eos_token="<eos>")
+
+
+def _data():
+    ids = torch.randint(1, VOCAB - 2, (32, SEQ), generator=torch.Generator().manual_seed(0))
+    return datasets.Dataset.from_dict({"input_ids": ids.tolist()})
+
+
+def _config(out: str, **overrides):
+    settings = dict(
+        output_dir=out,
+        use_cpu=True,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=4,
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        max_grad_norm=0.5,
+        lr_scheduler_type="linear",
+        optim="adamw_torch",
+        logging_steps=1,
+        save_strategy="no",
+        report_to="none",
+        seed=0,
+        disable_tqdm=True,
+        dataloader_drop_last=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        max_length=SEQ,
+    )
+    return trl.SFTConfig(**{**settings, **overrides})
+
+
+def _logged(trainer) -> list[tuple[float, float]]:
+    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+
+def _model():
+    torch.manual_seed(0)
+    return tiny_model("llama", seq_len=SEQ)
+
+
+def _sft_against_ddp(stages: list[int], out: str) -> dict:
+    from flatshard.hosts import hf
+
+    model, data, tokenizer = _model(), _data(), _tokenizer()
+    reference = trl.SFTTrainer(
+        model=copy.deepcopy(model), args=_config(f"{out}/ddp"), train_dataset=data, processing_class=tokenizer
+    )
+    reference.train()
+    logged = {"ddp": _logged(reference)}
+    sft = hf.sharded(trl.SFTTrainer)
+    for stage in stages:
+        trainer = sft(
+            model=copy.deepcopy(model),
+            args=_config(f"{out}/{stage}"),
+            train_dataset=data,
+            processing_class=tokenizer,
+            shard=stage,
+        )
+        trainer.train()
+        logged[stage] = _logged(trainer)
+    return logged
+
+
+def test_sft_follows_trls_ddp_at_every_stage(tmp_path):
+    for logged in run_distributed(_sft_against_ddp, 2, [0, 1, 2, 3], str(tmp_path), init=False):
+        want = logged.pop("ddp")
+        assert len(want) == 4 and all(norm > 0.5 for _, norm in want), want  # (every step clips)
+        for stage, got in logged.items():
+            assert len(got) == len(want), (stage, got)
+            for (loss, norm), (loss_ref, norm_ref) in zip(got, want, strict=True):
+                assert loss == pytest.approx(loss_ref, rel=1e-5), (stage, got, want)
+                assert norm == pytest.approx(norm_ref, rel=1e-5), (stage, got, want)
+
+
+def _lora_sft_against_ddp(stages: list[int], out: str) -> dict:
+    """``peft_config=`` on both sides: TRL adds the adapters to the plain model under its DDP;
+    flatshard's host adds them before sharding."""
+    from peft import LoraConfig
+
+    from flatshard.hosts import hf
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])
+    data, tokenizer = _data(), _tokenizer()
+    more = {"learning_rate": 1e-2, "max_grad_norm": 0.1}  # (LoRA B starts at zero: small grads)
+    common = {"train_dataset": data, "processing_class": tokenizer, "peft_config": config}
+    reference = trl.SFTTrainer(model=_model(), args=_config(f"{out}/ddp", **more), **common)
+    reference.train()
+    logged = {"ddp": _logged(reference)}
+    for stage in stages:
+        trainer = hf.sharded(trl.SFTTrainer)(
+            model=_model(), args=_config(f"{out}/{stage}", **more), shard=stage, **common
+        )
+        trainer.train()
+        logged[stage] = _logged(trainer)
+        logged[f"trainable {stage}"] = _trainable(trainer.model)
+    logged["trainable ddp"] = _trainable(reference.model)
+    return logged
+
+
+def _trainable(model) -> list[str]:
+    return sorted(n for n, p in model.named_parameters() if p.requires_grad)
+
+
+def test_lora_sft_with_peft_config_follows_trls_ddp(tmp_path):
+    for logged in run_distributed(_lora_sft_against_ddp, 2, [2, 3], str(tmp_path), init=False):
+        want = logged.pop("ddp")
+        names = logged.pop("trainable ddp")
+        assert names and all("lora_" in n for n in names), names
+        for stage in (2, 3):
+            assert logged.pop(f"trainable {stage}") == names, stage
+        assert len(want) == 4 and all(norm > 0.1 for _, norm in want), want  # (every step clips)
+        for stage, got in logged.items():
+            for (loss, norm), (loss_ref, norm_ref) in zip(got, want, strict=True):
+                assert loss == pytest.approx(loss_ref, rel=1e-5), (stage, got, want)
+                assert norm == pytest.approx(norm_ref, rel=1e-5), (stage, got, want)
