@@ -1,7 +1,8 @@
 """flatshard under TRL's trainers, which build on ``transformers.Trainer``
 (``flatshard.hosts.hf.sharded(trl.SFTTrainer)``, [Note: hosted training] in ``hosts/hf.py``),
-against TRL's own trainer on the plain model (its DDP) doing the same job: SFT on
-pre-tokenized sequences with a tokenizer built here (no download), at stages 0-3 on 2 ranks.
+against TRL's own trainer on the plain model (its DDP) doing the same job, with a tokenizer
+built here (no download): SFT on pre-tokenized sequences, LoRA SFT, DPO with a reference
+model and LoRA DPO, on 2 ranks.
 
 Tolerance: 1e-5 relative on the logged loss and grad norm, as ``test_hosts_hf.py`` derives
 for the Trainer (fp32, AdamW's first steps, the same terms summed in another order).
@@ -39,7 +40,8 @@ def _data():
     return datasets.Dataset.from_dict({"input_ids": ids.tolist()})
 
 
-def _config(out: str, **overrides):
+def _config(out: str, config=None, **overrides):
+    """``config`` (TRL's ``SFTConfig`` by default) with the settings every run here shares."""
     settings = dict(
         output_dir=out,
         use_cpu=True,
@@ -61,7 +63,7 @@ def _config(out: str, **overrides):
         gradient_checkpointing=False,
         max_length=SEQ,
     )
-    return trl.SFTConfig(**{**settings, **overrides})
+    return (config or trl.SFTConfig)(**{**settings, **overrides})
 
 
 def _logged(trainer) -> list[tuple[float, float]]:
@@ -148,3 +150,59 @@ def test_lora_sft_with_peft_config_follows_trls_ddp(tmp_path):
             for (loss, norm), (loss_ref, norm_ref) in zip(got, want, strict=True):
                 assert loss == pytest.approx(loss_ref, rel=1e-5), (stage, got, want)
                 assert norm == pytest.approx(norm_ref, rel=1e-5), (stage, got, want)
+
+
+def _preferences():
+    """16 (prompt, chosen, rejected) triples of the tokenizer's words."""
+    g = torch.Generator().manual_seed(0)
+
+    def words(n: int) -> str:
+        return " ".join(str(int(t)) for t in torch.randint(1, VOCAB - 2, (n,), generator=g))
+
+    return datasets.Dataset.from_list(
+        [{"prompt": words(6), "chosen": words(6), "rejected": words(6)} for _ in range(16)]
+    )
+
+
+def _dpo_against_ddp(runs: list[tuple[int, bool]], out: str) -> dict:
+    """DPO with a plain reference model passed in (TRL rebuilds one from the model's hub path
+    otherwise, which a model built from a config has not), or with LoRA through
+    ``peft_config=`` and no reference model: the reference is the model with its adapters
+    disabled (``disable_adapter()``, [Note: frozen for a while] in ``wrap/changes.py``)."""
+    from peft import LoraConfig
+
+    from flatshard.hosts import hf
+
+    data, tokenizer = _preferences(), _tokenizer()
+    logged: dict = {}
+    for stage, lora in [(None, False), (None, True), *runs]:
+        key = ("ddp" if stage is None else stage, lora)
+        if key in logged:
+            continue
+        args = _config(f"{out}/{key}", trl.DPOConfig, max_steps=3)
+        more = (
+            {"peft_config": LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"])}
+            if lora
+            else {}
+        )
+        if not lora:
+            more["ref_model"] = _model()
+        host = trl.DPOTrainer if stage is None else hf.sharded(trl.DPOTrainer)
+        sharding = {} if stage is None else {"shard": stage}
+        trainer = host(
+            model=_model(), args=args, train_dataset=data, processing_class=tokenizer, **more, **sharding
+        )
+        trainer.train()
+        logged[key] = _logged(trainer)
+    return logged
+
+
+def test_dpo_follows_trls_ddp_with_a_reference_model_and_with_lora(tmp_path):
+    runs = [(2, False), (3, False), (3, True)]
+    for logged in run_distributed(_dpo_against_ddp, 2, runs, str(tmp_path), init=False):
+        for stage, lora in runs:
+            want, got = logged[("ddp", lora)], logged[(stage, lora)]
+            assert len(want) == 3 and want[-1][0] < want[0][0], want  # (the preference loss falls)
+            for (loss, norm), (loss_ref, norm_ref) in zip(got, want, strict=True):
+                assert loss == pytest.approx(loss_ref, rel=1e-5), (stage, lora, got, want)
+                assert norm == pytest.approx(norm_ref, rel=1e-5), (stage, lora, got, want)

@@ -37,6 +37,7 @@ where the host would otherwise break them:
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -73,8 +74,12 @@ class ShardedTrainerMixin:
 
     optimizer: Any  # (the Trainer's)
 
-    def __init__(self, model: nn.Module | None = None, args: Any = None, *rest: Any, **kwargs: Any) -> None:
+    def __init__(self, *positional: Any, **kwargs: Any) -> None:
         how = kwargs.pop("shard", None)
+        host_init = super().__init__  # type: ignore[misc]
+        # (by the host's own signature: DPOTrainer takes ref_model second, before args)
+        given = inspect.signature(host_init).bind_partial(*positional, **kwargs).arguments
+        model, args = given.get("model"), given.get("args")
         if model is None or args is None:
             raise TypeError("a sharded Trainer needs model= and args= (the model is sharded before training)")
         _check_arguments(args)
@@ -92,7 +97,7 @@ class ShardedTrainerMixin:
                 "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) built over the sharded model "
                 "(shard it first with flatshard.shard), or leave optimizers out and choose args.optim"
             )
-        super().__init__(model, args, *rest, **kwargs)  # type: ignore[call-arg]
+        host_init(*positional, **kwargs)
         if how is not None:  # sharded in place (same object) once the host prepared the model
             self.model = self.model_wrapped = _sharded(self.model, how, args.device)  # type: ignore[attr-defined]
 
