@@ -168,7 +168,7 @@ def _dpo_against_ddp(runs: list[tuple[int, bool]], out: str) -> dict:
     """DPO with a plain reference model passed in (TRL rebuilds one from the model's hub path
     otherwise, which a model built from a config has not), or with LoRA through
     ``peft_config=`` and no reference model: the reference is the model with its adapters
-    disabled (``disable_adapter()``, [Note: frozen for a while] in ``wrap/changes.py``)."""
+    disabled (``disable_adapter()``: params frozen for a while, ``wrap/changes.py``)."""
     from peft import LoraConfig
 
     from flatshard.hosts import hf
