@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+from _hosted import SETTINGS, logged_steps
 from flatshard.toolkit.models import tiny_model
 from flatshard.toolkit.testing import run_distributed
 
@@ -41,29 +42,10 @@ class _Tokens(torch.utils.data.Dataset):
 
 
 def _args(out: str, **overrides) -> transformers.TrainingArguments:
-    settings = dict(
-        output_dir=out,
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=4,
-        learning_rate=1e-3,
-        weight_decay=0.01,
-        max_grad_norm=0.5,
-        lr_scheduler_type="linear",
-        optim="adamw_torch",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-    )
-    return transformers.TrainingArguments(**{**settings, **overrides})
+    return transformers.TrainingArguments(**{**SETTINGS, "output_dir": out, **overrides})
 
 
-def _logged(trainer) -> list[tuple[float, float]]:
-    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+_logged = logged_steps
 
 
 def _model() -> torch.nn.Module:

@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 
+from _hosted import SETTINGS, logged_steps
 from flatshard.toolkit.models import tiny_model
 from flatshard.toolkit.testing import run_distributed
 
@@ -41,33 +42,12 @@ def _data():
 
 
 def _config(out: str, config=None, **overrides):
-    """``config`` (TRL's ``SFTConfig`` by default) with the settings every run here shares."""
-    settings = dict(
-        output_dir=out,
-        use_cpu=True,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=4,
-        learning_rate=1e-3,
-        weight_decay=0.01,
-        max_grad_norm=0.5,
-        lr_scheduler_type="linear",
-        optim="adamw_torch",
-        logging_steps=1,
-        save_strategy="no",
-        report_to="none",
-        seed=0,
-        disable_tqdm=True,
-        dataloader_drop_last=True,
-        bf16=False,
-        gradient_checkpointing=False,
-        max_length=SEQ,
-    )
-    return (config or trl.SFTConfig)(**{**settings, **overrides})
+    """``config`` (TRL's ``SFTConfig`` by default) with the settings every hosted run shares."""
+    own = {"bf16": False, "gradient_checkpointing": False, "max_length": SEQ}  # (TRL's defaults differ)
+    return (config or trl.SFTConfig)(**{**SETTINGS, **own, "output_dir": out, **overrides})
 
 
-def _logged(trainer) -> list[tuple[float, float]]:
-    return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+_logged = logged_steps
 
 
 def _model():
