@@ -73,6 +73,8 @@ class ShardedTrainerMixin:
     among the bases of any ``transformers.Trainer`` subclass (``sharded(cls)`` does)."""
 
     optimizer: Any  # (the Trainer's)
+    model: Any
+    model_wrapped: Any
 
     def __init__(self, *positional: Any, **kwargs: Any) -> None:
         how = kwargs.pop("shard", None)
@@ -99,7 +101,7 @@ class ShardedTrainerMixin:
             )
         host_init(*positional, **kwargs)
         if how is not None:  # sharded in place (same object) once the host prepared the model
-            self.model = self.model_wrapped = _sharded(self.model, how, args.device)  # type: ignore[attr-defined]
+            self.model = self.model_wrapped = _sharded(self.model, how, args.device)
 
     # -- the host's pieces ------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:

@@ -14,6 +14,14 @@ The same check finds it (its data pointer is not its buffer view's) and puts it 
 values are copied into the view, ``.data`` points at the view again, and an optimizer's
 main params take the values (``rebound``).
 
+A trainable param may be frozen for a while (peft's ``disable_adapter()`` sets its
+adapters' ``requires_grad`` to False and back; DeepSpeed users train a different part of the
+model each step): it stays in its buffer, gets no grad from a backward it is frozen in, and
+that grad counts as zero in the step (DeepSpeed's rule: momentum and weight decay still
+move it), on every rank alike. At stage 3 pass ``find_unused_parameters=True`` when a
+backward runs with such params frozen (a unit's backward would otherwise wait for their
+grads).
+
 [Note: writes through the params]
 
 A 16-bit param stepped from fp32 main params (``MixedPrecision``, stages 0-2) written in

@@ -67,9 +67,7 @@ class ShardState:
     originals: dict[str, torch.Tensor] | None = None  # fp32 values before a MixedPrecision cast
     unsharder: Unsharder | None = None  # stage 3
     frozen: BufferSet | None = None  # stage 3: the frozen params' shards ([Note: frozen params])
-    tree: WrappedTree | None = (
-        None  # what was wrapped, looked at before each use ([Note: writes through the params])
-    )
+    tree: WrappedTree | None = None  # what was wrapped ([Note: writes through the params])
     _materialized: int = 0  # depth of param_dtype_shards() blocks
 
     @property
@@ -287,7 +285,10 @@ class ShardedModule(nn.Module):
                 if p.grad is not None and set_to_none:
                     p.grad = None
                 elif p.grad is not None:
-                    p.grad.detach_() if p.grad.grad_fn is not None else p.grad.requires_grad_(False)
+                    if p.grad.grad_fn is not None:
+                        p.grad.detach_()
+                    else:
+                        p.grad.requires_grad_(False)
                     p.grad.zero_()
         self._flatshard.grad_sync.zero_grad(set_to_none=set_to_none)
 
