@@ -44,7 +44,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
 from _parity import CFG, TiedGPT
-from flatshard.optim.precision import PrecisionAwareOptimizer, round_into
+from flatshard.optim import fused_adam
+from flatshard.optim.precision import PrecisionAwareOptimizer
+from flatshard.optim.rounding import noise, round_into, salt
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
 
@@ -61,46 +63,124 @@ def test_stochastic_rounding_is_unbiased_exact_where_it_can_be_and_replays():
     n = 200_000
     value = torch.full((n,), 1.0 + fraction * 2.0**-7)
     out = torch.empty(n, dtype=BF16)
-    round_into(out, value, torch.Generator().manual_seed(0))
+    round_into(out, value, salt(0, 1, 0, 0, "param"))
     assert set(out.unique().tolist()) == {lo.item(), hi.item()}
     up = (out == hi).double().mean().item()
     # binomial: the share rounded up has mean `fraction` and std sqrt(f (1-f) / n) = 0.001
     assert abs(up - fraction) < 6 * math.sqrt(fraction * (1 - fraction) / n), up
+    far = torch.empty(n, dtype=BF16)  # elements past 2**31 of a run: the index's high half counts
+    round_into(far, value, salt(0, 1, 0, 0, "param"), start=3 << 31)
+    assert abs((far == hi).double().mean().item() - fraction) < 6 * math.sqrt(fraction * (1 - fraction) / n)
+    assert not torch.equal(far, out)
     exact = torch.randn(1000).to(BF16).float()  # already bf16 values: never moved
     again = torch.empty(1000, dtype=BF16)
-    round_into(again, exact, torch.Generator().manual_seed(1))
+    round_into(again, exact, salt(0, 2, 0, 0, "param"))
     assert torch.equal(again.float(), exact)
-    twice = [torch.empty(n, dtype=BF16) for _ in range(2)]
-    for t in twice:
-        round_into(t, value, torch.Generator().manual_seed(7))
-    assert torch.equal(*twice)
+    # the same salt replays; a run rounded in two pieces draws what it
+    # draws whole; another step, run or key draws other bits ([Note: rounding bits])
+    whole = torch.empty(n, dtype=BF16)
+    round_into(whole, value, salt(7, 1, 0, 0, "param"))
+    halves = torch.empty(n, dtype=BF16)
+    round_into(halves[: n // 3], value[: n // 3], salt(7, 1, 0, 0, "param"))
+    round_into(halves[n // 3 :], value[n // 3 :], salt(7, 1, 0, 0, "param"), start=n // 3)
+    assert torch.equal(whole, halves)
+    for other in (salt(7, 2, 0, 0, "param"), salt(7, 1, 0, 1, "param"), salt(7, 1, 0, 0, "exp_avg")):
+        drawn = torch.empty(n, dtype=BF16)
+        round_into(drawn, value, other)
+        assert not torch.equal(drawn, whole)
     special = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])
-    round_into(out[:4], special, torch.Generator().manual_seed(0))
+    round_into(out[:4], special, salt(0, 1, 0, 0, "param"))
     assert out[:4].float().tolist() == special.tolist()
 
 
+def test_the_rounding_bits_are_uniform():
+    """Each of the 16 bits is set in half the elements and neighbouring elements' bits are
+    uncorrelated (4M draws: a bit's share has std 0.00025, a correlation std 0.0005; 8 std)."""
+    bits = noise(torch.arange(1 << 22), salt(3, 5, 1, 2, "exp_avg_sq"))
+    shares = torch.stack([(bits >> b) & 1 for b in range(16)]).double().mean(dim=1)
+    assert (shares - 0.5).abs().max().item() < 8 * 0.00025, shares
+    pair = torch.stack([bits[:-1], bits[1:]]).double()
+    assert abs(torch.corrcoef(pair)[0, 1].item()) < 8 * 0.0005
+
+
+def _pair(cls, params, kwargs, precision, chunk, fused):
+    mine = [p.clone() for p in params]
+    grads = {id(p): torch.empty(p.shape) for p in mine}
+    ours = PrecisionAwareOptimizer(cls, [{"params": mine}], kwargs, precision, grads, chunk, fused)
+    return mine, grads, ours
+
+
+@pytest.mark.parametrize("fused", [False, True])
+@pytest.mark.parametrize("cls", [torch.optim.AdamW, torch.optim.Adam])
 @pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
-def test_the_chunked_fp32_step_is_torchs_own(chunk):
-    """fp32 main params and fp32 state through the chunked path equal torch's AdamW, for
-    chunks that cut runs anywhere (tolerance: one fp32 rounding of each update, 1e-6)."""
+def test_the_fp32_step_is_torchs_own(chunk, cls, fused):
+    """fp32 main params and fp32 state through the chunked path and the fused Adam step equal
+    torch's own step, for chunks that cut runs anywhere: bitwise, as both do torch's fp32
+    operations in torch's order on the CPU ([Note: fused Adam step])."""
     torch.manual_seed(0)
     params = [torch.randn(n) for n in (17, 100, 3)]
-    mine = [p.clone() for p in params]
-    ref = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
-    grads = {id(p): torch.empty_like(p) for p in mine}
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1, "maximize": cls is torch.optim.Adam}
+    ref = cls(params, **kwargs)
     precision = flatshard.OptimizerPrecision(state_dtype=torch.float32)
-    ours = PrecisionAwareOptimizer(
-        torch.optim.AdamW, [{"params": mine}], {"lr": 1e-2, "weight_decay": 0.1}, precision, grads, chunk
-    )
-    for _ in range(5):
+    mine, grads, ours = _pair(cls, params, kwargs, precision, chunk, fused)
+    for step in range(5):
+        ref.param_groups[0]["lr"] = ours.param_groups[0]["lr"] = 1e-2 / (1 + step)  # (a schedule)
         for p, q in zip(params, mine, strict=True):
             p.grad = torch.randn_like(p)
             grads[id(q)].copy_(p.grad)
         ref.step()
         ours.step()
     for p, q in zip(params, mine, strict=True):
-        torch.testing.assert_close(q, p, rtol=1e-6, atol=1e-6)
+        assert torch.equal(q, p)
         assert ours.state[q]["step"].item() == 5
+        assert set(ours.state[q]) == set(ref.state[p])
+
+
+def test_the_fused_adam_step_is_the_chunked_one_in_bf16_and_compiled():
+    """bf16 main params and moments: the fused step (eager, and compiled as on an
+    accelerator) leaves the params and state the chunked path leaves, to the bit: the same fp32
+    operations in the same order and the same rounding bits ([Note: rounding bits])."""
+    torch.manual_seed(1)
+    params = [torch.randn(n).to(BF16) for n in (1000, 37, 513)]
+    precision = flatshard.OptimizerPrecision(main_dtype=BF16, state_dtype=BF16, seed=5)
+    kwargs = {"lr": 1e-2, "weight_decay": 0.1}
+    runs = [_pair(torch.optim.AdamW, params, kwargs, precision, 64, fused) for fused in (False, True, True)]
+    compiled = runs[2][2]
+    from torch._dynamo.utils import counters
+
+    for step in range(4):
+        if step == 1:  # every chunk length has been seen: what follows must not compile again
+            graphs = counters["stats"]["unique_graphs"]
+        grads = [torch.randn(p.shape) for p in params]
+        for mine, into, opt in runs:
+            for q, g in zip(mine, grads, strict=True):
+                into[id(q)].copy_(g)
+            if opt is compiled:
+                with _compiled_on_the_cpu():
+                    opt.step()
+            else:
+                opt.step()
+    # (the first GPU run of this kernel recompiled at each step on a changing step size, and
+    # fell back to uncompiled code at dynamo's limit: the values that change are now tensors)
+    assert counters["stats"]["unique_graphs"] == graphs
+    (chunked, _, ref), *fused = runs
+    for mine, _, opt in fused:
+        for q, r in zip(mine, chunked, strict=True):
+            assert torch.equal(q, r)
+            for key in ("exp_avg", "exp_avg_sq"):
+                assert opt.state[q][key].dtype == BF16
+                assert torch.equal(opt.state[q][key], ref.state[r][key])
+    assert any(not torch.equal(q, p) for q, p in zip(chunked, params, strict=True))
+
+
+@contextlib.contextmanager
+def _compiled_on_the_cpu():
+    original = fused_adam.adam_chunk
+    fused_adam.adam_chunk = fused_adam.compiled_adam_chunk()
+    try:
+        yield
+    finally:
+        fused_adam.adam_chunk = original
 
 
 # -- following an fp32 run ---------------------------------------------------------------------------

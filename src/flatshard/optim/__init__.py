@@ -1,5 +1,6 @@
 """Layer 5, optimizers over a wrapped module or over params: ``DistributedOptimizer``
 (``distributed``: an inner torch optimizer over this rank's flat shards), the host/device
 ``HybridDeviceOptimizer`` (``hybrid``), ``OwnerShardedOptimizer`` (``owner``: each rank owns
-whole params), what those two share (``composite``) and loss scaling (``loss_scale``; ``grad_scaler``:
-torch's GradScaler with a global inf check)."""
+whole params), what those two share (``composite``), loss scaling (``loss_scale``; ``grad_scaler``:
+torch's GradScaler with a global inf check), and main params and state below fp32 (``precision``,
+with the fused Adam step ``fused_adam`` and stochastic rounding ``rounding``)."""

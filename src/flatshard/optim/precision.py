@@ -21,11 +21,16 @@ bf16 where asked, while each update is computed in fp32 by the user's own torch 
   no memory, where a Kahan compensation term would cost 2 more bytes a param; its noise is
   of the order of an ulp, far below the gradient noise of a mini-batch (measured by
   ``benchmarks/precision.py``).
-* **Random bits that replay.** The bits of each chunk come from a generator seeded with
-  ``(seed, the group's step count, the chunk's place in the step)``, the same on every
-  rank. Replicated state (stage 0) stays replicated, and a resume at the same layout
-  rounds as the uninterrupted run would have (for classes that count steps in their state;
-  SGD does not, and then the count is this optimizer's own).
+* **Random bits that replay.** Each element's bits are a hash of its place in its run and
+  of ``(seed, the step count, the group, the run, the state key)`` ([Note: rounding bits]
+  in ``optim/rounding.py``), the same on every rank. Replicated state (stage 0) stays
+  replicated, and a resume at the same layout rounds as the uninterrupted run would have
+  (for classes that count steps in their state; SGD does not, and then the count is this
+  optimizer's own).
+* **Adam and AdamW in one pass.** Groups of torch's ``Adam`` or ``AdamW`` skip the widening
+  and take a fused step ([Note: fused Adam step] in ``optim/fused_adam.py``): the same
+  arithmetic, state and rounding bits, one compiled kernel a chunk on an accelerator.
+  ``fused=False`` keeps the chunked path for every class.
 * **torch's state format.** ``state[run]`` holds the class's own keys (``exp_avg``,
   ``exp_avg_sq``, ``step``) with elementwise tensors in ``state_dtype``, so checkpoints
   write them as they do fp32 state, and a checkpoint of either loads into the other
@@ -44,7 +49,9 @@ from typing import Any
 
 import torch
 
+from flatshard.optim import fused_adam
 from flatshard.optim.composite import CompositeOptimizer, class_defaults, run_closure
+from flatshard.optim.rounding import round_into, salt
 from flatshard.optim.shards import run_dtype
 from flatshard.planner.mixed_precision import OptimizerPrecision
 
@@ -56,7 +63,6 @@ step is a few dozen kernels a chunk, so small chunks leave the GPU waiting on la
 an H200 a Llama-3-8B step took 1763 ms of optimizer at ``CHUNK`` and 514 ms at this size
 (``benchmarks/gpu_showcase.py``)."""
 
-_MIX = (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)  # (odd 64-bit mixers)
 Piece = tuple[torch.Tensor, int, int]  # (run tensor, start, end) of its flat view
 
 
@@ -72,15 +78,21 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
         precision: OptimizerPrecision,
         grads: Mapping[int, torch.Tensor],
         chunk: int | None = None,
+        fused: bool = True,
     ) -> None:
         """``grads``: each run's grad by ``id(run)`` (a bf16 run cannot hold an fp32 ``.grad``);
-        ``chunk``: elements stepped at once (default ``CHUNK`` on the CPU, else ``DEVICE_CHUNK``)."""
+        ``chunk``: elements stepped at once (default ``CHUNK`` on the CPU, else ``DEVICE_CHUNK``);
+        ``fused``: Adam and AdamW groups take the fused step ([Note: fused Adam step])."""
         full = class_defaults(optimizer_class, defaults, groups)
         super().__init__(groups, full)
         self.optimizer_class = optimizer_class
         self.precision = precision
         self.chunk = chunk
+        self.fused = fused
         self._grads = grads
+        self._places: dict[
+            int, tuple[int, int]
+        ] = {}  # each run's (group, place in it), for its rounding bits
         probe = torch.zeros(1, requires_grad=True)
         self._base = optimizer_class([probe], **defaults)  # steps each chunk's fp32 pieces
         self._steps = 0  # this optimizer's own count, for classes that keep none
@@ -91,6 +103,9 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = run_closure(closure)
         self._steps += 1
+        self._places = {
+            id(p): (i, j) for i, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
+        }
         # every chunk of a run starts from the run's counts before this step (a run cut into
         # chunks would otherwise count one step per chunk)
         self._counts = {
@@ -99,13 +114,23 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
             if state
         }
         try:
-            for index, group in enumerate(self.param_groups):
+            for group in self.param_groups:
+                if self.fused and fused_adam.fusable(self.optimizer_class, group):
+                    self._step_fused(group)
+                    continue
                 hyper = {k: v for k, v in group.items() if k != "params"}
-                for place, chunk in enumerate(self._chunks(group["params"])):
-                    self._step_chunk(hyper, chunk, (index, place))
+                for chunk in self._chunks(group["params"]):
+                    self._step_chunk(hyper, chunk)
         finally:
             self._scratch.clear()  # (between steps only the stored dtypes stay)
         return loss
+
+    def _step_fused(self, group: dict[str, Any]) -> None:
+        for p in group["params"]:
+            where = (self.precision.seed, *self._places[id(p)])
+            grad = self._grads[id(p)]
+            size = self.chunk or (CHUNK if p.device.type == "cpu" else fused_adam.DEVICE_CHUNK)
+            fused_adam.step_run(p, grad, self.state[p], group, where, size, self.precision.state_dtype)
 
     def _chunks(self, params: list[torch.Tensor]) -> Iterator[list[Piece]]:
         """The group's runs cut into lists of pieces of at most ``chunk`` elements in all."""
@@ -133,7 +158,7 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
             buf = self._scratch[key] = torch.empty(numel, device=device)
         return buf[:numel]
 
-    def _step_chunk(self, hyper: dict[str, Any], chunk: list[Piece], place: tuple[int, int]) -> None:
+    def _step_chunk(self, hyper: dict[str, Any], chunk: list[Piece]) -> None:
         device = chunk[0][0].device
         total = sum(end - start for _, start, end in chunk)
         main = self._widened("main", device, total)
@@ -154,7 +179,7 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
         self._base.param_groups[0] = {**hyper, "params": pieces}
         try:
             self._base.step()
-            self._store(chunk, pieces, place)
+            self._store(chunk, pieces)
         finally:
             self._base.state = defaultdict(dict)
             for w in pieces:
@@ -175,12 +200,14 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
             out[key] = value.clone() if isinstance(value, torch.Tensor) else value
         return out
 
-    def _store(self, chunk: list[Piece], pieces: list[torch.Tensor], place: tuple[int, int]) -> None:
+    def _store(self, chunk: list[Piece], pieces: list[torch.Tensor]) -> None:
         """Round the stepped fp32 pieces back into the runs and their stored state."""
-        generator = None
         for (p, start, end), w in zip(chunk, pieces, strict=True):
             stepped = self._base.state[w]
             state = self.state[p]
+            count = stepped.get("step", self._steps)
+            count = int(count.item()) if isinstance(count, torch.Tensor) else int(count)
+            where = (self.precision.seed, count, *self._places[id(p)])
             for key, value in stepped.items():
                 if not (isinstance(value, torch.Tensor) and value.dim() > 0):
                     state[key] = value
@@ -193,24 +220,9 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
                     )
                 if key not in state or not isinstance(state[key], torch.Tensor):
                     state[key] = torch.zeros(p.shape, dtype=self.precision.state_dtype, device=p.device)
-                generator = generator or self._generator(p.device, stepped, place)
-                round_into(state[key].view(-1)[start:end], value, generator)
+                round_into(state[key].view(-1)[start:end], value, salt(*where, key), start)
             if p.dtype != torch.float32:  # bf16 main params: the params themselves
-                generator = generator or self._generator(p.device, stepped, place)
-                round_into(p.view(-1)[start:end], w, generator)
-
-    def _generator(
-        self, device: torch.device, stepped: dict[str, Any], place: tuple[int, int]
-    ) -> torch.Generator:
-        count = stepped.get("step", self._steps)
-        count = int(count.item()) if isinstance(count, torch.Tensor) else int(count)
-        generator = torch.Generator(device=device)
-        group, chunk = place
-        mixed = (
-            self.precision.seed * 0x9E3779B97F4A7C15 + count * 0xBF58476D1CE4E5B9 + group * 0x94D049BB133111EB
-        )
-        generator.manual_seed((mixed + chunk) % (1 << 63))
-        return generator
+                round_into(p.view(-1)[start:end], w, salt(*where, "param"), start)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """torch's load (which casts state to each param's dtype), then elementwise state to
@@ -227,22 +239,6 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
             f"PrecisionAware({self.optimizer_class.__name__}, main {p.main_dtype}, "
             f"state {p.state_dtype}, stochastic rounding)"
         )
-
-
-def round_into(out: torch.Tensor, value: torch.Tensor, generator: torch.Generator) -> None:
-    """Write fp32 ``value`` into ``out``: exactly where ``out`` is fp32, else rounded to bf16
-    stochastically (up with probability the dropped bits' fraction of an ulp)."""
-    if out.dtype == torch.float32:
-        out.copy_(value)
-        return
-    if out.dtype != torch.bfloat16:
-        raise TypeError(f"stochastic rounding writes fp32 or bf16, not {out.dtype}")
-    noise = torch.randint(
-        0, 1 << 16, value.shape, dtype=torch.int32, device=value.device, generator=generator
-    )
-    bits = value.contiguous().view(torch.int32) + noise
-    bits.bitwise_and_(-65536)  # (0xFFFF0000: the bf16 bits; the conversion below is exact)
-    out.copy_(bits.view(torch.float32))
 
 
 def resolve_precision(
