@@ -25,8 +25,11 @@ import _early
 from flatshard.toolkit import testing
 
 # The suite's ranks fork with these already imported: each rank used to import them for
-# ~2.5 s (test_hf.py: 79 s -> 32 s); one import in the forkserver instead.
+# ~2.5 s (test_hf.py: 79 s -> 32 s); one import in the forkserver instead. The Trainer and
+# TRL: ~1.7 s a rank of the hosted tests (test_hosts_*: 70 s -> 60 s). _inductor_probes:
+# inductor's per-process probes, run once (see its docstring).
 testing.PRELOAD.extend(["torch._inductor.compile_fx", "transformers.modeling_utils", "peft"])
+testing.PRELOAD.extend(["transformers.trainer", "trl", "_inductor_probes"])
 
 pytest_plugins = ["pytester"]  # (tests/test_harness.py runs the budget on suites of its own)
 
