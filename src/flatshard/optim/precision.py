@@ -90,9 +90,8 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
         self.chunk = chunk
         self.fused = fused
         self._grads = grads
-        self._places: dict[
-            int, tuple[int, int]
-        ] = {}  # each run's (group, place in it), for its rounding bits
+        # each run's (group, place in it), for its rounding bits
+        self._places: dict[int, tuple[int, int]] = {}
         probe = torch.zeros(1, requires_grad=True)
         self._base = optimizer_class([probe], **defaults)  # steps each chunk's fp32 pieces
         self._steps = 0  # this optimizer's own count, for classes that keep none
