@@ -36,28 +36,15 @@ def _flatshard(*args, timeout=240):
 
 
 def _ranks(world_size: int, *args, timeout: float = 240) -> subprocess.CompletedProcess:
-    """``flatshard ARGS`` as it runs as each of ``world_size`` ranks under torchrun, the
-    ranks forked from the suite's forkserver (torch already imported) rather than started as
-    new interpreters: ~1-2 s a command instead of ~11 s, nearly all of it imports. Rank 0's
-    output, and the exit status every rank returned. The launcher that starts ranks itself
-    (``-n N`` outside torchrun) is tested through real processes by the tests that call
-    ``_flatshard``."""
-    outs = run_distributed(_cli_rank, world_size, [str(a) for a in args], init=False, timeout=timeout)
-    assert len({code for code, _, _ in outs}) == 1, outs
-    code, out, err = outs[0]
-    return subprocess.CompletedProcess(["flatshard", *args], code, out, err)
-
-
-def _cli_rank(args: list[str]) -> tuple[int, str, str]:
-    from flatshard.app.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main(args)
-        except SystemExit as e:
-            code = e.code if isinstance(e.code, int) else 1
-    return code, out.getvalue(), err.getvalue()
+    """``flatshard ARGS`` (``_main``) as it runs as each of ``world_size`` ranks under torchrun,
+    the ranks forked from the suite's forkserver (torch already imported) rather than started
+    as new interpreters: ~1-2 s a command instead of ~11 s, nearly all of it imports. Rank 0's
+    result, once every rank has returned the same status. The launcher that starts ranks
+    itself (``-n N`` outside torchrun) is tested through real processes by the tests that
+    call ``_flatshard``."""
+    outs = run_distributed(_main, world_size, *args, init=False, timeout=timeout)
+    assert len({out.returncode for out in outs}) == 1, outs
+    return outs[0]
 
 
 def _check_the_loss_fell(out: subprocess.CompletedProcess, stage: str) -> None:

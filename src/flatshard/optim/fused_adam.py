@@ -32,7 +32,7 @@ import torch
 from flatshard.optim.rounding import noise, salt, stochastic
 
 FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
-DEVICE_CHUNK = 1 << 30
+FUSED_CHUNK = 1 << 30
 """Elements a compiled call steps at once on an accelerator: it allocates nothing, so a chunk
 is as long as int32 indexing allows, and the host's cost a call (guards, launch) is paid a few
 times a step rather than once per 32M elements."""
@@ -47,7 +47,7 @@ def fusable(optimizer_class: type, group: dict[str, Any]) -> bool:
 
 
 def scalars(group: dict[str, Any], count: int) -> list[float]:
-    """The group's per-step values for step ``count`` in ``adam_chunk``'s order (``HYPER``), as
+    """The group's per-step values for step ``count``, in the order ``adam_chunk`` unpacks them, as
     torch's single-tensor Adam derives them on the host (in double, rounded to fp32 on use)."""
     lr = float(group["lr"])
     beta1, beta2 = (float(b) for b in group["betas"])
@@ -61,9 +61,6 @@ def scalars(group: dict[str, Any], count: int) -> list[float]:
         float(group["eps"]),
         -lr / (1 - beta1**count),
     ]
-
-
-HYPER = ("decay", "weight1", "beta2", "weight2", "correction2_sqrt", "eps", "neg_step_size")
 
 
 def adam_chunk(

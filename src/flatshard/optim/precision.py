@@ -128,7 +128,7 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
         for p in group["params"]:
             where = (self.precision.seed, *self._places[id(p)])
             grad = self._grads[id(p)]
-            size = self.chunk or (CHUNK if p.device.type == "cpu" else fused_adam.DEVICE_CHUNK)
+            size = self.chunk or (CHUNK if p.device.type == "cpu" else fused_adam.FUSED_CHUNK)
             fused_adam.step_run(p, grad, self.state[p], group, where, size, self.precision.state_dtype)
 
     def _chunks(self, params: list[torch.Tensor]) -> Iterator[list[Piece]]:
