@@ -29,7 +29,7 @@ from flatshard.toolkit import testing
 # TRL: ~1.7 s a rank of the hosted tests (test_hosts_*: 70 s -> 60 s). _inductor_probes:
 # inductor's per-process probes, run once (see its docstring).
 testing.PRELOAD.extend(["torch._inductor.compile_fx", "transformers.modeling_utils", "peft"])
-testing.PRELOAD.extend(["transformers.trainer", "trl", "_inductor_probes"])
+testing.PRELOAD.extend(["transformers.trainer", "trl", "lightning.pytorch", "_inductor_probes"])
 
 pytest_plugins = ["pytester"]  # (tests/test_harness.py runs the budget on suites of its own)
 

@@ -19,7 +19,7 @@ listed before it (``tests/test_repo.py`` checks every import):
 7. the public surface: this module (``flatshard.__all__``) and ``memory``
    (``memory_report``, which reads a wrapped module and its optimizer);
 8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings),
-   ``hosts/`` (flatshard inside other libraries' loops: ``hf``, the Trainer) and
+   ``hosts/`` (flatshard inside other libraries' loops: ``hf``, ``accelerate``, ``lightning``) and
    ``toolkit/``: ``models`` (the demo GPT, Hugging Face configs), ``data`` (the synthetic
    corpus) and ``testing`` (the multi-process test harness).
 

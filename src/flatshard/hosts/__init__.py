@@ -1,3 +1,3 @@
 """Layer 8, flatshard inside other libraries' training loops: ``hf`` (``transformers.Trainer``
-and the trainers built on it) and ``accelerate`` (``Accelerator.prepare``). [Note: hosted
-training] in ``hf.py``."""
+and the trainers built on it), ``accelerate`` (``Accelerator.prepare``) and ``lightning``
+(Lightning's ``Trainer``, ``strategy="flatshard"``). [Note: hosted training] in ``hf.py``."""

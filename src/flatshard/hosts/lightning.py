@@ -1,0 +1,326 @@
+"""flatshard under Lightning's ``Trainer``: ``Trainer(strategy="flatshard")`` (once this
+module is imported) or ``Trainer(strategy=Strategy(stage=3, ...))``.
+
+[Note: Lightning's strategy]
+
+Lightning runs the loop and asks its strategy for each distributed decision. ``Strategy``
+is Lightning's DDP strategy with the decisions that would break a sharded model taken
+over ([Note: hosted training] in ``hf.py`` says why each matters):
+
+* **The LightningModule is sharded in place** after the precision plugin's cast and the
+  move to the device: ``strategy.model`` *is* the LightningModule, with no DDP on top. Its
+  steps run through its own ``__call__`` (Lightning's forward redirection), so the hooks
+  of the whole module fire as under ``model(...)``, at stage 3 too.
+* **The optimizer ``configure_optimizers`` returns is rebuilt** as a ``DistributedOptimizer``
+  of the same class, param groups and settings (``initial_lr`` and the current ``lr`` a
+  scheduler wrote included); the LR schedulers are pointed at it. A ``DistributedOptimizer``
+  returned there is kept. One optimizer per model (flatshard's rule).
+* **Accumulation**: the micro-batches before the last run under ``model.no_sync()``.
+* **Clipping** (``gradient_clip_val``, ``self.clip_gradients``): the precision plugin clips
+  the model's params, whose grads give the global norm ([Note: grads seen by torch]),
+  instead of the optimizer's params (this rank's shards: a local norm). fp16's scaler
+  becomes a ``ShardedGradScaler``.
+* **Checkpoints are directories written by every rank**: ``trainer.save_checkpoint`` and
+  ``ModelCheckpoint`` write a flatshard checkpoint (params, main params, optimizer state)
+  holding Lightning's own entries (loops, callbacks, schedulers, ...) as its ``extra``;
+  ``fit(ckpt_path=...)`` loads it after setup, at any world size and stage.
+* **Teardown leaves the model where it is** (Lightning's moves it to the CPU: a sharded
+  param cannot move).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch import nn
+
+from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
+from flatshard.engine.dynamo import uncompiled
+from flatshard.optim.composite import unwrap_optimizer
+from flatshard.optim.distributed import DistributedOptimizer
+from flatshard.optim.grad_scaler import ShardedGradScaler
+from flatshard.wrap.module import ShardedModule
+from flatshard.wrap.shard import shard as shard_model
+
+try:
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.pytorch.plugins.precision import Precision
+    from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+    from lightning.pytorch.trainer.states import TrainerFn
+except ImportError as e:  # (the lightning extra)
+    raise ImportError("flatshard.hosts.lightning needs lightning: pip install 'flatshard[lightning]'") from e
+
+STAGES = (0, 1, 2, 3)
+DEFAULT_STAGE = 2
+LIGHTNING = "lightning"
+"""The ``extra`` entry of a flatshard checkpoint that holds Lightning's own entries."""
+
+
+class Strategy(DDPStrategy):
+    """Lightning's ``Trainer`` training a sharded LightningModule ([Note: Lightning's
+    strategy]): ``stage`` and any other ``flatshard.shard`` keyword (``mixed_precision``,
+    ``buckets``, ``stage3``, ...); ``process_group_backend`` and ``timeout`` as in
+    ``DDPStrategy``. Registered as ``"flatshard"`` (stage 2) and ``"flatshard_stage_N"``."""
+
+    strategy_name = "flatshard"
+
+    def __init__(
+        self,
+        stage: int = DEFAULT_STAGE,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        if stage not in STAGES or isinstance(stage, bool):
+            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.options = {"stage": stage, **options}
+
+    @classmethod
+    def register_strategies(cls, registry: Any) -> None:
+        entries = {"flatshard": DEFAULT_STAGE, **{f"flatshard_stage_{s}": s for s in STAGES}}
+        for name, stage in entries.items():
+            if name not in registry:
+                registry.register(name, cls, description=f"flatshard at ZeRO stage {stage}", stage=stage)
+
+    # -- what Lightning asks of a strategy ---------------------------------------------------
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # (a checkpoint loads into the sharded model and its DistributedOptimizer)
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # (loaded with the params, in load_checkpoint)
+
+    @property
+    def precision_plugin(self) -> Precision:
+        if self._precision_plugin is None:
+            self.precision_plugin = Precision()
+        assert self._precision_plugin is not None
+        return self._precision_plugin
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = None if plugin is None else _clipping_the_model(plugin, self)
+
+    @property
+    def _module(self) -> Any:
+        """The LightningModule (the model itself: nothing is wrapped around it)."""
+        assert self.lightning_module is not None, "the strategy has no LightningModule yet"
+        return self.lightning_module
+
+    def setup(self, trainer: Any) -> None:
+        assert self.accelerator is not None and self.model is not None
+        self.accelerator.setup(trainer)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        model = self.model
+        if fitting and self._layer_sync and not _is_sharded(model):
+            model = self._layer_sync.apply(model)
+        model = self.precision_plugin.convert_module(model)
+        self.model = model
+        self.model_to_device()
+        if not _is_sharded(model):  # (a later validate or test finds it sharded)
+            self.model = shard_model(model, **self.options)
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)  # (the LightningModule's configure_optimizers)
+        if len(self.optimizers) > 1:
+            raise ValueError(
+                f"configure_optimizers returned {len(self.optimizers)} optimizers: a sharded model has one "
+                "DistributedOptimizer (its param groups may use different classes: a group's "
+                "'optimizer_class' entry)"
+            )
+        rebuilt: list[torch.optim.Optimizer] = [distributed_like(self._module, o) for o in self.optimizers]
+        for old, new in zip(self.optimizers, rebuilt, strict=True):
+            for config in self.lr_scheduler_configs:
+                point_at(config.scheduler, old, new)
+        self.optimizers = rebuilt
+
+    @contextmanager
+    def block_backward_sync(self) -> Iterator[None]:
+        with self._module.no_sync():
+            yield
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.train_step_context():
+            return self._through_call("training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.val_step_context():
+            return self._through_call("validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.test_step_context():
+            return self._through_call("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._through_call("predict_step", *args, **kwargs)
+
+    def _through_call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method`` of the LightningModule, entered through its ``__call__`` (its hooks)."""
+        return self._forward_redirection(self._module, self._module, method, *args, **kwargs)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # (the flatshard checkpoint holds the params, each rank its own pieces)
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return {}  # (likewise the optimizer's state)
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        if storage_options is not None:
+            raise TypeError("flatshard's strategy takes no storage_options: every rank writes its own pieces")
+        path = os.fspath(self.broadcast(os.fspath(filepath)))  # (rank 0's path on every rank)
+        optimizer = self._optimizer() if "optimizer_states" in checkpoint else None  # (else weights only)
+        rest = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+        save_checkpoint(path, self._module, optimizer, extra={LIGHTNING: rest})
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = os.fspath(checkpoint_path)
+        if os.path.isfile(path):
+            raise ValueError(
+                f"{path} is a file, not a checkpoint directory flatshard's strategy wrote: to start from "
+                "its weights, load its state_dict into the LightningModule before fit and leave ckpt_path out"
+            )
+        fitting = self._module.trainer.state.fn == TrainerFn.FITTING
+        optimizer = self._optimizer() if fitting else None
+        return load_checkpoint(path, self._module, optimizer)[LIGHTNING]
+
+    def load_model_state_dict(self, checkpoint: Any, strict: bool = True) -> None:
+        pass  # (loaded in load_checkpoint)
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        pass  # (loaded in load_checkpoint)
+
+    def _optimizer(self) -> DistributedOptimizer | None:
+        return unwrap_optimizer(self.optimizers[0]) if self.optimizers else None
+
+    def teardown(self) -> None:
+        """Lightning's, but the model stays where it is (a sharded param cannot move)."""
+        assert self.cluster_environment is not None and self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+
+# -- pieces ---------------------------------------------------------------------------------------
+def distributed_like(model: nn.Module, optimizer: torch.optim.Optimizer) -> DistributedOptimizer:
+    """``optimizer`` (a torch optimizer a host built over the sharded ``model``, not yet
+    stepped) as a ``DistributedOptimizer`` of its class, param groups and settings."""
+    if isinstance(unwrap_optimizer(optimizer), DistributedOptimizer):
+        return unwrap_optimizer(optimizer)
+    if optimizer.state:
+        raise ValueError(
+            f"the {type(optimizer).__name__} has stepped already: a sharded model's optimizer starts from "
+            "its shards; return it from configure_optimizers before any step"
+        )
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = []
+    for index, group in enumerate(optimizer.param_groups):
+        foreign = [p for p in group["params"] if id(p) not in names]
+        if foreign:
+            raise ValueError(
+                f"param group {index} of the {type(optimizer).__name__} holds {len(foreign)} tensor(s) that "
+                "are not params of the sharded model: build the optimizer over self.parameters() in "
+                "configure_optimizers"
+            )
+        trained = [p for p in group["params"] if p.requires_grad]
+        if trained:  # (a frozen param never gets a grad: torch would skip it too)
+            groups.append({**group, "params": trained})
+    return DistributedOptimizer(model, type(optimizer), params=groups, **_settings(optimizer))
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's defaults that its class takes as arguments (torch's ``AdamW`` records
+    ``decoupled_weight_decay``, which only ``Adam`` takes); each group keeps all of its own."""
+    accepted = inspect.signature(type(optimizer)).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
+
+
+def point_at(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """``scheduler`` (and the schedulers it chains) steps ``new`` where it stepped ``old``."""
+    if getattr(scheduler, "optimizer", None) is old:
+        scheduler.optimizer = new
+        _note_steps(new)
+    for inner in getattr(scheduler, "_schedulers", []):
+        point_at(inner, old, new)
+
+
+def _note_steps(optimizer: torch.optim.Optimizer) -> None:
+    """Mark ``optimizer.step`` as torch's schedulers do when they are built (they check the
+    mark, and that a step came before theirs, to warn about a misordered loop)."""
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
+        return
+    step, ref = optimizer.step, weakref.ref(optimizer)
+
+    @functools.wraps(step)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        ref()._opt_called = True  # type: ignore[union-attr]
+        return step(*args, **kwargs)
+
+    noted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
+    optimizer.step = noted  # type: ignore[method-assign]
+
+
+class _ClipsTheModel:
+    """A precision plugin whose clipping (and fp16 unscaling) acts on the model's params,
+    whose grads are global ([Note: grads seen by torch]), not on the optimizer's shards."""
+
+    _flatshard_strategy: Any
+
+    def main_params(self, optimizer: torch.optim.Optimizer) -> Any:
+        if not isinstance(unwrap_optimizer(optimizer), DistributedOptimizer):
+            return super().main_params(optimizer)  # type: ignore[misc]
+        return [p for p in self._flatshard_strategy._module.parameters() if p.grad is not None]
+
+
+def _clipping_the_model(plugin: Precision, strategy: Strategy) -> Precision:
+    if not isinstance(plugin, _ClipsTheModel):
+        plugin.__class__ = type(f"Sharded{type(plugin).__name__}", (_ClipsTheModel, type(plugin)), {})
+    plugin._flatshard_strategy = weakref.proxy(strategy)  # type: ignore[attr-defined]
+    scaler = getattr(plugin, "scaler", None)
+    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, ShardedGradScaler):
+        plugin.scaler = ShardedGradScaler(  # type: ignore[attr-defined]
+            getattr(plugin, "device", "cuda"),  # (MixedPrecision's device)
+            init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
+            growth_factor=scaler.get_growth_factor(),
+            backoff_factor=scaler.get_backoff_factor(),
+            growth_interval=scaler.get_growth_interval(),
+            enabled=scaler.is_enabled(),
+        )
+    return plugin
+
+
+def _is_sharded(model: nn.Module | None) -> bool:
+    return model is not None and isinstance(uncompiled(model), ShardedModule)
+
+
+Strategy.register_strategies(StrategyRegistry)

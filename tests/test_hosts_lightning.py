@@ -1,0 +1,229 @@
+"""flatshard under a real ``lightning.Trainer`` (``strategy="flatshard"``, [Note: Lightning's
+strategy] in ``hosts/lightning.py``), against Lightning's own DDP strategy on the plain
+LightningModule doing the same job: accumulation of 2 micro-batches, clipping (every step
+clips: the norm is well above 0.5), a per-step schedule, weight-decay groups, then
+``validate``, at stages 0-3 on 2 ranks and on 3 (padding).
+
+Tolerances: as in ``test_hosts_hf.py`` (the same model, data and optimizer): each
+micro-batch's loss and each step's grad norm within 1e-5 relative of DDP's. A resumed run
+logs what the uninterrupted one logged, to the bit.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import os
+
+import pytest
+import torch
+
+from flatshard.toolkit.testing import run_distributed
+from test_hosts_hf import _model, _Tokens
+
+pl = pytest.importorskip("lightning.pytorch")
+
+
+class _Module(pl.LightningModule):
+    """A Hugging Face causal LM trained as Lightning's docs teach; it records each
+    micro-batch's loss and each step's grad norm (before clipping, as the HF Trainer logs it)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.model = model
+        self.losses: list[float] = []
+        self.norms: list[float] = []
+        self.reductions: list[int] = []  # (flatshard's side: reductions so far, at each micro-batch)
+
+    def training_step(self, batch, index):
+        if hasattr(self, "comm_stats"):
+            self.reductions.append(sum(n for op, n in self.comm_stats.calls.items() if "reduce" in op))
+        loss = self.model(**batch).loss
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def on_before_optimizer_step(self, optimizer):
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        self.norms.append(float(torch.nn.utils.get_total_norm(grads)))
+
+    def validation_step(self, batch, index):
+        self.log("val_loss", self.model(**batch).loss, sync_dist=True)
+
+    def configure_optimizers(self):
+        named = list(self.named_parameters())
+        optimizer = torch.optim.AdamW(
+            [
+                {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.01},
+                {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+            ],
+            lr=1e-3,
+        )
+        schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+def _trainer(strategy, out: str, world_size: int, **more) -> pl.Trainer:
+    settings = dict(
+        accelerator="cpu",
+        devices=world_size,  # (the ranks torchrun started, as Lightning counts them)
+        max_steps=4,
+        accumulate_grad_batches=2,
+        gradient_clip_val=0.5,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=out,
+    )
+    return pl.Trainer(strategy=strategy, **{**settings, **more})
+
+
+def _loader() -> torch.utils.data.DataLoader:
+    return torch.utils.data.DataLoader(_Tokens(), batch_size=2, shuffle=False)
+
+
+def _against_ddp(stages: list[int], out: str) -> dict:
+    """Lightning's DDP on the plain module, then flatshard's strategy at each stage."""
+    import flatshard.hosts.lightning  # noqa: F401  (registers "flatshard_stage_N")
+
+    model, world_size = _model(), int(os.environ["WORLD_SIZE"])  # (Lightning's teardown unsets it)
+    logged = {}
+    for stage in ["ddp", *stages]:
+        module = _Module(copy.deepcopy(model))
+        name = "ddp" if stage == "ddp" else f"flatshard_stage_{stage}"
+        trainer = _trainer(name, f"{out}/{stage}", world_size)
+        trainer.fit(module, _loader())
+        (validated,) = trainer.validate(module, _loader(), verbose=False)
+        logged[stage] = {"losses": module.losses, "norms": module.norms, "val": validated["val_loss"]}
+        logged[stage]["reductions"] = [b - a for a, b in itertools.pairwise(module.reductions)]
+    return logged
+
+
+def _check_follows(logged: dict, rel: float = 1e-5) -> None:
+    want = logged.pop("ddp")
+    assert len(want["losses"]) == 8 and len(want["norms"]) == 4, want
+    assert all(norm > 0.5 for norm in want["norms"]), want  # (every step clips)
+    for stage, got in logged.items():
+        for key in ("losses", "norms"):
+            assert len(got[key]) == len(want[key]), (stage, key, got, want)
+            assert got[key] == pytest.approx(want[key], rel=rel), (stage, key, got, want)
+        assert got["val"] == pytest.approx(want["val"], rel=rel), (stage, got, want)
+        # the backward of each step's first micro-batch reduces nothing (no_sync); the last's does
+        assert all(n == 0 for n in got["reductions"][0::2]), (stage, got["reductions"])
+        assert all(n > 0 for n in got["reductions"][1::2]), (stage, got["reductions"])
+
+
+@pytest.mark.parametrize(("world_size", "stages"), [(2, [0, 1, 2, 3]), (3, [2, 3])])
+def test_the_lightning_trainer_follows_its_ddp(tmp_path, world_size, stages):
+    for logged in run_distributed(_against_ddp, world_size, stages, str(tmp_path), init=False):
+        _check_follows(logged)
+
+
+class _Params(pl.Callback):
+    """The full params (rank 0's, CPU) where the first epoch ends and where training starts."""
+
+    def on_train_start(self, trainer, module):
+        self.start = module.full_state_dict()
+
+    def on_train_epoch_end(self, trainer, module):
+        if trainer.current_epoch == 0:
+            self.after_first_epoch = module.full_state_dict()
+
+
+def _two_epochs(out: str, stage: int, ckpt_path: str | None = None) -> dict:
+    """Two epochs (4 steps each on 2 ranks), a checkpoint at the end of each; or, from
+    ``ckpt_path``, the rest of the two epochs."""
+    import flatshard.hosts.lightning as fl
+
+    world_size = int(os.environ["WORLD_SIZE"])
+    module, params = _Module(_model()), _Params()
+    saves = pl.callbacks.ModelCheckpoint(dirpath=f"{out}/ckpt", save_top_k=-1, every_n_epochs=1)
+    trainer = _trainer(
+        fl.Strategy(stage=stage),
+        out,
+        world_size,
+        max_steps=-1,
+        max_epochs=2,
+        callbacks=[saves, params],
+        enable_checkpointing=True,
+    )
+    trainer.fit(module, _loader(), ckpt_path=ckpt_path)
+    first = getattr(params, "after_first_epoch", None)
+    return {
+        "losses": module.losses,
+        "steps": trainer.global_step,
+        "start": params.start,
+        "after_first_epoch": first,
+        "saved": sorted(os.listdir(f"{out}/ckpt")),
+    }
+
+
+def test_a_checkpoint_resumes_exactly(tmp_path):
+    """A run resumed from the first epoch's checkpoint logs what the uninterrupted run
+    logged in the second epoch, to the bit, and starts from the params it saved."""
+    whole = run_distributed(_two_epochs, 2, str(tmp_path / "a"), 2, init=False)
+    assert whole[0]["saved"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"], whole[0]["saved"]
+    ckpt = str(tmp_path / "a" / "ckpt" / "epoch=0-step=4.ckpt")
+    assert os.path.isfile(os.path.join(ckpt, "flatshard.json")), ckpt  # (a flatshard checkpoint)
+    resumed = run_distributed(_two_epochs, 2, str(tmp_path / "b"), 2, ckpt, init=False)
+    for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
+        assert b["steps"] == a["steps"] == 8, (a["steps"], b["steps"])
+        assert b["losses"] == a["losses"][8:], (rank, a["losses"], b["losses"])
+        if rank == 0:
+            assert all(torch.equal(b["start"][k], v) for k, v in a["after_first_epoch"].items())
+
+
+def test_a_checkpoint_of_2_ranks_resumes_on_3_at_another_stage(tmp_path):
+    (saved, _) = run_distributed(_two_epochs, 2, str(tmp_path / "a"), 2, init=False)
+    ckpt = str(tmp_path / "a" / "ckpt" / "epoch=0-step=4.ckpt")
+    results = run_distributed(_two_epochs, 3, str(tmp_path / "b"), 3, ckpt, init=False)
+    assert all(torch.equal(results[0]["start"][k], v) for k, v in saved["after_first_epoch"].items())
+    for result in results:  # (epoch 2 on 3 ranks: 11 sequences each, 6 micro-batches, 3 steps)
+        assert result["steps"] == 4 + 3, result["steps"]
+        assert len(result["losses"]) == 6 and all(4.0 < loss < 6.0 for loss in result["losses"]), result
+
+
+def test_registered_names_choose_the_stage():
+    import flatshard.hosts.lightning as fl
+
+    for name, stage in [("flatshard", 2), *((f"flatshard_stage_{s}", s) for s in range(4))]:
+        strategy = pl.Trainer(strategy=name, accelerator="cpu", devices=1, logger=False).strategy
+        assert isinstance(strategy, fl.Strategy) and strategy.options["stage"] == stage, (name, strategy)
+    with pytest.raises(ValueError, match=r"stage must be one of .* got 4"):
+        fl.Strategy(stage=4)
+
+
+class _TwoOptimizers(_Module):
+    """A GAN's shape: two optimizers, stepped by hand."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__(model)
+        self.automatic_optimization = False
+
+    def configure_optimizers(self):
+        half = len(list(self.parameters())) // 2
+        params = list(self.parameters())
+        return [torch.optim.SGD(params[:half], lr=0.1), torch.optim.SGD(params[half:], lr=0.1)]
+
+
+def _refusals(out: str) -> list[str]:
+    import flatshard.hosts.lightning as fl
+
+    said = []
+    for module, ckpt in [(_TwoOptimizers(_model()), None), (_Module(_model()), f"{out}/plain.ckpt")]:
+        torch.save({}, f"{out}/plain.ckpt")
+        trainer = _trainer(fl.Strategy(stage=1), out, 1, gradient_clip_val=None, accumulate_grad_batches=1)
+        try:
+            trainer.fit(module, _loader(), ckpt_path=ckpt)
+        except ValueError as e:
+            said.append(str(e))
+    return said
+
+
+def test_what_cannot_train_right_is_refused_with_the_reason(tmp_path):
+    """Two optimizers (one DistributedOptimizer per model), and a checkpoint file that is not
+    a flatshard directory (a plain Lightning .ckpt): each a ValueError saying what to do."""
+    (said,) = run_distributed(_refusals, 1, str(tmp_path), init=False)
+    assert len(said) == 2, said
+    assert "returned 2 optimizers" in said[0] and "optimizer_class" in said[0], said[0]
+    assert "plain.ckpt is a file" in said[1] and "load its state_dict" in said[1], said[1]
