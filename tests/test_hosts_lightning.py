@@ -227,3 +227,83 @@ def test_what_cannot_train_right_is_refused_with_the_reason(tmp_path):
     assert len(said) == 2, said
     assert "returned 2 optimizers" in said[0] and "optimizer_class" in said[0], said[0]
     assert "plain.ckpt is a file" in said[1] and "load its state_dict" in said[1], said[1]
+
+
+# -- Fabric ---------------------------------------------------------------------------------------
+def _fabric_run(strategy, model, out: str, steps: int = 4, save_at: int = 0, load: str | None = None) -> dict:
+    """The loop Fabric's docs teach: accumulation of 2 micro-batches under
+    ``no_backward_sync``, ``clip_gradients`` (its norm recorded), AdamW over weight-decay
+    groups and a schedule built before ``setup`` (and not handed to it); a checkpoint saved
+    after step ``save_at``, or one loaded before the first step."""
+    from lightning.fabric import Fabric
+
+    fabric = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)
+    fabric.launch()
+    optimizer = _Module(model).configure_optimizers()["optimizer"]  # (the groups and settings above)
+    schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4)
+    model, optimizer = fabric.setup(model, optimizer)
+    state = {"model": model, "optimizer": optimizer, "schedule": schedule, "step": 0}
+    if load is not None:
+        fabric.load(load, state)
+    start = model.module.full_state_dict() if hasattr(model.module, "full_state_dict") else None
+    losses, norms, saved = [], [], None
+    loader = fabric.setup_dataloaders(_loader())
+    steps, batches = min(steps, len(loader) // 2), iter(loader)  # (on 3 ranks: 6 micro-batches)
+    for _ in range(state["step"] * 2):
+        next(batches)  # (the micro-batches of the steps the checkpoint holds)
+    while state["step"] < steps:
+        for micro in range(2):
+            with fabric.no_backward_sync(model, enabled=micro == 0):
+                loss = model(**next(batches)).loss
+                fabric.backward(loss)
+            losses.append(float(loss.detach()))
+        norms.append(float(fabric.clip_gradients(model, optimizer, max_norm=0.5)))
+        optimizer.step()
+        schedule.step()
+        optimizer.zero_grad()
+        state["step"] += 1
+        if state["step"] == save_at:
+            fabric.save(f"{out}/ckpt", state)
+            saved = model.module.full_state_dict()
+    return {"losses": losses, "norms": norms, "start": start, "saved": saved, "step": state["step"]}
+
+
+def _fabric_against_ddp(stages: list[int], out: str) -> dict:
+    import flatshard.hosts.lightning  # noqa: F401  (registers "flatshard_stage_N" for Fabric)
+
+    model = _model()
+    runs = {"ddp": _fabric_run("ddp", copy.deepcopy(model), out)}
+    for stage in stages:
+        runs[stage] = _fabric_run(f"flatshard_stage_{stage}", copy.deepcopy(model), out)
+    return runs
+
+
+@pytest.mark.parametrize(("world_size", "stages"), [(2, [0, 1, 2, 3]), (3, [2, 3])])
+def test_fabric_follows_its_ddp(tmp_path, world_size, stages):
+    for runs in run_distributed(_fabric_against_ddp, world_size, stages, str(tmp_path), init=False):
+        want = runs.pop("ddp")
+        assert len(want["norms"]) >= 3 and all(norm > 0.5 for norm in want["norms"]), want
+        for stage, got in runs.items():
+            for key in ("losses", "norms"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5), (stage, key, got[key], want[key])
+
+
+def _fabric_saves_and_resumes(out: str, stage: int, load: str | None) -> dict:
+    import flatshard.hosts.lightning as fl
+
+    return _fabric_run(fl.FabricStrategy(stage=stage), _model(), out, save_at=0 if load else 2, load=load)
+
+
+def test_fabric_checkpoints_resume_exactly_and_at_another_world_size_and_stage(tmp_path):
+    """Saved after step 2 of 4 on 2 ranks at stage 2: resumed there, steps 3-4 log what the
+    uninterrupted run logged, to the bit; on 3 ranks at stage 3 the run starts from the
+    saved params, to the bit, and trains on (its data has 3 steps: one more)."""
+    whole = run_distributed(_fabric_saves_and_resumes, 2, str(tmp_path), 2, None, init=False)
+    ckpt = str(tmp_path / "ckpt")
+    assert os.path.isfile(os.path.join(ckpt, "flatshard.json")), ckpt
+    resumed = run_distributed(_fabric_saves_and_resumes, 2, str(tmp_path / "b"), 2, ckpt, init=False)
+    for a, b in zip(whole, resumed, strict=True):
+        assert b["step"] == 4 and b["losses"] == a["losses"][4:] and b["norms"] == a["norms"][2:], (a, b)
+    elsewhere = run_distributed(_fabric_saves_and_resumes, 3, str(tmp_path / "c"), 3, ckpt, init=False)
+    assert all(torch.equal(elsewhere[0]["start"][k], v) for k, v in whole[0]["saved"].items())
+    assert all(r["step"] == 3 and len(r["losses"]) == 2 for r in elsewhere), elsewhere

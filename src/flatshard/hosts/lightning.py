@@ -12,9 +12,8 @@ over ([Note: hosted training] in ``hf.py`` says why each matters):
   steps run through its own ``__call__`` (Lightning's forward redirection), so the hooks
   of the whole module fire as under ``model(...)``, at stage 3 too.
 * **The optimizer ``configure_optimizers`` returns is rebuilt** as a ``DistributedOptimizer``
-  of the same class, param groups and settings (``initial_lr`` and the current ``lr`` a
-  scheduler wrote included); the LR schedulers are pointed at it. A ``DistributedOptimizer``
-  returned there is kept. One optimizer per model (flatshard's rule).
+  ([Note: rebuilt optimizers] in ``optimizers.py``); the LR schedulers are pointed at it. A
+  ``DistributedOptimizer`` returned there is kept. One optimizer per model (flatshard's rule).
 * **Accumulation**: the micro-batches before the last run under ``model.no_sync()``.
 * **Clipping** (``gradient_clip_val``, ``self.clip_gradients``): the precision plugin clips
   the model's params, whose grads give the global norm ([Note: grads seen by torch]),
@@ -30,12 +29,10 @@ over ([Note: hosted training] in ``hf.py`` says why each matters):
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 import weakref
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any
 
@@ -44,6 +41,7 @@ from torch import nn
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
 from flatshard.engine.dynamo import uncompiled
+from flatshard.hosts.optimizers import point_at, rebuilt
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.optim.grad_scaler import ShardedGradScaler
@@ -52,6 +50,10 @@ from flatshard.wrap.shard import shard as shard_model
 
 try:
     from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.fabric.plugins.precision import Precision as FabricPrecision
+    from lightning.fabric.strategies import STRATEGY_REGISTRY
+    from lightning.fabric.strategies import DDPStrategy as FabricDDPStrategy
+    from lightning.fabric.strategies.strategy import _BackwardSyncControl
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
     from lightning.pytorch.trainer.states import TrainerFn
@@ -85,8 +87,7 @@ class Strategy(DDPStrategy):
         timeout: timedelta | None = default_pg_timeout,
         **options: Any,
     ) -> None:
-        if stage not in STAGES or isinstance(stage, bool):
-            raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+        _check_stage(stage)
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -155,11 +156,11 @@ class Strategy(DDPStrategy):
                 "DistributedOptimizer (its param groups may use different classes: a group's "
                 "'optimizer_class' entry)"
             )
-        rebuilt: list[torch.optim.Optimizer] = [distributed_like(self._module, o) for o in self.optimizers]
-        for old, new in zip(self.optimizers, rebuilt, strict=True):
+        new: list[torch.optim.Optimizer] = [rebuilt(self._module, o) for o in self.optimizers]
+        for old, one in zip(self.optimizers, new, strict=True):
             for config in self.lr_scheduler_configs:
-                point_at(config.scheduler, old, new)
-        self.optimizers = rebuilt
+                point_at(config.scheduler, old, one)
+        self.optimizers = new
 
     @contextmanager
     def block_backward_sync(self) -> Iterator[None]:
@@ -230,66 +231,6 @@ class Strategy(DDPStrategy):
 
 
 # -- pieces ---------------------------------------------------------------------------------------
-def distributed_like(model: nn.Module, optimizer: torch.optim.Optimizer) -> DistributedOptimizer:
-    """``optimizer`` (a torch optimizer a host built over the sharded ``model``, not yet
-    stepped) as a ``DistributedOptimizer`` of its class, param groups and settings."""
-    if isinstance(unwrap_optimizer(optimizer), DistributedOptimizer):
-        return unwrap_optimizer(optimizer)
-    if optimizer.state:
-        raise ValueError(
-            f"the {type(optimizer).__name__} has stepped already: a sharded model's optimizer starts from "
-            "its shards; return it from configure_optimizers before any step"
-        )
-    names = {id(p): n for n, p in model.named_parameters()}
-    groups = []
-    for index, group in enumerate(optimizer.param_groups):
-        foreign = [p for p in group["params"] if id(p) not in names]
-        if foreign:
-            raise ValueError(
-                f"param group {index} of the {type(optimizer).__name__} holds {len(foreign)} tensor(s) that "
-                "are not params of the sharded model: build the optimizer over self.parameters() in "
-                "configure_optimizers"
-            )
-        trained = [p for p in group["params"] if p.requires_grad]
-        if trained:  # (a frozen param never gets a grad: torch would skip it too)
-            groups.append({**group, "params": trained})
-    return DistributedOptimizer(model, type(optimizer), params=groups, **_settings(optimizer))
-
-
-def _settings(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    """The optimizer's defaults that its class takes as arguments (torch's ``AdamW`` records
-    ``decoupled_weight_decay``, which only ``Adam`` takes); each group keeps all of its own."""
-    accepted = inspect.signature(type(optimizer)).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        return dict(optimizer.defaults)
-    return {k: v for k, v in optimizer.defaults.items() if k in accepted}
-
-
-def point_at(scheduler: Any, old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """``scheduler`` (and the schedulers it chains) steps ``new`` where it stepped ``old``."""
-    if getattr(scheduler, "optimizer", None) is old:
-        scheduler.optimizer = new
-        _note_steps(new)
-    for inner in getattr(scheduler, "_schedulers", []):
-        point_at(inner, old, new)
-
-
-def _note_steps(optimizer: torch.optim.Optimizer) -> None:
-    """Mark ``optimizer.step`` as torch's schedulers do when they are built (they check the
-    mark, and that a step came before theirs, to warn about a misordered loop)."""
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):
-        return
-    step, ref = optimizer.step, weakref.ref(optimizer)
-
-    @functools.wraps(step)
-    def noted(*args: Any, **kwargs: Any) -> Any:
-        ref()._opt_called = True  # type: ignore[union-attr]
-        return step(*args, **kwargs)
-
-    noted._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-    optimizer.step = noted  # type: ignore[method-assign]
-
-
 class _ClipsTheModel:
     """A precision plugin whose clipping (and fp16 unscaling) acts on the model's params,
     whose grads are global ([Note: grads seen by torch]), not on the optimizer's shards."""
@@ -306,9 +247,15 @@ def _clipping_the_model(plugin: Precision, strategy: Strategy) -> Precision:
     if not isinstance(plugin, _ClipsTheModel):
         plugin.__class__ = type(f"Sharded{type(plugin).__name__}", (_ClipsTheModel, type(plugin)), {})
     plugin._flatshard_strategy = weakref.proxy(strategy)  # type: ignore[attr-defined]
+    return _with_sharded_scaler(plugin)
+
+
+def _with_sharded_scaler(plugin: Any) -> Any:
+    """fp16 (``16-mixed``): the plugin's ``GradScaler`` becomes a ``ShardedGradScaler`` with its
+    settings ([Note: grad scaler]): one inf check for every rank."""
     scaler = getattr(plugin, "scaler", None)
     if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, ShardedGradScaler):
-        plugin.scaler = ShardedGradScaler(  # type: ignore[attr-defined]
+        plugin.scaler = ShardedGradScaler(
             getattr(plugin, "device", "cuda"),  # (MixedPrecision's device)
             init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
             growth_factor=scaler.get_growth_factor(),
@@ -319,8 +266,156 @@ def _clipping_the_model(plugin: Precision, strategy: Strategy) -> Precision:
     return plugin
 
 
-def _is_sharded(model: nn.Module | None) -> bool:
-    return model is not None and isinstance(uncompiled(model), ShardedModule)
+def _is_sharded(model: object) -> bool:
+    return isinstance(model, nn.Module) and isinstance(uncompiled(model), ShardedModule)
+
+
+class FabricStrategy(FabricDDPStrategy):
+    """Lightning's ``Fabric`` with a sharded model ([Note: Lightning's strategy], for Fabric):
+    ``fabric.setup`` shards the model in place and rebuilds its optimizer ([Note: rebuilt
+    optimizers]); ``no_backward_sync`` is ``model.no_sync()``; ``clip_gradients`` clips the
+    model's params (global norms); ``fabric.save`` / ``fabric.load`` write and read a
+    flatshard checkpoint, the state's other entries as its ``extra``. Arguments as
+    ``Strategy``'s. Registered as ``"flatshard"`` (stage 2) and ``"flatshard_stage_N"``."""
+
+    def __init__(
+        self,
+        stage: int = DEFAULT_STAGE,
+        *,
+        accelerator: Any = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: Any = None,
+        checkpoint_io: Any = None,
+        precision: FabricPrecision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        **options: Any,
+    ) -> None:
+        _check_stage(stage)
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision=precision,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.options = {"stage": stage, **options}
+        self._backward_sync_control = _NoSync()
+        self._sharded: nn.Module | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        Strategy.register_strategies.__func__(cls, strategy_registry)  # type: ignore[attr-defined]
+
+    @property
+    def precision(self) -> FabricPrecision:
+        if self._precision is None:
+            self.precision = FabricPrecision()
+        assert self._precision is not None
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: FabricPrecision | None) -> None:
+        self._precision = None if precision is None else _with_sharded_scaler(precision)
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list, scheduler: Any = None
+    ) -> tuple:
+        module = self.setup_module(module)
+        new = [self.setup_optimizer(o) for o in optimizers]
+        for old, one in zip(optimizers, new, strict=True):
+            point_at(scheduler, old, one)
+        return module, new, scheduler
+
+    def setup_module(self, module: nn.Module) -> nn.Module:  # type: ignore[override]
+        if not _is_sharded(module):
+            module = shard_model(module, **self.options)
+        self._sharded = module
+        return module
+
+    def setup_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        if self._sharded is None:
+            raise RuntimeError(
+                "set the model up first: fabric.setup(model, optimizer), or setup_module(model)"
+            )
+        return rebuilt(self._sharded, optimizer)
+
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Any,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> torch.Tensor:
+        self.precision.unscale_gradients(optimizer)
+        return torch.nn.utils.clip_grad_norm_(
+            module.parameters(), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    def clip_gradients_value(self, module: nn.Module, optimizer: Any, clip_val: float | int) -> None:
+        self.precision.unscale_gradients(optimizer)
+        torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
+
+    def save_checkpoint(
+        self, path: Any, state: dict, storage_options: Any = None, filter: Any = None
+    ) -> None:
+        if storage_options is not None or filter is not None:
+            raise TypeError(
+                "flatshard's strategy takes no storage_options or filter: every rank writes its pieces"
+            )
+        module, optimizer, rest = _split(state)
+        path = os.fspath(self.broadcast(os.fspath(path)))  # (rank 0's path on every rank)
+        save_checkpoint(path, module, optimizer, extra=rest)
+
+    def load_checkpoint(
+        self, path: Any, state: Any = None, strict: bool = True, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        if isinstance(state, nn.Module):  # (fabric.load_raw(path, model))
+            state = {"model": state}
+        if not isinstance(state, dict):
+            raise TypeError(
+                "fabric.load of a flatshard checkpoint takes the state to load into (a dict holding the "
+                f"sharded model), got {state!r}"
+            )
+        module, optimizer, rest = _split(state)
+        loads = {k: v for k, v in rest.items() if hasattr(v, "load_state_dict")}
+        saved = load_checkpoint(os.fspath(path), module, optimizer, extra=loads)
+        missing = [k for k in rest if k not in loads and k not in saved]
+        if missing and strict:
+            raise KeyError(f"checkpoint {path} has no entries {missing} (it has {sorted(saved)})")
+        for key in rest.keys() - loads.keys() - set(missing):
+            state[key] = saved[key]
+        return {k: v for k, v in saved.items() if k not in state}
+
+
+class _NoSync(_BackwardSyncControl):
+    """Fabric's ``no_backward_sync(model)``: the sharded model's ``no_sync()``."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> Any:
+        return module.no_sync() if enabled else nullcontext()  # type: ignore[operator]
+
+
+def _split(state: dict[str, Any]) -> tuple[nn.Module, DistributedOptimizer | None, dict[str, Any]]:
+    """A Fabric state: its sharded model, its ``DistributedOptimizer`` and the rest."""
+    modules = [k for k, v in state.items() if _is_sharded(v)]
+    optimizers = [k for k, v in state.items() if isinstance(unwrap_optimizer(v), DistributedOptimizer)]
+    if len(modules) != 1 or len(optimizers) > 1:
+        raise ValueError(
+            f"a flatshard checkpoint holds one sharded model and at most one DistributedOptimizer; the state "
+            f"has models {modules} and optimizers {optimizers}"
+        )
+    optimizer = unwrap_optimizer(state[optimizers[0]]) if optimizers else None
+    rest = {k: v for k, v in state.items() if k not in (*modules, *optimizers)}
+    return state[modules[0]], optimizer, rest
+
+
+def _check_stage(stage: int) -> None:
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
 
 
 Strategy.register_strategies(StrategyRegistry)
+FabricStrategy.register_strategies(STRATEGY_REGISTRY)
