@@ -35,7 +35,10 @@ def _name(page: Path) -> str:
     return str(page.relative_to(ROOT))
 
 
-EXAMPLE_PAGES = {"docs/finetune.md": "examples/finetune_lora.py"}  # (what test_examples checks)
+EXAMPLE_PAGES = {  # (what test_examples checks)
+    "docs/finetune.md": "examples/finetune_lora.py",
+    "docs/lightning.md": "examples/lightning_trainer.py",
+}
 RUNNABLE = [
     p for p in PAGES if any(lang == "python" for lang, _ in _blocks(p)) and not VERBATIM.search(p.read_text())
 ]

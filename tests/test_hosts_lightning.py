@@ -82,7 +82,7 @@ def _loader() -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(_Tokens(), batch_size=2, shuffle=False)
 
 
-def _against_ddp(stages: list[int], out: str) -> dict:
+def _against_ddp(stages: list[int], out: str, **more) -> dict:
     """Lightning's DDP on the plain module, then flatshard's strategy at each stage."""
     import flatshard.hosts.lightning  # noqa: F401  (registers "flatshard_stage_N")
 
@@ -91,7 +91,9 @@ def _against_ddp(stages: list[int], out: str) -> dict:
     for stage in ["ddp", *stages]:
         module = _Module(copy.deepcopy(model))
         name = "ddp" if stage == "ddp" else f"flatshard_stage_{stage}"
-        trainer = _trainer(name, f"{out}/{stage}", world_size)
+        plugins = {"plugins": more["plugins_each"]()} if "plugins_each" in more else {}
+        settings = {k: v for k, v in more.items() if k != "plugins_each"}
+        trainer = _trainer(name, f"{out}/{stage}", world_size, **settings, **plugins)
         trainer.fit(module, _loader())
         (validated,) = trainer.validate(module, _loader(), verbose=False)
         logged[stage] = {"losses": module.losses, "norms": module.norms, "val": validated["val_loss"]}
@@ -117,6 +119,32 @@ def _check_follows(logged: dict, rel: float = 1e-5) -> None:
 def test_the_lightning_trainer_follows_its_ddp(tmp_path, world_size, stages):
     for logged in run_distributed(_against_ddp, world_size, stages, str(tmp_path), init=False):
         _check_follows(logged)
+
+
+def _fp16(stages: list[int], out: str) -> dict:
+    """``16-mixed`` on the CPU (Lightning turns the flag into bf16 there, so the plugin is
+    given): each side its own ``GradScaler`` (flatshard's strategy makes its own a
+    ``ShardedGradScaler``)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return _against_ddp(
+        stages, out, plugins_each=lambda: [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))]
+    )
+
+
+def test_the_lightning_trainer_follows_its_ddp_under_fp16_with_a_loss_scale(tmp_path):
+    """fp16 autocast with a dynamic loss scale: the same fp16 products on both sides and
+    no inf at this scale, so the same tolerance; the scale is unscaled once, before the clip."""
+    for one in run_distributed(_fp16, 2, [2, 3], str(tmp_path), init=False):
+        _check_follows(one)
+
+
+def test_the_lightning_trainer_follows_its_ddp_under_bf16_mixed(tmp_path):
+    """``precision="bf16-mixed"``: Lightning's autocast on both sides, fp32 params and grads:
+    the same bf16 products from the same fp32 params, so the same tolerance as in fp32."""
+    logged = run_distributed(_against_ddp, 2, [1, 3], str(tmp_path), precision="bf16-mixed", init=False)
+    for one in logged:
+        _check_follows(one)
 
 
 class _Params(pl.Callback):
@@ -230,14 +258,20 @@ def test_what_cannot_train_right_is_refused_with_the_reason(tmp_path):
 
 
 # -- Fabric ---------------------------------------------------------------------------------------
-def _fabric_run(strategy, model, out: str, steps: int = 4, save_at: int = 0, load: str | None = None) -> dict:
+def _fabric_run(
+    strategy, model, out: str, steps: int = 4, save_at: int = 0, load: str | None = None, fp16: bool = False
+) -> dict:
     """The loop Fabric's docs teach: accumulation of 2 micro-batches under
     ``no_backward_sync``, ``clip_gradients`` (its norm recorded), AdamW over weight-decay
     groups and a schedule built before ``setup`` (and not handed to it); a checkpoint saved
     after step ``save_at``, or one loaded before the first step."""
     from lightning.fabric import Fabric
+    from lightning.fabric.plugins.precision import MixedPrecision
 
-    fabric = Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)
+    plugins = [MixedPrecision("16-mixed", "cpu", torch.amp.GradScaler("cpu"))] if fp16 else None
+    fabric = Fabric(
+        accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy, plugins=plugins
+    )
     fabric.launch()
     optimizer = _Module(model).configure_optimizers()["optimizer"]  # (the groups and settings above)
     schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4)
@@ -268,19 +302,22 @@ def _fabric_run(strategy, model, out: str, steps: int = 4, save_at: int = 0, loa
     return {"losses": losses, "norms": norms, "start": start, "saved": saved, "step": state["step"]}
 
 
-def _fabric_against_ddp(stages: list[int], out: str) -> dict:
+def _fabric_against_ddp(stages: list[int], out: str, fp16: bool) -> dict:
     import flatshard.hosts.lightning  # noqa: F401  (registers "flatshard_stage_N" for Fabric)
 
     model = _model()
-    runs = {"ddp": _fabric_run("ddp", copy.deepcopy(model), out)}
+    runs = {"ddp": _fabric_run("ddp", copy.deepcopy(model), out, fp16=fp16)}
     for stage in stages:
-        runs[stage] = _fabric_run(f"flatshard_stage_{stage}", copy.deepcopy(model), out)
+        runs[stage] = _fabric_run(f"flatshard_stage_{stage}", copy.deepcopy(model), out, fp16=fp16)
     return runs
 
 
-@pytest.mark.parametrize(("world_size", "stages"), [(2, [0, 1, 2, 3]), (3, [2, 3])])
-def test_fabric_follows_its_ddp(tmp_path, world_size, stages):
-    for runs in run_distributed(_fabric_against_ddp, world_size, stages, str(tmp_path), init=False):
+@pytest.mark.parametrize(
+    ("world_size", "stages", "fp16"), [(2, [0, 1, 2, 3], False), (3, [2, 3], False), (2, [2, 3], True)]
+)
+def test_fabric_follows_its_ddp(tmp_path, world_size, stages, fp16):
+    """fp16: autocast and a dynamic loss scale on both sides (as under the Trainer above)."""
+    for runs in run_distributed(_fabric_against_ddp, world_size, stages, str(tmp_path), fp16, init=False):
         want = runs.pop("ddp")
         assert len(want["norms"]) >= 3 and all(norm > 0.5 for norm in want["norms"]), want
         for stage, got in runs.items():

@@ -232,15 +232,52 @@ class Strategy(DDPStrategy):
 
 # -- pieces ---------------------------------------------------------------------------------------
 class _ClipsTheModel:
-    """A precision plugin whose clipping (and fp16 unscaling) acts on the model's params,
-    whose grads are global ([Note: grads seen by torch]), not on the optimizer's shards."""
+    """A precision plugin whose clipping acts on the model's params, whose grads are global
+    ([Note: grads seen by torch]), not on the optimizer's shards; with fp16's scaler it
+    unscales before the hooks and the clip, as Lightning's AMP plugin does for torch's
+    optimizers (it leaves the unscaling to the step of one that, like a
+    ``DistributedOptimizer``, can unscale in its step: hooks would see scaled grads)."""
 
     _flatshard_strategy: Any
+    _flatshard_unscaled: bool = False  # (since the last scaler update)
+
+    def optimizer_step(self, optimizer: Any, model: Any, closure: Any, **kwargs: Any) -> Any:
+        scaler = getattr(self, "scaler", None)
+        if scaler is None or not _is_flat(optimizer):
+            return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
+        result = closure()  # (the step's forward and backward)
+        self._unscale_once(optimizer)
+        self._after_closure(model, optimizer)  # type: ignore[attr-defined]  (hooks, the clip)
+        if model.automatic_optimization and result is None:  # (the step skipped its backward)
+            return result
+        out = scaler.step(optimizer, **kwargs)
+        scaler.update()
+        self._flatshard_unscaled = False
+        return out
+
+    def clip_gradients(
+        self, optimizer: Any, clip_val: float = 0.0, gradient_clip_algorithm: Any = "norm"
+    ) -> None:
+        if not _is_flat(optimizer):
+            return super().clip_gradients(optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[misc]
+        if clip_val > 0:
+            self._unscale_once(optimizer)
+        Precision.clip_gradients(self, optimizer, clip_val, gradient_clip_algorithm)  # type: ignore[arg-type]
 
     def main_params(self, optimizer: torch.optim.Optimizer) -> Any:
-        if not isinstance(unwrap_optimizer(optimizer), DistributedOptimizer):
+        if not _is_flat(optimizer):
             return super().main_params(optimizer)  # type: ignore[misc]
         return [p for p in self._flatshard_strategy._module.parameters() if p.grad is not None]
+
+    def _unscale_once(self, optimizer: Any) -> None:
+        scaler = getattr(self, "scaler", None)
+        if scaler is not None and not self._flatshard_unscaled:
+            scaler.unscale_(optimizer)
+            self._flatshard_unscaled = True
+
+
+def _is_flat(optimizer: Any) -> bool:
+    return isinstance(unwrap_optimizer(optimizer), DistributedOptimizer)
 
 
 def _clipping_the_model(plugin: Precision, strategy: Strategy) -> Precision:
@@ -248,6 +285,13 @@ def _clipping_the_model(plugin: Precision, strategy: Strategy) -> Precision:
         plugin.__class__ = type(f"Sharded{type(plugin).__name__}", (_ClipsTheModel, type(plugin)), {})
     plugin._flatshard_strategy = weakref.proxy(strategy)  # type: ignore[attr-defined]
     return _with_sharded_scaler(plugin)
+
+
+def _unscale(plugin: Any, optimizer: Any) -> None:
+    """fp16 under Fabric: the grads unscaled before a clip (the step then skips its own)."""
+    scaler = getattr(plugin, "scaler", None)
+    if scaler is not None:
+        scaler.unscale_(optimizer)
 
 
 def _with_sharded_scaler(plugin: Any) -> Any:
@@ -350,13 +394,13 @@ class FabricStrategy(FabricDDPStrategy):
         norm_type: float | int = 2.0,
         error_if_nonfinite: bool = True,
     ) -> torch.Tensor:
-        self.precision.unscale_gradients(optimizer)
+        _unscale(self.precision, optimizer)
         return torch.nn.utils.clip_grad_norm_(
             module.parameters(), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
     def clip_gradients_value(self, module: nn.Module, optimizer: Any, clip_val: float | int) -> None:
-        self.precision.unscale_gradients(optimizer)
+        _unscale(self.precision, optimizer)
         torch.nn.utils.clip_grad_value_(module.parameters(), clip_val)
 
     def save_checkpoint(
