@@ -247,7 +247,8 @@ class _ClipsTheModel:
             return super().optimizer_step(optimizer, model, closure, **kwargs)  # type: ignore[misc]
         result = closure()  # (the step's forward and backward)
         self._unscale_once(optimizer)
-        self._after_closure(model, optimizer)  # type: ignore[attr-defined]  (hooks, the clip)
+        # (then the hooks and the clip)
+        self._after_closure(model, optimizer)  # type: ignore[attr-defined]
         if model.automatic_optimization and result is None:  # (the step skipped its backward)
             return result
         out = scaler.step(optimizer, **kwargs)
