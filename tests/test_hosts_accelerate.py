@@ -10,6 +10,7 @@ loss and each clip's norm within 1e-5 relative of DDP's.
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -18,6 +19,7 @@ from flatshard.toolkit.testing import run_distributed
 from test_hosts_hf import _model, _Tokens
 
 accelerate = pytest.importorskip("accelerate")
+load_file = pytest.importorskip("safetensors.torch").load_file
 
 
 def _loop(accelerator, model, optimizer, loader, schedule) -> list[tuple[float, float]]:
@@ -72,3 +74,56 @@ def test_the_accelerate_loop_follows_its_ddp(world_size, stages):
             for (loss, norm), (loss_ref, norm_ref) in zip(got, want, strict=True):
                 assert loss == pytest.approx(loss_ref, rel=1e-5), (stage, got, want)
                 assert norm == pytest.approx(norm_ref, rel=1e-5), (stage, got, want)
+
+
+def _steps(out: str, stage: int, save: bool) -> dict:
+    """The loop above on a sharded model; ``save``: ``accelerator.save_state`` after step 2
+    (micro-batch 4) and ``save_model`` at the end; else ``load_state`` of that state first
+    and the loader skips the 4 micro-batches it holds."""
+    import flatshard
+    from flatshard.hosts.accelerate import prepare
+
+    accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = flatshard.shard(_model(), stage=stage)
+    optimizer = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=2, shuffle=False)
+    model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
+    schedule = accelerator.prepare(torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4))
+    if not save:
+        accelerator.load_state(f"{out}/state")
+        loader = accelerator.skip_first_batches(loader, 4)
+    start = model.full_state_dict()
+    logged, saved = [], None
+    for i, batch in enumerate(loader):
+        with accelerator.accumulate(model):
+            loss = model(**batch).loss
+            accelerator.backward(loss)
+            norm = accelerator.clip_grad_norm_(model.parameters(), 0.5) if accelerator.sync_gradients else 0.0
+            optimizer.step()
+            schedule.step()
+            optimizer.zero_grad()
+        logged.append((float(loss), float(norm)))
+        if save and i == 3:
+            accelerator.save_state(f"{out}/state")
+            saved = model.full_state_dict()
+    if save:
+        accelerator.save_model(model, f"{out}/model")
+    return {"logged": logged, "start": start, "saved": saved, "end": model.full_state_dict()}
+
+
+def test_save_state_and_load_state_resume_exactly_and_at_another_world_size_and_stage(tmp_path):
+    """``accelerator.save_state`` after step 2 of 4 on 2 ranks at stage 2: ``load_state`` on 2
+    ranks gives steps 3-4 to the bit; on 3 ranks at stage 3 the run starts from the saved
+    params, to the bit. ``save_model`` writes the full weights (gathered from the shards)."""
+    whole = run_distributed(_steps, 2, str(tmp_path), 2, True, init=False)
+    assert "flatshard" in os.listdir(tmp_path / "state"), os.listdir(tmp_path / "state")
+    assert not any(name.startswith("optimizer") for name in os.listdir(tmp_path / "state"))
+    resumed = run_distributed(_steps, 2, str(tmp_path), 2, False, init=False)
+    for a, b in zip(whole, resumed, strict=True):
+        assert b["logged"] == a["logged"][4:], (a["logged"], b["logged"])
+    elsewhere = run_distributed(_steps, 3, str(tmp_path), 3, False, init=False)
+    assert all(torch.equal(elsewhere[0]["start"][k], v) for k, v in whole[0]["saved"].items())
+    loaded = load_file(tmp_path / "model" / "model.safetensors")
+    assert loaded and all(torch.equal(v, whole[0]["end"][k]) for k, v in loaded.items()), (
+        "save_model wrote others"
+    )

@@ -1,16 +1,33 @@
 """flatshard under Hugging Face accelerate: ``prepare(accelerator, model, optimizer, ...)`` in
-place of ``accelerator.prepare(...)`` ([Note: hosted training] in ``hf.py``)."""
+place of ``accelerator.prepare(...)`` ([Note: hosted training] in ``hf.py``).
+
+After ``prepare`` the accelerator's own ``save_state`` / ``load_state`` and
+``get_state_dict`` / ``save_model`` work with the sharded model: ``save_state`` writes a
+flatshard checkpoint of each sharded model and its ``DistributedOptimizer`` (``flatshard/``
+in the state's folder; every rank writes its pieces) and leaves the rest (schedulers, data
+samplers, the scaler, RNG states, registered objects, other models) to accelerate;
+``load_state`` reads it back at any world size and stage; ``get_state_dict`` gathers the
+full state dict (rank 0 gets it), so ``save_model`` writes what ``from_pretrained`` loads.
+"""
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
 
+from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
 from flatshard.engine.dynamo import uncompiled
+from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.optim.grad_scaler import ShardedGradScaler
 from flatshard.wrap.module import ShardedModule
+
+CHECKPOINT = "flatshard"
+"""The flatshard checkpoint's folder in a state folder (``flatshard_1`` for a second model)."""
 
 
 def prepare(accelerator: Any, *objects: Any) -> Any:
@@ -37,7 +54,80 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
     use_sharded_scaler(accelerator)
     for model in models:  # (then accelerator.prepare finds it prepared and wraps nothing around it)
         accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
+    if not isinstance(accelerator, _ShardedStates):  # (its save_state, load_state, get_state_dict)
+        accelerator.__class__ = type(
+            f"Sharded{type(accelerator).__name__}", (_ShardedStates, type(accelerator)), {}
+        )
     return accelerator.prepare(*objects)
+
+
+class _ShardedStates:
+    """An accelerator whose ``save_state``, ``load_state`` and ``get_state_dict`` take its
+    sharded models (see the module's docstring)."""
+
+    _models: list[Any]
+    _optimizers: list[Any]
+
+    def save_state(self, output_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        def write(models: Any, weights: Any, folder: str) -> None:  # (every rank: collective)
+            for i, (model, optimizer) in enumerate(sharded):
+                save_checkpoint(os.path.join(folder, _folder(i)), model, optimizer)
+
+        sharded = self._sharded_models()
+        with self._without_sharded(), _hook(self.register_save_state_pre_hook, write):  # type: ignore[attr-defined]
+            return super().save_state(output_dir, *args, **kwargs)  # type: ignore[misc]
+
+    def load_state(self, input_dir: str | None = None, *args: Any, **kwargs: Any) -> Any:
+        def read(models: Any, folder: str) -> None:
+            for i, (model, optimizer) in enumerate(sharded):
+                load_checkpoint(os.path.join(folder, _folder(i)), model, optimizer)
+
+        sharded = self._sharded_models()
+        with self._without_sharded(), _hook(self.register_load_state_pre_hook, read):  # type: ignore[attr-defined]
+            return super().load_state(input_dir, *args, **kwargs)  # type: ignore[misc]
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, Any]:
+        """The full state dict of a sharded model (every rank calls it; rank 0 gets it)."""
+        inner = uncompiled(self.unwrap_model(model))  # type: ignore[attr-defined]
+        if isinstance(inner, ShardedModule):
+            return inner.full_state_dict()
+        return super().get_state_dict(model, unwrap)  # type: ignore[misc]
+
+    def _sharded_models(self) -> list[tuple[Any, DistributedOptimizer | None]]:
+        """Each sharded model with the prepared ``DistributedOptimizer`` built over it."""
+        flat = [o for o in map(unwrap_optimizer, self._optimizers) if isinstance(o, DistributedOptimizer)]
+        models: list[Any] = [uncompiled(self.unwrap_model(m)) for m in self._models if self._is_sharded(m)]  # type: ignore[attr-defined]
+        return [(m, next((o for o in flat if o is m.flatshard_state.optimizer), None)) for m in models]
+
+    def _is_sharded(self, model: Any) -> bool:
+        return isinstance(uncompiled(self.unwrap_model(model)), ShardedModule)  # type: ignore[attr-defined]
+
+    @contextmanager
+    def _without_sharded(self) -> Iterator[None]:
+        """Accelerate's own save or load, of everything but the sharded models and their
+        ``DistributedOptimizer`` (it would save rank 0's shards as the whole state)."""
+        models, optimizers = self._models, self._optimizers
+        self._models = [m for m in models if not self._is_sharded(m)]
+        self._optimizers = [
+            o for o in optimizers if not isinstance(unwrap_optimizer(o), DistributedOptimizer)
+        ]
+        try:
+            yield
+        finally:
+            self._models, self._optimizers = models, optimizers
+
+
+@contextmanager
+def _hook(register: Callable[[Any], Any], hook: Callable[..., None]) -> Iterator[None]:
+    handle = register(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def _folder(index: int) -> str:
+    return CHECKPOINT if index == 0 else f"{CHECKPOINT}_{index}"
 
 
 def use_sharded_scaler(accelerator: Any) -> None:
