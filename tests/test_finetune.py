@@ -147,3 +147,36 @@ def test_a_sharded_transformers_model_saves_a_directory_from_pretrained_loads(tm
     for name, value in loaded.state_dict().items():
         assert value.dtype == torch.bfloat16, name
         assert torch.equal(value, r["full"][name].to(torch.bfloat16)), name
+
+
+def _split_job(out: str) -> dict:
+    model = flatshard.shard(tiny_llama(seed=0), stage=3, bucket_size=2000)
+    refused = []
+    for bad in (0, "lots", True):  # (refused on every rank, before any gather)
+        try:
+            flatshard.save_pretrained(model, out, max_shard_size=bad)
+        except ValueError as e:
+            refused.append(str(e))
+    flatshard.save_pretrained(model, out, max_shard_size="100KB")
+    return {"full": model.full_state_dict(), "refused": refused}
+
+
+def test_save_pretrained_splits_the_weights_at_max_shard_size(tmp_path):
+    """As ``transformers``' own: files of at most 100 KB and an index; ``from_pretrained``
+    gives the sharded model's weights, to the bit."""
+    (r, other) = run_distributed(_split_job, 2, str(tmp_path / "out"))
+    assert len(r["refused"]) == len(other["refused"]) == 3, r["refused"]
+    assert all("max_shard_size must be" in message for message in r["refused"]), r["refused"]
+    files = sorted(p.name for p in (tmp_path / "out").glob("model-*.safetensors"))
+    assert len(files) >= 2 and (tmp_path / "out" / "model.safetensors.index.json").exists(), files
+    assert all((tmp_path / "out" / f).stat().st_size <= 100_000 * 1.05 for f in files), files  # (+ header)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").state_dict()
+    for name, value in loaded.items():
+        assert torch.equal(value, r["full"][name]), name
+
+
+def test_an_adapter_is_one_file_and_max_shard_size_says_so(tmp_path):
+    model = peft.get_peft_model(tiny_llama(seed=0), _lora_config())
+    with pytest.raises(ValueError, match="adapter is written as one file"):
+        flatshard.save_pretrained(model, tmp_path / "adapter", max_shard_size="1MB")
+    assert not (tmp_path / "adapter").exists()

@@ -31,6 +31,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -108,10 +109,13 @@ def save_pretrained(
     *,
     merged: bool = False,
     dtype: torch.dtype | None = None,
+    max_shard_size: int | str | None = None,
 ) -> None:
     """Write ``model`` as a Hugging Face directory ([Note: pretrained directories]): a peft
     model's adapter (``merged=False``) or its merged base model (``merged=True``), or a
-    ``transformers`` model. Every rank calls it; rank 0 writes."""
+    ``transformers`` model. Every rank calls it; rank 0 writes. ``max_shard_size`` (bytes, or
+    ``transformers``' ``"5GB"``) splits the weights into files of at most that size with an
+    index, as ``transformers``' own ``save_pretrained`` does (an adapter is one file)."""
     model = uncompiled(model)
     check_dtype(dtype)
     if not isinstance(merged, bool):
@@ -121,6 +125,8 @@ def save_pretrained(
         raise TypeError(f"save_pretrained needs a transformers or peft model, got {type(model).__name__}")
     if merged and not peft:
         raise ValueError("merged=True merges a peft model's adapters; this model has none")
+    if max_shard_size is not None:  # (on every rank, before any gather)
+        _check_shard_size(max_shard_size, adapter=peft and not merged)
     if isinstance(model, ShardedModule):
         world = job_world(model)
         state = model.full_state_dict()  # (every rank: the gathers; rank 0 gets the values)
@@ -130,7 +136,9 @@ def save_pretrained(
     problem = b""
     if rank == 0:
         try:
-            _write(model, os.fspath(directory), state, merged=merged, peft=peft, dtype=dtype)
+            _write(
+                model, os.fspath(directory), state, merged=merged, peft=peft, dtype=dtype, size=max_shard_size
+            )
         except Exception as e:  # (every rank learns of it below)
             problem = f"{type(e).__name__}: {e}".encode()
             if world is None or world.size == 1:
@@ -141,14 +149,30 @@ def save_pretrained(
             raise CheckpointError(f"save_pretrained to {directory} failed on rank 0: {first.decode()}")
 
 
-def _write(model: Any, directory: str, state: dict, *, merged: bool, peft: bool, dtype) -> None:
+def _write(model: Any, directory: str, state: dict, *, merged: bool, peft: bool, dtype, size) -> None:
     if os.path.exists(directory) and (not os.path.isdir(directory) or os.listdir(directory)):
         raise FileExistsError(f"{directory} exists and is not empty: save_pretrained writes a new directory")
+    split = {} if size is None else {"max_shard_size": size}
     if peft and merged:
         base = model.get_base_model()
-        base.save_pretrained(directory, state_dict=cast(merged_state_dict(model, state), dtype))
+        base.save_pretrained(directory, state_dict=cast(merged_state_dict(model, state), dtype), **split)
     else:
-        model.save_pretrained(directory, state_dict=cast(state, dtype))
+        model.save_pretrained(directory, state_dict=cast(state, dtype), **split)
+
+
+_SIZE = re.compile(r"\d+(\.\d+)?\s*(B|KB|MB|GB|TB|KIB|MIB|GIB|TIB)", re.IGNORECASE)
+
+
+def _check_shard_size(size: object, *, adapter: bool) -> None:
+    """``max_shard_size`` as ``transformers`` reads it: a positive int of bytes or a size
+    such as ``"5GB"`` (decimal) or ``"4GiB"`` (binary)."""
+    if adapter:
+        raise ValueError("max_shard_size splits a model's weights; a peft adapter is written as one file")
+    ok = isinstance(size, int) and not isinstance(size, bool) and size > 0
+    if not (ok or (isinstance(size, str) and _SIZE.fullmatch(size.strip()))):
+        raise ValueError(
+            f"max_shard_size must be a positive number of bytes or a size such as '5GB', got {size!r}"
+        )
 
 
 def merged_state_dict(model: nn.Module, state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
