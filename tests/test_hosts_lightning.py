@@ -22,6 +22,7 @@ from flatshard.toolkit.testing import run_distributed
 from test_hosts_hf import _model, _Tokens
 
 pl = pytest.importorskip("lightning.pytorch")
+transformers = pytest.importorskip("transformers")
 
 
 class _Module(pl.LightningModule):
@@ -161,6 +162,7 @@ class _Params(pl.Callback):
 def _two_epochs(out: str, stage: int, ckpt_path: str | None = None) -> dict:
     """Two epochs (4 steps each on 2 ranks), a checkpoint at the end of each; or, from
     ``ckpt_path``, the rest of the two epochs."""
+    import flatshard
     import flatshard.hosts.lightning as fl
 
     world_size = int(os.environ["WORLD_SIZE"])
@@ -177,7 +179,9 @@ def _two_epochs(out: str, stage: int, ckpt_path: str | None = None) -> dict:
     )
     trainer.fit(module, _loader(), ckpt_path=ckpt_path)
     first = getattr(params, "after_first_epoch", None)
+    flatshard.save_pretrained(module.model, f"{out}/hf")  # (the transformers model the module holds)
     return {
+        "end": {k.removeprefix("model."): v for k, v in module.full_state_dict().items()},
         "losses": module.losses,
         "steps": trainer.global_step,
         "start": params.start,
@@ -199,6 +203,10 @@ def test_a_checkpoint_resumes_exactly(tmp_path):
         assert b["losses"] == a["losses"][8:], (rank, a["losses"], b["losses"])
         if rank == 0:
             assert all(torch.equal(b["start"][k], v) for k, v in a["after_first_epoch"].items())
+    # flatshard.save_pretrained(module.model, ...) of a sharded LightningModule: from_pretrained loads it
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "hf").state_dict()
+    assert loaded.keys() <= resumed[0]["end"].keys() and len(loaded) > 10, sorted(loaded)[:5]
+    assert all(torch.equal(v, resumed[0]["end"][k]) for k, v in loaded.items())
 
 
 def test_a_checkpoint_of_2_ranks_resumes_on_3_at_another_stage(tmp_path):

@@ -43,7 +43,7 @@ from flatshard.checkpoint.weights import PEFT_PREFIX, load_source
 from flatshard.comm.world import all_gather_bytes
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError
-from flatshard.wrap.module import ShardedModule, job_world
+from flatshard.wrap.module import ShardedModule, job_world, sharded_root
 from flatshard.wrap.record import cast, check_dtype
 
 
@@ -113,7 +113,8 @@ def save_pretrained(
 ) -> None:
     """Write ``model`` as a Hugging Face directory ([Note: pretrained directories]): a peft
     model's adapter (``merged=False``) or its merged base model (``merged=True``), or a
-    ``transformers`` model. Every rank calls it; rank 0 writes. ``max_shard_size`` (bytes, or
+    ``transformers`` model, sharded itself or held by a sharded module (a LightningModule's
+    ``self.model``). Every rank calls it; rank 0 writes. ``max_shard_size`` (bytes, or
     ``transformers``' ``"5GB"``) splits the weights into files of at most that size with an
     index, as ``transformers``' own ``save_pretrained`` does (an adapter is one file)."""
     model = uncompiled(model)
@@ -127,9 +128,12 @@ def save_pretrained(
         raise ValueError("merged=True merges a peft model's adapters; this model has none")
     if max_shard_size is not None:  # (on every rank, before any gather)
         _check_shard_size(max_shard_size, adapter=peft and not merged)
-    if isinstance(model, ShardedModule):
-        world = job_world(model)
-        state = model.full_state_dict()  # (every rank: the gathers; rank 0 gets the values)
+    held = None if isinstance(model, ShardedModule) else sharded_root(model)
+    if isinstance(model, ShardedModule) or held is not None:
+        root, prefix = (model, "") if held is None else (held[0], held[1] + ".")
+        world = job_world(root)
+        full = root.full_state_dict()  # (every rank: the gathers; rank 0 gets the values)
+        state = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
         rank = world.rank
     else:
         world, state, rank = None, {k: v.detach().cpu() for k, v in model.state_dict().items()}, 0

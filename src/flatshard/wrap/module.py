@@ -3,6 +3,7 @@ FSDP2, so the user's ``forward``, parameter names and state-dict keys stay as th
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
@@ -388,4 +389,18 @@ def make_sharded(module: nn.Module, state: ShardState) -> ShardedModule:
         _CLASS_CACHE[cls] = new_cls
     module.__class__ = new_cls
     setattr(module, "_flatshard", state)  # noqa: B010 (nn.Module.__setattr__'s stub types values as tensors or modules)
+    _SHARDED.add(module)
     return module  # type: ignore[return-value]
+
+
+_SHARDED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # every module shard() returned
+
+
+def sharded_root(module: nn.Module) -> tuple[ShardedModule, str] | None:
+    """The sharded module that holds ``module`` as a submodule (a LightningModule sharded
+    whole holds its ``transformers`` model), and ``module``'s name in it; None if none does."""
+    for root in list(_SHARDED):
+        for name, sub in root.named_modules():
+            if sub is module and name:
+                return root, name  # type: ignore[return-value]
+    return None
