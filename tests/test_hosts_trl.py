@@ -174,12 +174,15 @@ def _dpo_against_ddp(runs: list[tuple[int, bool]], out: str) -> dict:
         )
         trainer.train()
         logged[key] = _logged(trainer)
+        if not lora and stage is not None:  # (at stage 3 the reference is sharded too)
+            logged[("reference sharded", stage)] = hasattr(trainer.ref_model, "flatshard_state")
     return logged
 
 
 def test_dpo_follows_trls_ddp_with_a_reference_model_and_with_lora(tmp_path):
     runs = [(2, False), (3, False), (3, True)]
     for logged in run_distributed(_dpo_against_ddp, 2, runs, str(tmp_path), init=False):
+        assert logged[("reference sharded", 3)] and not logged[("reference sharded", 2)], logged
         for stage, lora in runs:
             want, got = logged[("ddp", lora)], logged[(stage, lora)]
             assert len(want) == 3 and want[-1][0] < want[0][0], want  # (the preference loss falls)

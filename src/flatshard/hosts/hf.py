@@ -11,7 +11,8 @@ where the host would otherwise break them:
 * **Sharded once the host has prepared the model.** With ``shard=``, the host's own
   ``__init__`` runs on the plain model first (TRL adds its peft adapters, copies a reference
   model, resizes embeddings), exactly as under its DDP; then the model it kept is sharded in
-  place (the same object, so every reference the host holds stays valid).
+  place (the same object, so every reference the host holds stays valid). At stage 3 a
+  frozen reference model (DPO's ``ref_model``) is sharded too.
 * **No wrapper on top.** The host prepares the model for evaluation only (autocast, no
   DDP): flatshard's hooks reduce the grads (DDP on top is refused anyway).
 * **Only flatshard's optimizer steps.** The host's choice of optimizer (``args.optim``, or
@@ -47,6 +48,7 @@ import torch.distributed as dist
 from torch import nn
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
+from flatshard.engine.dynamo import uncompiled
 from flatshard.hosts.accelerate import use_sharded_scaler
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
@@ -102,6 +104,7 @@ class ShardedTrainerMixin:
         host_init(*positional, **kwargs)
         if how is not None:  # sharded in place (same object) once the host prepared the model
             self.model = self.model_wrapped = _sharded(self.model, how, args.device)
+            _shard_reference(self, how, args.device)
 
     # -- the host's pieces ------------------------------------------------------------------
     def create_accelerator_and_postprocess(self) -> None:
@@ -205,6 +208,18 @@ def _sharded(model: nn.Module, how: int | Mapping[str, Any], device: torch.devic
             "no process group: TrainingArguments starts it under torchrun (use_cpu=True on CPU)"
         )
     return shard_model(model.to(device), **options)
+
+
+def _shard_reference(trainer: Any, how: int | Mapping[str, Any], device: torch.device) -> None:
+    """A frozen model the host keeps beside the trained one (TRL's DPO ``ref_model``): at
+    stage 3 sharded too, each rank holding its shards of it, as TRL shards it under FSDP or
+    ZeRO-3; below stage 3 it stays whole on every rank, as it does under DDP or ZeRO-1/2."""
+    options = {"stage": how} if isinstance(how, int) else dict(how)
+    reference = getattr(trainer, "ref_model", None)
+    if not isinstance(reference, nn.Module) or isinstance(uncompiled(reference), ShardedModule):
+        return
+    if options.get("stage") == 3:
+        trainer.ref_model = shard_model(reference.to(device), **options)
 
 
 def _distributed_optimizer(trainer: Any, model: nn.Module) -> DistributedOptimizer:
