@@ -128,9 +128,9 @@ def save_pretrained(
         raise ValueError("merged=True merges a peft model's adapters; this model has none")
     if max_shard_size is not None:  # (on every rank, before any gather)
         _check_shard_size(max_shard_size, adapter=peft and not merged)
-    held = None if isinstance(model, ShardedModule) else sharded_root(model)
-    if isinstance(model, ShardedModule) or held is not None:
-        root, prefix = (model, "") if held is None else (held[0], held[1] + ".")
+    held = (model, "") if isinstance(model, ShardedModule) else sharded_root(model)
+    if held is not None:
+        root, prefix = held[0], held[1] + "." if held[1] else ""
         world = job_world(root)
         full = root.full_state_dict()  # (every rank: the gathers; rank 0 gets the values)
         state = {k[len(prefix) :]: v for k, v in full.items() if k.startswith(prefix)}
