@@ -4,7 +4,9 @@
 ranks, then resumes its checkpoint on 3, as torchrun runs it (``run_script``: torchrun's
 environment, in ranks forked with torch already imported). The fine-tuning example asserts
 by itself that the sharded model's tokens equal the reloaded adapter model's, on every
-rank; the Lightning example, that the validation loss falls."""
+rank; the Lightning example, that the validation loss falls; ``examples/hf_trainer.py`` (the
+Trainer's page runs its own blocks), that the eval loss falls and ``from_pretrained`` loads the
+weights it trained."""
 
 import re
 import shutil
@@ -67,3 +69,15 @@ def test_the_lightning_example_learns_and_resumes_on_3_ranks_at_another_stage(tm
     second = "".join(run_script(example, 3, *again, cwd=tmp_path))
     assert ("after 2 epochs" if fabric else "after 24 steps") in first, first[-2000:]
     assert ("after 3 epochs" if fabric else "after 32 steps") in second, second[-2000:]
+
+
+def test_the_trainer_example_learns_saves_and_resumes_on_3_ranks_at_another_stage(tmp_path):
+    """24 steps on 2 ranks at stage 3 (checkpoints at 12 and 24), then on to 36 on 3 ranks at
+    stage 2 from step 24's; each run checks that its eval loss falls and that
+    ``from_pretrained`` loads the weights it trained."""
+    example, out = ROOT / "examples" / "hf_trainer.py", str(tmp_path / "run")
+    first = "".join(run_script(example, 2, "--out", out, "--stage", "3", cwd=tmp_path))
+    again = ["--out", out, "--stage", "2", "--steps", "36", "--resume", f"{out}/checkpoint-24"]
+    second = "".join(run_script(example, 3, *again, cwd=tmp_path))
+    assert "after 24 steps" in first, first[-2000:]
+    assert "after 36 steps" in second, second[-2000:]
