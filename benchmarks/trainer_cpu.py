@@ -113,7 +113,9 @@ def _hosted(name: str, steps: int, out: str) -> tuple[list[float], float | None]
     times: list[float] = []
 
     class Clock(transformers.TrainerCallback):
-        def on_step_begin(self, args, state, control, **kwargs):
+        def on_step_begin(self, args, state, control, model=None, **kwargs):
+            if state.global_step == WARMUP and hasattr(model, "comm_stats"):
+                model.comm_stats.reset()  # (the timed steps' bytes only)
             self.start = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kwargs):
@@ -142,7 +144,7 @@ def _hosted(name: str, steps: int, out: str) -> tuple[list[float], float | None]
     trainer = host(model=_model(), args=args, train_dataset=data, callbacks=[Clock()], **sharding)
     trainer.train()
     stats = getattr(trainer.model, "comm_stats", None)
-    return times[WARMUP:], None if stats is None else stats.total_wire_bytes / steps
+    return times[WARMUP:], None if stats is None else stats.total_wire_bytes / (steps - WARMUP)
 
 
 def _loop(name: str, steps: int, out: str) -> tuple[list[float], float | None]:
@@ -163,12 +165,13 @@ def _loop(name: str, steps: int, out: str) -> tuple[list[float], float | None]:
     batches = iter(torch.utils.data.DataLoader(data, batch_size=4, sampler=sampler, drop_last=True))
     times = []
     for step in range(steps):
+        micro_batches = [next(batches), next(batches)]  # (fetched before the clock, as the Trainer does)
         start = time.perf_counter()
         if step == WARMUP:
             model.comm_stats.reset()
-        for micro in range(2):
+        for micro, batch in enumerate(micro_batches):
             with model.no_sync() if micro == 0 else contextlib.nullcontext():
-                (model(**next(batches)).loss / 2).backward()
+                (model(**batch).loss / 2).backward()
         optimizer.clip_grad_norm_(1.0)
         optimizer.step()
         schedule.step()
