@@ -255,3 +255,38 @@ def test_what_would_train_wrong_is_refused_before_training(tmp_path):
         assert "flatshard.DistributedOptimizer" in refused["a torch optimizer"], refused
         assert "load_best_model_at_end" in refused["best model"], refused
         assert "shard=STAGE" in refused["not sharded"], refused
+
+
+def _compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """Each decoder layer compiled, as flatshard's compile page teaches (``aot_eager``: dynamo's
+    graphs and AOT autograd's, as inductor receives them, without its C++ build)."""
+    for layer in model.model.layers:
+        layer.compile(backend="aot_eager")
+    return model
+
+
+def _compiled_against_ddp(stages: list[int], out: str) -> dict:
+    from flatshard.hosts import hf
+
+    model, data = _model(), _Tokens()
+    reference = transformers.Trainer(
+        model=_compiled(copy.deepcopy(model)), args=_args(f"{out}/ddp"), train_dataset=data
+    )
+    reference.train()
+    logged = {"ddp": _logged(reference)}
+    for stage in stages:
+        trainer = hf.Trainer(
+            model=_compiled(copy.deepcopy(model)),
+            args=_args(f"{out}/{stage}"),
+            train_dataset=data,
+            shard=stage,
+        )
+        trainer.train()
+        logged[stage] = _logged(trainer)
+    return logged
+
+
+def test_the_trainer_follows_its_ddp_with_compiled_layers(tmp_path):
+    """The same compiled layers on both sides: the same tolerance as uncompiled."""
+    for logged in run_distributed(_compiled_against_ddp, 2, [2, 3], str(tmp_path), init=False):
+        _check_follows(logged, rel=1e-5)

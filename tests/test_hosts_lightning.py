@@ -352,3 +352,32 @@ def test_fabric_checkpoints_resume_exactly_and_at_another_world_size_and_stage(t
     elsewhere = run_distributed(_fabric_saves_and_resumes, 3, str(tmp_path / "c"), 3, ckpt, init=False)
     assert all(torch.equal(elsewhere[0]["start"][k], v) for k, v in whole[0]["saved"].items())
     assert all(r["step"] == 3 and len(r["losses"]) == 2 for r in elsewhere), elsewhere
+
+
+def _compiled_against_ddp(stages: list[int], out: str) -> dict:
+    """Lightning's own compile path, ``trainer.fit(torch.compile(module))`` (its steps compiled;
+    ``aot_eager``: dynamo's and AOT autograd's graphs without inductor's C++ build), under
+    flatshard's strategy, against Lightning's DDP on the module uncompiled (the same ops)."""
+    import flatshard.hosts.lightning  # noqa: F401
+
+    model, world_size = _model(), int(os.environ["WORLD_SIZE"])
+    logged = {}
+    for stage in ["ddp", *stages]:
+        module = _Module(copy.deepcopy(model))
+        name = "ddp" if stage == "ddp" else f"flatshard_stage_{stage}"
+        trainer = _trainer(name, f"{out}/{stage}", world_size)
+        compiled = module if stage == "ddp" else torch.compile(module, backend="aot_eager")
+        trainer.fit(compiled, _loader())
+        logged[stage] = {"losses": module.losses, "norms": module.norms}
+    return logged
+
+
+def test_a_compiled_lightning_module_follows_its_ddp(tmp_path):
+    """At stage 3, whose hooks gather and free params around every unit (one stage: tracing the
+    module's steps costs ~15 s here)."""
+    for logged in run_distributed(_compiled_against_ddp, 2, [3], str(tmp_path), init=False):
+        want = logged.pop("ddp")
+        assert len(want["losses"]) == 8 and len(want["norms"]) == 4, want
+        for stage, got in logged.items():
+            for key in ("losses", "norms"):
+                assert got[key] == pytest.approx(want[key], rel=1e-5), (stage, key, got, want)

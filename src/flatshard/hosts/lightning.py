@@ -1,5 +1,6 @@
-"""flatshard under Lightning's ``Trainer``: ``Trainer(strategy="flatshard")`` (once this
-module is imported) or ``Trainer(strategy=Strategy(stage=3, ...))``.
+"""flatshard under Lightning's ``Trainer`` and ``Fabric``: ``strategy="flatshard"`` (once this
+module is imported), ``Trainer(strategy=Strategy(stage=3, ...))`` or
+``Fabric(strategy=FabricStrategy(stage=3, ...))``.
 
 [Note: Lightning's strategy]
 
@@ -25,6 +26,9 @@ over ([Note: hosted training] in ``hf.py`` says why each matters):
   ``fit(ckpt_path=...)`` loads it after setup, at any world size and stage.
 * **Teardown leaves the model where it is** (Lightning's moves it to the CPU: a sharded
   param cannot move).
+
+``FabricStrategy`` takes the same decisions where Fabric asks for them: ``setup`` (shard,
+rebuild), ``no_backward_sync``, ``clip_gradients``, ``save`` and ``load``.
 """
 
 from __future__ import annotations
