@@ -22,10 +22,11 @@ accelerate = pytest.importorskip("accelerate")
 load_file = pytest.importorskip("safetensors.torch").load_file
 
 
-def _loop(accelerator, model, optimizer, loader, schedule) -> list[tuple[float, float]]:
-    """The loop accelerate's docs teach; (loss, clip's norm or 0.0) per micro-batch."""
+def _loop(accelerator, model, optimizer, loader, schedule, after=None) -> list[tuple[float, float]]:
+    """The loop accelerate's docs teach; (loss, clip's norm or 0.0) per micro-batch;
+    ``after(i)`` after micro-batch ``i``."""
     out = []
-    for batch in loader:
+    for i, batch in enumerate(loader):
         with accelerator.accumulate(model):
             loss = model(**batch).loss
             accelerator.backward(loss)
@@ -34,6 +35,8 @@ def _loop(accelerator, model, optimizer, loader, schedule) -> list[tuple[float, 
             schedule.step()
             optimizer.zero_grad()
         out.append((float(loss), float(norm)))
+        if after is not None:
+            after(i)
     return out
 
 
@@ -92,20 +95,14 @@ def _steps(out: str, stage: int, save: bool) -> dict:
     if not save:
         accelerator.load_state(f"{out}/state")
         loader = accelerator.skip_first_batches(loader, 4)
-    start = model.full_state_dict()
-    logged, saved = [], None
-    for i, batch in enumerate(loader):
-        with accelerator.accumulate(model):
-            loss = model(**batch).loss
-            accelerator.backward(loss)
-            norm = accelerator.clip_grad_norm_(model.parameters(), 0.5) if accelerator.sync_gradients else 0.0
-            optimizer.step()
-            schedule.step()
-            optimizer.zero_grad()
-        logged.append((float(loss), float(norm)))
+    start, saved = model.full_state_dict(), {}
+
+    def save_after_step_2(i: int) -> None:
         if save and i == 3:
             accelerator.save_state(f"{out}/state")
-            saved = model.full_state_dict()
+            saved.update(model.full_state_dict())
+
+    logged = _loop(accelerator, model, optimizer, loader, schedule, after=save_after_step_2)
     if save:
         accelerator.save_model(model, f"{out}/model")
     return {"logged": logged, "start": start, "saved": saved, "end": model.full_state_dict()}

@@ -53,20 +53,22 @@ def _model() -> torch.nn.Module:
     return tiny_model("llama", seq_len=SEQ)
 
 
-def _against_ddp(stages: list[int], out: str, optim: str, **more) -> dict:
-    """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage."""
+def _against_ddp(stages: list[int], out: str, optim: str, prepare=None, **more) -> dict:
+    """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage; each
+    side's copy of the model through ``prepare`` first, if given."""
     from flatshard.hosts import hf
 
     model, data = _model(), _Tokens()
+    fresh = (lambda: prepare(copy.deepcopy(model))) if prepare else (lambda: copy.deepcopy(model))
     logged = {}
     reference = transformers.Trainer(
-        model=copy.deepcopy(model), args=_args(f"{out}/ddp", optim=optim, **more), train_dataset=data
+        model=fresh(), args=_args(f"{out}/ddp", optim=optim, **more), train_dataset=data
     )
     reference.train()
     logged["ddp"] = [*_logged(reference), (reference.evaluate(data)["eval_loss"], 1.0)]
     for stage in stages:
         args = _args(f"{out}/{stage}", optim=optim, **more)
-        trainer = hf.Trainer(model=copy.deepcopy(model), args=args, train_dataset=data, shard=stage)
+        trainer = hf.Trainer(model=fresh(), args=args, train_dataset=data, shard=stage)
         trainer.train()
         logged[stage] = [*_logged(trainer), (trainer.evaluate(data)["eval_loss"], 1.0)]
     return logged
@@ -265,28 +267,9 @@ def _compiled(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _compiled_against_ddp(stages: list[int], out: str) -> dict:
-    from flatshard.hosts import hf
-
-    model, data = _model(), _Tokens()
-    reference = transformers.Trainer(
-        model=_compiled(copy.deepcopy(model)), args=_args(f"{out}/ddp"), train_dataset=data
-    )
-    reference.train()
-    logged = {"ddp": _logged(reference)}
-    for stage in stages:
-        trainer = hf.Trainer(
-            model=_compiled(copy.deepcopy(model)),
-            args=_args(f"{out}/{stage}"),
-            train_dataset=data,
-            shard=stage,
-        )
-        trainer.train()
-        logged[stage] = _logged(trainer)
-    return logged
-
-
 def test_the_trainer_follows_its_ddp_with_compiled_layers(tmp_path):
     """The same compiled layers on both sides: the same tolerance as uncompiled."""
-    for logged in run_distributed(_compiled_against_ddp, 2, [2, 3], str(tmp_path), init=False):
+    for logged in run_distributed(
+        _against_ddp, 2, [2, 3], str(tmp_path), "adamw_torch", _compiled, init=False
+    ):
         _check_follows(logged, rel=1e-5)
