@@ -130,14 +130,15 @@ def _folder(index: int) -> str:
     return CHECKPOINT if index == 0 else f"{CHECKPOINT}_{index}"
 
 
-def use_sharded_scaler(accelerator: Any) -> None:
-    """fp16: the accelerator's ``GradScaler`` becomes a ``ShardedGradScaler`` with its
-    settings ([Note: grad scaler]); before the optimizer is prepared, which keeps it."""
-    old = getattr(accelerator, "scaler", None)
-    if old is None or isinstance(old, ShardedGradScaler):
+def use_sharded_scaler(holder: Any, device: str | None = None) -> None:
+    """fp16: ``holder.scaler`` (an accelerator's; a Lightning precision plugin's), a torch
+    ``GradScaler``, becomes a ``ShardedGradScaler`` with its settings on ``device`` (default
+    the accelerator's) ([Note: grad scaler]); before the optimizer is prepared, which keeps it."""
+    old = getattr(holder, "scaler", None)
+    if not isinstance(old, torch.amp.GradScaler) or isinstance(old, ShardedGradScaler):
         return
-    accelerator.scaler = ShardedGradScaler(
-        accelerator.device.type,
+    holder.scaler = ShardedGradScaler(
+        device or holder.device.type,
         init_scale=old.get_scale() if old.is_enabled() else 2.0**16,
         growth_factor=old.get_growth_factor(),
         backoff_factor=old.get_backoff_factor(),

@@ -45,10 +45,10 @@ from torch import nn
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
 from flatshard.engine.dynamo import uncompiled
+from flatshard.hosts.accelerate import use_sharded_scaler
 from flatshard.hosts.optimizers import point_at, rebuilt
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
-from flatshard.optim.grad_scaler import ShardedGradScaler
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import shard as shard_model
 
@@ -300,18 +300,9 @@ def _unscale(plugin: Any, optimizer: Any) -> None:
 
 
 def _with_sharded_scaler(plugin: Any) -> Any:
-    """fp16 (``16-mixed``): the plugin's ``GradScaler`` becomes a ``ShardedGradScaler`` with its
-    settings ([Note: grad scaler]): one inf check for every rank."""
-    scaler = getattr(plugin, "scaler", None)
-    if isinstance(scaler, torch.amp.GradScaler) and not isinstance(scaler, ShardedGradScaler):
-        plugin.scaler = ShardedGradScaler(
-            getattr(plugin, "device", "cuda"),  # (MixedPrecision's device)
-            init_scale=scaler.get_scale() if scaler.is_enabled() else 2.0**16,
-            growth_factor=scaler.get_growth_factor(),
-            backoff_factor=scaler.get_backoff_factor(),
-            growth_interval=scaler.get_growth_interval(),
-            enabled=scaler.is_enabled(),
-        )
+    """fp16 (``16-mixed``): the plugin's ``GradScaler`` becomes a ``ShardedGradScaler``: one inf
+    check for every rank."""
+    use_sharded_scaler(plugin, getattr(plugin, "device", "cuda"))  # (MixedPrecision's device)
     return plugin
 
 
