@@ -9,10 +9,19 @@ of collection they run on the cores the multi-rank tests leave idle while their 
 on each other (the two cores are ~70% busy), and the test that needs the result waits only
 for what is left. A job starts only if a test of its module was selected; a test whose job
 was never started (its module run alone, by a tool) runs it there and then.
+
+Under pytest-xdist every worker collects every test, so only the first worker (``gw0``)
+starts the jobs; it leaves each result in a file named by the run, where a test on another
+worker reads it.
 """
 
 from __future__ import annotations
 
+import os
+import pickle
+import tempfile
+import time
+import traceback
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -32,20 +41,58 @@ class Early:
 
     def start(self) -> None:
         if self.future is None:
-            self.future = _POOL.submit(self.job)
+            self.future = _POOL.submit(self._run)
 
     def result(self) -> Any:
-        """The job's result (an exception it raised is raised here), started now if it was not."""
+        """The job's result (an exception it raised is raised here), started now if it was not
+        (on another xdist worker than the first: read from the first worker's file)."""
+        if _WORKER not in (None, "gw0"):
+            return self._read()
         self.start()
         assert self.future is not None
         return self.future.result()
 
+    def _file(self) -> Path:
+        return Path(tempfile.gettempdir()) / f"flatshard-early-{_RUN}" / f"{self.path.stem}.pickle"
+
+    def _run(self) -> Any:
+        if _WORKER is None:
+            return self.job()
+        try:
+            out: tuple[bool, Any] = (True, self.job())
+        except Exception:
+            out = (False, traceback.format_exc())
+        self._file().parent.mkdir(exist_ok=True)
+        partial = self._file().with_suffix(".partial")
+        partial.write_bytes(pickle.dumps(out))
+        partial.rename(self._file())  # (whole, or not there)
+        if not out[0]:
+            raise RuntimeError(out[1])
+        return out[1]
+
+    def _read(self) -> Any:
+        deadline = time.monotonic() + WAIT_S
+        while not self._file().exists():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"worker gw0 left no result of {self.path.name}'s early job in {WAIT_S} s")
+            time.sleep(0.5)
+        ok, value = pickle.loads(self._file().read_bytes())
+        if not ok:
+            raise RuntimeError(f"the early job of {self.path.name} raised on worker gw0:\n{value}")
+        return value
+
 
 JOBS: list[Early] = []
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+_RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+WAIT_S = 1200
 
 
 def start_selected(paths: set[Path]) -> None:
-    """Start every job whose module holds one of the selected tests (``paths``)."""
+    """Start every job whose module holds one of the selected tests (``paths``); under xdist,
+    on the first worker only."""
+    if _WORKER not in (None, "gw0"):
+        return
     for job in JOBS:
         if job.path in paths:
             job.start()

@@ -55,8 +55,8 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if len(_seconds) < BUDGET_MIN_TESTS:
-        return
+    if len(_seconds) < BUDGET_MIN_TESTS or hasattr(session.config, "workerinput"):
+        return  # (under xdist the controller sees every test's report and judges the whole run)
     _write_times(session.config)
     over = over_budget(_seconds, BUDGET_SHARE)
     if over:

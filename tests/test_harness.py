@@ -108,3 +108,82 @@ def test_a_run_within_budget_passes(pytester):
     # 40 equal tests: each 2.5% of the run, far from 8% even if one pays a start-up cost
     pytester.makepyfile("import time\n" + "".join(f"def test_{i}(): time.sleep(0.05)\n" for i in range(40)))
     assert pytester.runpytest("-p", "no:cacheprovider").ret == pytest.ExitCode.OK
+
+
+# -- reused ranks ([Note: reused ranks] in toolkit/rank_pool.py) ------------------------------
+
+
+def _leave_a_mess() -> int:
+    """Change what a test could forget to put back; this rank's pid."""
+    import flatshard.optim.agreement as agreement
+
+    os.environ["FLATSHARD_TEST_LEFTOVER"] = "1"
+    os.chdir("/")
+    torch.set_default_dtype(torch.float64)
+    torch.manual_seed(1234 + dist.get_rank())
+    agreement.CHECK_EVERY = -1
+    dist.new_group([0, 1])
+    return os.getpid()
+
+
+def _what_a_new_rank_sees() -> tuple:
+    import flatshard.optim.agreement as agreement
+
+    return (
+        os.getpid(),
+        os.environ.get("FLATSHARD_TEST_LEFTOVER"),
+        os.getcwd(),
+        torch.get_default_dtype(),
+        float(torch.rand(1)),
+        agreement.CHECK_EVERY,
+        dist.get_world_size(),
+    )
+
+
+def test_kept_ranks_find_each_run_as_new_ranks_would():
+    fresh = run_distributed(_what_a_new_rank_sees, 2, reuse=False)
+    pids = run_distributed(_leave_a_mess, 2)
+    seen = run_distributed(_what_a_new_rank_sees, 2)
+    assert [s[0] for s in seen] == pids  # the same processes
+    assert [s[1:] for s in seen] == [f[1:] for f in fresh]  # in the state of new ones
+    assert fresh[0][1:4] == (None, os.getcwd(), torch.float32)
+
+
+def _pid() -> int:
+    return os.getpid()
+
+
+def _raise_on_rank_1() -> None:
+    if dist.get_rank() == 1:
+        raise ValueError("rank 1's own error")
+
+
+def _start_a_thread() -> int:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(30,), daemon=True).start()
+    return os.getpid()
+
+
+@pytest.mark.parametrize("leaves", ["an error", "a thread"])
+def test_a_run_that_leaves_what_cannot_be_undone_retires_its_ranks(leaves):
+    """A failed run's group may hold half a collective, a thread may touch the next run."""
+    before = run_distributed(_pid, 2)
+    if leaves == "an error":
+        with pytest.raises(RankError, match="rank 1's own error"):
+            run_distributed(_raise_on_rank_1, 2)
+    else:
+        assert run_distributed(_start_a_thread, 2) == before
+    after = run_distributed(_pid, 2)
+    assert not set(after) & set(before)
+    assert run_distributed(_pid, 2) == after  # (and the new ones are kept)
+
+
+def test_a_run_beside_a_busy_pool_and_a_run_that_asks_get_new_ranks():
+    from concurrent.futures import ThreadPoolExecutor
+
+    kept = run_distributed(_pid, 2)
+    assert not set(run_distributed(_pid, 2, reuse=False)) & set(kept)
+    with ThreadPoolExecutor(2) as pool:  # one of the two finds the kept ranks busy
+        runs = [r.result() for r in [pool.submit(run_distributed, _rank_and_sum, 2) for _ in range(2)]]
+    assert runs[0] == runs[1] == [(r, 2, 1.0, 1) for r in range(2)]

@@ -195,8 +195,13 @@ class _Publisher(threading.Thread):
 _PUBLISHER: _Publisher | None = None
 
 
+_JOBS = [0, 0]
+"""Jobs this process ended with ``end_job`` (a job's positions are keyed by its number, so
+one job never reads another's), and how many waits failed in the current job."""
+
+
 def _key(rank: int) -> str:
-    return f"flatshard/position/{rank}"
+    return f"flatshard/position/{_JOBS[0]}/{rank}"
 
 
 def _default_store() -> dist.Store | None:
@@ -242,6 +247,24 @@ def _publish_exit(publisher: _Publisher | None = None) -> None:
 atexit.register(_publish_exit)
 
 
+def end_job() -> bool:
+    """End this process's job as its exit would (the position ``exited`` published), and
+    start the next from a fresh position under new keys: for a process that runs one job
+    after another in the same group (the test harness's reused ranks, [Note: reused ranks]
+    in ``toolkit/rank_pool.py``). Returns whether a wait failed in the job that ended: its
+    groups may then hold a half-done collective."""
+    global _PUBLISHER
+    if _PUBLISHER is not None:
+        _publish_exit()
+        _PUBLISHER.stopped.set()
+        _PUBLISHER.join(timeout=5 * PUBLISH_EVERY)
+        _PUBLISHER = None
+    Position.__init__(HERE)
+    failed = _JOBS[1] > 0
+    _JOBS[:] = [_JOBS[0] + 1, 0]
+    return failed
+
+
 def positions(ranks: list[int], wait: float = 3 * PUBLISH_EVERY) -> dict[int, dict | None]:
     """Every rank's published position, after ``wait`` seconds for the latest to arrive
     (this rank's own is published first)."""
@@ -274,6 +297,7 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
     """The error for the collective ``watched``, waited on from ``since`` (``time.time()``),
     that failed with ``err``, naming every rank's position as it was when the failure came."""
     now = time.time()
+    _JOBS[1] += 1
     found = positions(dist.get_process_group_ranks(watched.group))
     if _PUBLISHER is not None:  # the others keep reading where this rank failed, not its exit
         _PUBLISHER.stopped.set()

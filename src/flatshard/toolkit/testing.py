@@ -23,13 +23,11 @@ import io
 import multiprocessing as mp
 import os
 import pickle
-import queue
 import runpy
 import sys
-import time
+import threading
 import traceback
 from collections.abc import Callable
-from datetime import timedelta
 from multiprocessing import forkserver
 from typing import Any
 
@@ -37,23 +35,19 @@ import torch
 import torch.distributed as dist
 
 from flatshard.toolkit.malloc import cpu_malloc_env
+from flatshard.toolkit.rank_pool import Pool
+from flatshard.toolkit.ranks import RankError, collect, join, rank_env
+
+__all__ = ["PRELOAD", "RankError", "run_distributed", "run_script"]
 
 _CONTEXT: Any = None
+_POOLS: dict[tuple[int, str], Pool] = {}
+_POOLS_LOCK = threading.Lock()
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "flatshard"]
 """Modules the forkserver imports once before forking ranks, rather than each rank for
 seconds (torch._dynamo: shard() wraps its hooks with torch.compiler.disable). A process
 whose ranks need more (the test suite: inductor, transformers, peft) extends the list
 before its first ``run_distributed``; a module that is not installed is skipped."""
-
-
-class RankError(RuntimeError):
-    """A rank of ``run_distributed`` raised; the message carries its traceback."""
-
-    def __init__(self, rank: int, trace: str, others: dict[int, str]) -> None:
-        self.rank = rank
-        self.trace = trace
-        note = f" (ranks {sorted(others)} failed too)" if others else ""
-        super().__init__(f"rank {rank} failed{note}:\n{trace}")
 
 
 def _context() -> Any:
@@ -89,36 +83,48 @@ def run_distributed(
     backend: str = "gloo",
     threads: int | None = None,
     init: bool = True,
+    reuse: bool = True,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` ranks; return each rank's result.
 
     ``threads``: torch's intra-op threads per rank (default ``$FLATSHARD_TEST_THREADS``, else
     1), so that a whole suite can be run again under another thread count, whose kernels sum
-    in another order (a tolerance must hold under both)."""
+    in another order (a tolerance must hold under both). ``reuse``: run on the ranks kept from
+    an earlier run of this world size ([Note: reused ranks] in rank_pool.py), unless
+    ``$FLATSHARD_TEST_REUSE`` is ``0``; a run with ``init=False`` always has new ranks."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if threads is None:
         threads = int(os.environ.get("FLATSHARD_TEST_THREADS", "1"))
+    if init and reuse and os.environ.get("FLATSHARD_TEST_REUSE", "1") != "0":
+        pool = _idle_pool(world_size, backend)
+        if pool is not None:
+            try:
+                return pool.run(fn, args, kwargs, threads, timeout)
+            finally:
+                pool.busy.release()
+    return _run_new(fn, world_size, args, kwargs, timeout, backend, threads, init)
+
+
+def _idle_pool(world_size: int, backend: str) -> Pool | None:
+    """The kept ranks of this size, held for the caller; None while another thread runs on them."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get((world_size, backend))
+        if pool is None or not pool.alive:
+            pool = _POOLS[(world_size, backend)] = Pool(_context(), world_size, backend)
+        return pool if pool.busy.acquire(blocking=False) else None
+
+
+def _run_new(fn, world_size, args, kwargs, timeout, backend, threads, init) -> list[Any]:
+    """The run on ranks started for it alone."""
     store = dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, wait_for_workers=False)
     ctx = _context()
     results: Any = ctx.Queue()
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(
-                fn,
-                args,
-                kwargs,
-                rank,
-                world_size,
-                store.port,
-                backend,
-                threads,
-                timeout,
-                results,
-                init,
-            ),
+            args=(fn, args, kwargs, rank, world_size, store.port, backend, threads, timeout, results, init),
             daemon=True,
         )
         for rank in range(world_size)
@@ -126,7 +132,7 @@ def run_distributed(
     for p in procs:
         p.start()
     try:
-        return _collect(procs, results, world_size, timeout)
+        return collect(procs, results, timeout)[0]
     finally:
         for p in procs:
             if p.is_alive():
@@ -170,67 +176,19 @@ def _script_main(path: str, argv: list[str], cwd: str | None) -> str:
     return printed.getvalue()
 
 
-def _collect(procs: list[Any], results: Any, world_size: int, timeout: float) -> list[Any]:
-    deadline = time.monotonic() + timeout
-    done: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    first_error_at: float | None = None
-    while len(done) + len(errors) < world_size:
-        now = time.monotonic()
-        # after a failure, give the other ranks a moment to report their own errors
-        if first_error_at is not None and now - first_error_at > 2.0:
-            break
-        if now > deadline:
-            missing = sorted(set(range(world_size)) - set(done) - set(errors))
-            if errors:
-                break
-            raise TimeoutError(
-                f"run_distributed timed out after {timeout:.0f}s; ranks {missing} had not finished"
-            )
-        try:
-            rank, ok, payload = results.get(timeout=0.1)
-        except queue.Empty:
-            for rank, p in enumerate(procs):
-                if p.exitcode not in (None, 0) and rank not in done and rank not in errors:
-                    errors[rank] = f"rank {rank} exited with code {p.exitcode} without reporting"
-                    first_error_at = first_error_at or time.monotonic()
-            continue
-        if ok:
-            done[rank] = pickle.loads(payload)
-        else:
-            errors[rank] = payload
-            first_error_at = first_error_at or time.monotonic()
-    if errors:
-        first = next(iter(errors))  # the first to report is the cause; the rest follow from it
-        raise RankError(first, errors[first], {r: t for r, t in errors.items() if r != first})
-    return [done[r] for r in range(world_size)]
-
-
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeout, results, init) -> None:
     torch.set_num_threads(threads)
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_WORLD_SIZE=str(world_size),
-    )
+    rank_env(rank, world_size)
     if not init:  # (torchrun's agent hosts the store that env:// rendezvous joins; here the parent)
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
     try:
         if init:
-            _join(rank, world_size, port, backend, timeout)
+            join(rank, world_size, port, backend, timeout)
         # plain pickle copies tensors by value; the queue's own pickler would share them
         # through file descriptors that vanish when this process exits
-        out = pickle.dumps(fn(*args, **kwargs))
-        results.put((rank, True, out))
+        results.put((rank, True, pickle.dumps(fn(*args, **kwargs)), 0, ""))
     except BaseException:
-        results.put((rank, False, traceback.format_exc()))
+        results.put((rank, False, traceback.format_exc(), 0, ""))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-
-
-def _join(rank: int, world_size: int, port: int, backend: str, timeout: float) -> None:
-    deadline = timedelta(seconds=timeout)
-    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False, timeout=deadline)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, timeout=deadline)
