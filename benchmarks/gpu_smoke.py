@@ -110,7 +110,7 @@ if __name__ == "__main__":
             ("flatshard-0", "fs", 0, {}),
             ("flatshard-2", "fs", 2, {}),
             ("flatshard-3", "fs", 3, {}),
-            ("flatshard-3-no-reshard", "fs", 3, {"reshard_after_forward": False}),
+            ("flatshard-3-no-reshard", "fs", 3, {"stage3": flatshard.Stage3(reshard_after_forward=False)}),
             ("flatshard-3-meta", "fs", 3, {"meta": True, "sync_module_states": True}),
             ("flatshard-2-compile", "fs", 2, {"compile": True}),
             ("flatshard-3-compile", "fs", 3, {"compile": True}),

@@ -40,7 +40,7 @@ def _build(
     kwargs = {} if dtype is None else {"mixed_precision": flatshard.MixedPrecision(param_dtype=dtype)}
     if whole:
         kwargs["whole_params"] = is_matrix
-    model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=bucket_size, **kwargs)
+    model = flatshard.shard(TiedGPT(), stage=stage, **kwargs, buckets=flatshard.Buckets(size=bucket_size))
     cls, hyper = optimizer
     groups = decay_groups(model)
     if matrices is not None:

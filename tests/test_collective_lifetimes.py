@@ -90,7 +90,7 @@ def _case(model_name: str, stage: int, options: dict) -> dict:
     torch.manual_seed(0)
     model = MODELS[model_name]()
     corpus = SyntheticCorpus(model.cfg.vocab_size, model.cfg.seq_len)
-    model = flatshard.shard(model, stage=stage, bucket_size=2000, **options)
+    model = flatshard.shard(model, stage=stage, **options, buckets=flatshard.Buckets(size=2000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     open_after_backward = []
     for step in range(4):
@@ -106,11 +106,16 @@ def _case(model_name: str, stage: int, options: dict) -> dict:
     ("model_name", "stage", "options", "world_size"),
     [
         ("rank-skipping", 3, {}, 2),
-        ("rank-skipping", 3, {"backward_prefetch": "post", "forward_prefetch": 2}, 3),
-        ("rank-skipping", 3, {"reshard_after_forward": False, "backward_prefetch": None}, 2),
-        ("shared-block", 3, {"limit_all_gathers": 1}, 2),
+        ("rank-skipping", 3, {"stage3": flatshard.Stage3(backward_prefetch="post", forward_prefetch=2)}, 3),
+        (
+            "rank-skipping",
+            3,
+            {"stage3": flatshard.Stage3(reshard_after_forward=False, backward_prefetch=None)},
+            2,
+        ),
+        ("shared-block", 3, {"stage3": flatshard.Stage3(limit_all_gathers=1)}, 2),
         ("checkpointed", 3, {}, 2),
-        ("rank-skipping", 2, {"buckets_per_group": 1}, 3),
+        ("rank-skipping", 2, {"buckets": flatshard.Buckets(per_group=1)}, 3),
     ],
 )
 def test_collective_memory_outlives_its_collective(model_name, stage, options, world_size):

@@ -30,7 +30,7 @@ def _compiled_side_by_side(stages: list[int], compiled: str) -> dict[int, dict]:
     graph fuses them: that rounds differently, which AdamW's normalised update magnifies for
     params whose grads are near zero, so a compiled model trains with SGD."""
     optimizer = SGD if compiled == "model" else {}
-    shard = {"bucket_size": 3000}
+    shard = {"buckets": flatshard.Buckets(size=3000)}
     return {
         s: train_optimizer_side_by_side({**shard, "stage": s}, compiled=compiled, **optimizer) for s in stages
     }
@@ -74,7 +74,7 @@ def _graphs_per_block(stage: int, mixed_precision: bool) -> dict:
     for block in model.blocks:
         block.compile()
     mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16) if mixed_precision else None
-    ours = flatshard.shard(model, stage=stage, bucket_size=3000, mixed_precision=mp)
+    ours = flatshard.shard(model, stage=stage, mixed_precision=mp, buckets=flatshard.Buckets(size=3000))
     opt = flatshard.DistributedOptimizer(ours, torch.optim.AdamW, lr=1e-3)
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     counters.clear()
@@ -104,8 +104,8 @@ def _compiled_against_eager(stage: int, compiled: str, steps: int = 4) -> dict:
         for block in twin.blocks:
             block.compile()
     mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
-    eager = flatshard.shard(model, stage=stage, bucket_size=3000, mixed_precision=mp)
-    ours = flatshard.shard(twin, stage=stage, bucket_size=3000, mixed_precision=mp)
+    eager = flatshard.shard(model, stage=stage, mixed_precision=mp, buckets=flatshard.Buckets(size=3000))
+    ours = flatshard.shard(twin, stage=stage, mixed_precision=mp, buckets=flatshard.Buckets(size=3000))
     run = torch.compile(ours) if compiled == "model" else ours
     opts = [
         flatshard.DistributedOptimizer(m, SGD["optimizer_class"], **SGD["opt_kwargs"]) for m in (eager, ours)
@@ -140,7 +140,7 @@ def test_compiled_bf16_follows_the_uncompiled_run(stage, compiled):
 
 def _checkpoint_of_compiled(path: str) -> bool:
     torch.manual_seed(0)
-    ours = torch.compile(flatshard.shard(TiedGPT(), stage=3, bucket_size=3000))
+    ours = torch.compile(flatshard.shard(TiedGPT(), stage=3, buckets=flatshard.Buckets(size=3000)))
     opt = flatshard.DistributedOptimizer(ours, torch.optim.AdamW, lr=1e-2)
     x, y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, torch.distributed.get_rank(), 4)
     ours(x, y).backward()

@@ -29,7 +29,7 @@ def _out_of_step(stage: int, case: str, path: str) -> dict:
     happened on this rank."""
     torch.manual_seed(0)
     rank = dist.get_rank()
-    model = flatshard.shard(GPT(CFG), stage=stage, bucket_size=3000, timeout=DEADLINE)
+    model = flatshard.shard(GPT(CFG), stage=stage, timeout=DEADLINE, buckets=flatshard.Buckets(size=3000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     steps = 2 if case == "extra_step" and rank == 1 else 3
@@ -113,7 +113,7 @@ def test_the_deadline_holds_for_a_per_device_backend_and_the_native_ops(stage, h
 def _uneven(stage: int, batches: list[int]) -> dict:
     rank = dist.get_rank()
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(CFG), stage=stage, bucket_size=3000, timeout=DEADLINE)
+    model = flatshard.shard(GPT(CFG), stage=stage, timeout=DEADLINE, buckets=flatshard.Buckets(size=3000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     mine = [corpus.batch(step, rank, 4) for step in range(batches[rank])]
@@ -152,7 +152,7 @@ rank, stage = int(os.environ["RANK"]), int(sys.argv[1])
 dist.init_process_group("gloo")  # env://: rank 0 hosts the store, as without torchrun's agent
 cfg = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2)
 torch.manual_seed(0)
-model = flatshard.shard(GPT(cfg), stage=stage, bucket_size=3000, timeout=2.0)
+model = flatshard.shard(GPT(cfg), stage=stage, buckets=flatshard.Buckets(size=3000), timeout=2.0)
 opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
 corpus = SyntheticCorpus(64, 16)
 try:
@@ -205,7 +205,7 @@ def _stalls_inside_the_save(path: str) -> dict:
     from flatshard.checkpoint import pieces
 
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(CFG), stage=1, bucket_size=3000, timeout=DEADLINE)
+    model = flatshard.shard(GPT(CFG), stage=1, timeout=DEADLINE, buckets=flatshard.Buckets(size=3000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     if dist.get_rank() == 1:
         plan = pieces.PieceSavePlanner.create_local_plan
@@ -237,7 +237,7 @@ def _gathers_alone(stage: int, call: str) -> dict:
     ``full_state_dict``): every other rank trains on, clipping as usual."""
     torch.manual_seed(0)
     rank = dist.get_rank()
-    model = flatshard.shard(GPT(CFG), stage=stage, bucket_size=3000, timeout=DEADLINE)
+    model = flatshard.shard(GPT(CFG), stage=stage, timeout=DEADLINE, buckets=flatshard.Buckets(size=3000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     start = time.monotonic()

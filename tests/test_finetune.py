@@ -43,7 +43,9 @@ def _lora_from_config(directory: str, device: str):
 def _job(base_dir: str, out: str, stage: int) -> dict:
     rank = torch.distributed.get_rank()
     device = "meta" if stage == 3 else "cpu"  # (below stage 3 every rank holds the whole model)
-    model = flatshard.shard(_lora_from_config(base_dir, device), stage=stage, bucket_size=2000)
+    model = flatshard.shard(
+        _lora_from_config(base_dir, device), stage=stage, buckets=flatshard.Buckets(size=2000)
+    )
     missing, unexpected = flatshard.load_pretrained(model, base_dir)
     with torch.no_grad():
         start = model(input_ids=BATCH).logits
@@ -105,7 +107,7 @@ def test_load_train_generate_export_and_reload_with_plain_transformers(stage, wo
 
 
 def _state_dict_in_summon() -> dict:
-    model = flatshard.shard(tiny_llama(seed=0), stage=3, bucket_size=2000)
+    model = flatshard.shard(tiny_llama(seed=0), stage=3, buckets=flatshard.Buckets(size=2000))
     try:
         model.state_dict()
         outside = None
@@ -134,7 +136,7 @@ def test_save_pretrained_refuses_a_directory_that_holds_files(tmp_path):
 
 
 def _plain_job(out: str) -> dict:
-    model = flatshard.shard(tiny_llama(seed=0), stage=3, bucket_size=2000)
+    model = flatshard.shard(tiny_llama(seed=0), stage=3, buckets=flatshard.Buckets(size=2000))
     flatshard.save_pretrained(model, out, dtype=torch.bfloat16)
     return {"full": model.full_state_dict()}
 
@@ -150,7 +152,7 @@ def test_a_sharded_transformers_model_saves_a_directory_from_pretrained_loads(tm
 
 
 def _split_job(out: str) -> dict:
-    model = flatshard.shard(tiny_llama(seed=0), stage=3, bucket_size=2000)
+    model = flatshard.shard(tiny_llama(seed=0), stage=3, buckets=flatshard.Buckets(size=2000))
     refused = []
     for bad in (0, "lots", True):  # (refused on every rank, before any gather)
         try:

@@ -17,7 +17,11 @@ from flatshard.wrap.specs import model_specs
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_a_lora_fine_tune_at_stage_3_follows_ddp(world_size):
     (result, *_) = run_distributed(
-        train_optimizer_side_by_side, world_size, {"stage": 3, "bucket_size": 3000}, **SGD, model_cls=LoRAGPT
+        train_optimizer_side_by_side,
+        world_size,
+        {"stage": 3, "buckets": flatshard.Buckets(size=3000)},
+        **SGD,
+        model_cls=LoRAGPT,
     )
     check_parity(result, params=1e-5)
 
@@ -25,7 +29,11 @@ def test_a_lora_fine_tune_at_stage_3_follows_ddp(world_size):
 @pytest.mark.parametrize("stage", [0, 2])
 def test_frozen_params_stay_whole_below_stage_3_and_train_alike(stage):
     (result, *_) = run_distributed(
-        train_optimizer_side_by_side, 2, {"stage": stage, "bucket_size": 3000}, **SGD, model_cls=LoRAGPT
+        train_optimizer_side_by_side,
+        2,
+        {"stage": stage, "buckets": flatshard.Buckets(size=3000)},
+        **SGD,
+        model_cls=LoRAGPT,
     )
     check_parity(result, params=1e-5)
 
@@ -42,7 +50,9 @@ def _memory(ignore_blocks: bool) -> dict:
         [s for s in model_specs(model, stage=stage, frozen=True) if s.name not in whole_names]
         for stage in (0, 3)
     ]
-    model = flatshard.shard(model, stage=3, bucket_size=3000, ignored_modules=ignored)
+    model = flatshard.shard(
+        model, stage=3, buckets=flatshard.Buckets(size=3000), stage3=flatshard.Stage3(ignored_modules=ignored)
+    )
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
     model.wait_for_params()  # (no unit full)
     report = flatshard.memory_report(model, opt)
@@ -90,14 +100,14 @@ def test_ignored_modules_keep_their_frozen_params_whole():
 def test_ignored_modules_is_checked():
     model = LoRAGPT()
     with pytest.raises(ValueError, match="not a submodule"):
-        flatshard.shard(model, stage=3, ignored_modules=[nn.Linear(2, 2)])
+        flatshard.shard(model, stage=3, stage3=flatshard.Stage3(ignored_modules=[nn.Linear(2, 2)]))
     with pytest.raises(ValueError, match=r"ignored_modules=.* applies to stage 3 only"):
-        flatshard.shard(LoRAGPT(), stage=2, ignored_modules=[model.blocks[0]])
+        flatshard.shard(LoRAGPT(), stage=2, stage3=flatshard.Stage3(ignored_modules=[model.blocks[0]]))
 
 
 def _save_sharded(path: str) -> None:
     torch.manual_seed(0)
-    model = flatshard.shard(LoRAGPT(), stage=3, bucket_size=3000)
+    model = flatshard.shard(LoRAGPT(), stage=3, buckets=flatshard.Buckets(size=3000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
     flatshard.save_checkpoint(path, model, opt)
 

@@ -72,7 +72,7 @@ def _full_grads_case(stage: int, steps: int = 2, accum: int = 2, batch: int = 4)
     reference = DDP(copy.deepcopy(model))
     plain = copy.deepcopy(model)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1, momentum=0.9)
-    ours = flatshard.shard(model, stage=stage, bucket_size=3000)
+    ours = flatshard.shard(model, stage=stage, buckets=flatshard.Buckets(size=3000))
     opt = DistributedOptimizer(ours, torch.optim.SGD, lr=0.1, momentum=0.9)
     out: dict = {"ratios": [], "outside": [], "zeros": []}
     for step in range(steps):
@@ -107,7 +107,7 @@ def test_summoned_grads_are_ddps_reduced_grads(stage, world_size):
 
 def _unreduced_case(stage: int) -> list[str]:
     torch.manual_seed(0)
-    ours = flatshard.shard(TiedGPT(), stage=stage, bucket_size=3000)
+    ours = flatshard.shard(TiedGPT(), stage=stage, buckets=flatshard.Buckets(size=3000))
     DistributedOptimizer(ours, torch.optim.SGD, lr=0.1)
     x, y = CORPUS.batch(0, dist.get_rank(), 4)
     with ours.no_sync():

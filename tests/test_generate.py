@@ -29,7 +29,7 @@ def _generate(peft: bool) -> dict:
     ids = prompt(rank)
     eos = _early_stop(model)
     expected = model.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
-    sharded = flatshard.shard(model, stage=3, bucket_size=500)
+    sharded = flatshard.shard(model, stage=3, buckets=flatshard.Buckets(size=500))
     got = sharded.generate(input_ids=ids, max_new_tokens=NEW, do_sample=False, eos_token_id=eos)
     return {"expected": expected.tolist(), "got": got.tolist()}
 

@@ -46,7 +46,7 @@ def _parity(kind: str, world_size: int, stage: int) -> None:
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": 4000},
+        {"stage": stage, "buckets": flatshard.Buckets(size=4000)},
         **SGD,
         model_cls=partial(HFLM, kind),
     )
@@ -95,7 +95,7 @@ def test_save_pretrained_records_the_users_class(tmp_path):
 
 def _train_export(kind: str, directory: str) -> list:
     torch.manual_seed(0)
-    model = flatshard.shard(_tiny(kind), stage=3, bucket_size=4000)
+    model = flatshard.shard(_tiny(kind), stage=3, buckets=flatshard.Buckets(size=4000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     for step in range(2):
@@ -122,7 +122,7 @@ def test_exported_weights_load_with_from_pretrained(kind, tmp_path):
 
 def _seed_from(source: str) -> dict:
     torch.manual_seed(1)  # (other values than the saved ones)
-    model = flatshard.shard(_tiny("llama"), stage=3, bucket_size=4000)
+    model = flatshard.shard(_tiny("llama"), stage=3, buckets=flatshard.Buckets(size=4000))
     flatshard.load_weights(model, source)
     return model.full_state_dict()
 

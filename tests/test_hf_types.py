@@ -31,7 +31,9 @@ def _train_each(types: list[str]) -> dict:
         torch.manual_seed(0)
         plain = tiny_model(kind, seq_len=32).eval()
         torch.manual_seed(0)
-        model = flatshard.shard(tiny_model(kind, seq_len=32), stage=3, bucket_size=4000).eval()
+        model = flatshard.shard(
+            tiny_model(kind, seq_len=32), stage=3, buckets=flatshard.Buckets(size=4000)
+        ).eval()
         x = torch.randint(1, 256, (2, 17), generator=torch.Generator().manual_seed(rank))
         with torch.no_grad():
             before, expected = lm_loss(model, x[:, :-1], x[:, 1:]), lm_loss(plain, x[:, :-1], x[:, 1:])

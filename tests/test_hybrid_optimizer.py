@@ -230,7 +230,7 @@ def test_as_the_inner_optimizer_it_follows_ddp(world_size, stage):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": 3000},
+        {"stage": stage, "buckets": flatshard.Buckets(size=3000)},
         groups=decay_groups,
         schedule=True,
         ours_optimizer_class=HybridDeviceOptimizer,
@@ -246,7 +246,7 @@ def test_as_the_inner_optimizer_with_a_threshold_it_follows_ddp(world_size):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": 2, "bucket_size": 3000},
+        {"stage": 2, "buckets": flatshard.Buckets(size=3000)},
         **SGD,
         ours_optimizer_class=HybridDeviceOptimizer,
         ours_opt_kwargs={
@@ -263,7 +263,7 @@ def test_as_the_inner_optimizer_with_sgd_at_the_extremes(fraction):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {"stage": 2, "bucket_size": 3000},
+        {"stage": 2, "buckets": flatshard.Buckets(size=3000)},
         **SGD,
         clip=0.5,
         ours_optimizer_class=HybridDeviceOptimizer,
@@ -278,7 +278,7 @@ def _inner_equals_plain_case(stage: int, dtype: torch.dtype) -> bool:
 
     def build(cls, **kwargs):
         torch.manual_seed(0)
-        model = flatshard.shard(AwkwardGPT().to(dtype), stage=stage, bucket_size=3000)
+        model = flatshard.shard(AwkwardGPT().to(dtype), stage=stage, buckets=flatshard.Buckets(size=3000))
         return model, DistributedOptimizer(model, cls, **ADAMW, **kwargs)
 
     plain, plain_opt = build(torch.optim.AdamW)

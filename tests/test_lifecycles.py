@@ -33,7 +33,9 @@ def test_every_state_has_its_edges_and_illegal_moves_raise():
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_a_step_walks_the_states(stage):
     torch.manual_seed(0)
-    model = flatshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage, bucket_size=8)
+    model = flatshard.shard(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=stage, buckets=flatshard.Buckets(size=8)
+    )
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
     sync = model.flatshard_state.grad_sync
     assert (sync.backward, sync.grads) == (Backward.IDLE, Grads.EMPTY)
@@ -60,7 +62,9 @@ def test_a_step_walks_the_states(stage):
 
 def test_stage3_units_walk_sharded_gathering_full():
     torch.manual_seed(0)
-    model = flatshard.shard(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=3, units=[nn.Linear])
+    model = flatshard.shard(
+        nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), stage=3, stage3=flatshard.Stage3(units=[nn.Linear])
+    )
     unsharder = model.flatshard_state.unsharder
     model.wait_for_params()
     assert set(unsharder.state) == {Gather.SHARDED}

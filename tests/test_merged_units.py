@@ -80,22 +80,29 @@ def test_a_bucket_never_mixes_merged_units_and_unit_bytes_is_checked():
     twin = GPT(SIX)
     unit_of = _merged(twin, PAIRS)[1]
     names = {n: unit_of[id(p)] for n, p in twin.named_parameters()}
-    sharded = flatshard.shard(model, stage=3, bucket_size=10**9, unit_bytes=PAIRS)
+    sharded = flatshard.shard(
+        model, stage=3, buckets=flatshard.Buckets(size=10**9), stage3=flatshard.Stage3(unit_bytes=PAIRS)
+    )
     buckets = sharded.layouts["main"].buffers[0].buckets
     assert sorted({names[s.name] for b in buckets for s in b.params}) == [0, 1, 2, 3]
     assert all(len({names[s.name] for s in b.params}) == 1 for b in buckets)
     assert len(buckets) == 4
     for bad in (0, -1, 1.5, True):
         with pytest.raises(ValueError, match="unit_bytes must be"):
-            flatshard.shard(GPT(SIX), stage=3, unit_bytes=bad)
+            flatshard.shard(GPT(SIX), stage=3, stage3=flatshard.Stage3(unit_bytes=bad))
     with pytest.raises(ValueError, match=r"unit_bytes=.* applies to stage 3 only"):
-        flatshard.shard(GPT(SIX), stage=2, unit_bytes=PAIRS)
+        flatshard.shard(GPT(SIX), stage=2, stage3=flatshard.Stage3(unit_bytes=PAIRS))
 
 
 def _collectives_per_step(unit_bytes) -> dict[str, int]:
     """Collectives rank 0 issues in one training step (after one step of warm-up)."""
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(SIX), stage=3, bucket_size=10**9, unit_bytes=unit_bytes)
+    model = flatshard.shard(
+        GPT(SIX),
+        stage=3,
+        buckets=flatshard.Buckets(size=10**9),
+        stage3=flatshard.Stage3(unit_bytes=unit_bytes),
+    )
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
     corpus = SyntheticCorpus(SIX.vocab_size, SIX.seq_len)
     for step in range(2):
@@ -123,7 +130,7 @@ def test_merged_units_follow_ddp(world_size):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": 3, "bucket_size": 3000, "unit_bytes": PAIRS},
+        {"stage": 3, "buckets": flatshard.Buckets(size=3000), "stage3": flatshard.Stage3(unit_bytes=PAIRS)},
         **SGD,
         groups=decay_groups,
         schedule=True,
@@ -138,7 +145,12 @@ def test_merged_units_follow_ddp_with_other_prefetch(backward_prefetch):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {"stage": 3, "unit_bytes": PAIRS, "backward_prefetch": backward_prefetch, "forward_prefetch": 2},
+        {
+            "stage": 3,
+            "stage3": flatshard.Stage3(
+                unit_bytes=PAIRS, backward_prefetch=backward_prefetch, forward_prefetch=2
+            ),
+        },
         **SGD,
         clip=0.5,
         model_cls=partial(TiedGPT, SIX),
@@ -154,7 +166,10 @@ def test_merged_units_where_ranks_skip_some_of_their_modules(reshard_after_forwa
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {"stage": 3, "unit_bytes": PAIRS, "reshard_after_forward": reshard_after_forward},
+        {
+            "stage": 3,
+            "stage3": flatshard.Stage3(unit_bytes=PAIRS, reshard_after_forward=reshard_after_forward),
+        },
         optimizer_class=torch.optim.SGD,
         opt_kwargs={"lr": 0.1},
         clip=0.5,
@@ -169,7 +184,7 @@ def test_merged_units_where_ranks_skip_some_of_their_modules(reshard_after_forwa
 
 @pytest.mark.parametrize(
     ("model_cls", "options"),
-    [(partial(SharedBlockGPT, SIX), {"unit_bytes": PAIRS}), (CheckpointedGPT, {})],
+    [(partial(SharedBlockGPT, SIX), {"stage3": flatshard.Stage3(unit_bytes=PAIRS)}), (CheckpointedGPT, {})],
     ids=["shared-block", "checkpointed"],
 )
 def test_merged_units_run_twice_or_recomputed(model_cls, options):

@@ -24,7 +24,7 @@ def _policy_case(stage: int, steps: int) -> dict:
     model = TiedGPT()
     reference = DDP(copy.deepcopy(model))
     fp32_values = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    ours = flatshard.shard(model, stage=stage, bucket_size=3000, mixed_precision=BF16)
+    ours = flatshard.shard(model, stage=stage, mixed_precision=BF16, buckets=flatshard.Buckets(size=3000))
     dtypes = {p.dtype for p in ours.parameters()}
     kwargs = {"lr": 3e-3, "weight_decay": 0.1}
     opt = DistributedOptimizer(ours, torch.optim.AdamW, **kwargs)
@@ -119,7 +119,11 @@ def test_reduce_dtype_follows_fp32_ddp_within_bf16_rounding(stage):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         4,
-        {"stage": stage, "bucket_size": 3000, "mixed_precision": MixedPrecision(reduce_dtype=torch.bfloat16)},
+        {
+            "stage": stage,
+            "mixed_precision": MixedPrecision(reduce_dtype=torch.bfloat16),
+            "buckets": flatshard.Buckets(size=3000),
+        },
         optimizer_class=torch.optim.SGD,
         opt_kwargs={"lr": 0.1, "momentum": 0.9},
         clip=0.5,
@@ -132,7 +136,10 @@ def test_reduce_dtype_follows_fp32_ddp_within_bf16_rounding(stage):
 def _reduce_bytes_case(stage: int, reduce_dtype) -> int:
     torch.manual_seed(0)
     ours = flatshard.shard(
-        TiedGPT(), stage=stage, bucket_size=3000, mixed_precision=MixedPrecision(reduce_dtype=reduce_dtype)
+        TiedGPT(),
+        stage=stage,
+        mixed_precision=MixedPrecision(reduce_dtype=reduce_dtype),
+        buckets=flatshard.Buckets(size=3000),
     )
     DistributedOptimizer(ours, torch.optim.SGD, lr=0.1)
     x, y = CORPUS.batch(0, dist.get_rank(), 4)

@@ -27,7 +27,9 @@ CORPUS = SyntheticCorpus(64, 16)
 
 def _model_and_opt(stage: int, lr: float = 1e-2, shard_kwargs=None, **opt_kwargs):
     torch.manual_seed(0)
-    model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=3000, **(shard_kwargs or {}))
+    model = flatshard.shard(
+        TiedGPT(), stage=stage, **shard_kwargs or {}, buckets=flatshard.Buckets(size=3000)
+    )
     opt = DistributedOptimizer(model, torch.optim.AdamW, params=decay_groups(model), lr=lr, **opt_kwargs)
     return model, opt
 
@@ -58,7 +60,7 @@ def test_ranks_with_different_hyperparameters_are_refused_at_construction(stage)
 
 def _construct_with_rank_groups() -> str:
     torch.manual_seed(0)
-    model = flatshard.shard(TiedGPT(), stage=2, bucket_size=3000)
+    model = flatshard.shard(TiedGPT(), stage=2, buckets=flatshard.Buckets(size=3000))
     groups = decay_groups(model)
     if dist.get_rank() == 1:
         groups = groups[:1]  # the no-decay params left out on one rank
@@ -195,7 +197,9 @@ def _read_outside_the_unit() -> dict:
     read raises, naming the param and its unit, before any value exists. The kept units'
     params (the root's, the last block's) are full after the forward, so they read their
     values; inside ``summon_full_params`` every param does; training goes on afterwards."""
-    model, opt = _model_and_opt(3, shard_kwargs={"unit_bytes": None, "backward_prefetch": "post"})
+    model, opt = _model_and_opt(
+        3, shard_kwargs={"stage3": flatshard.Stage3(unit_bytes=None, backward_prefetch="post")}
+    )
     x, y = CORPUS.batch(0, dist.get_rank(), 4)
     out = {}
     for name, read in [
@@ -385,7 +389,7 @@ def _shared_module_side_by_side(unit_bytes, steps: int = 3) -> dict:
     torch.manual_seed(0)
     reference = DDP(SharedModuleNet())
     torch.manual_seed(0)
-    ours = flatshard.shard(SharedModuleNet(), stage=3, unit_bytes=unit_bytes)
+    ours = flatshard.shard(SharedModuleNet(), stage=3, stage3=flatshard.Stage3(unit_bytes=unit_bytes))
     opts = [
         torch.optim.SGD(reference.parameters(), lr=0.1),
         DistributedOptimizer(ours, torch.optim.SGD, lr=0.1),

@@ -47,7 +47,7 @@ def _bf16_case(steps: int) -> dict:
     model = TiedGPT()
     reference = DDP(copy.deepcopy(model))
     naive = DDP(copy.deepcopy(model).to(torch.bfloat16))
-    ours = flatshard.shard(model.to(torch.bfloat16), stage=1, bucket_size=3000)
+    ours = flatshard.shard(model.to(torch.bfloat16), stage=1, buckets=flatshard.Buckets(size=3000))
     kwargs = {"lr": 3e-3, "weight_decay": 0.1}
     optimizers = [
         torch.optim.AdamW(reference.parameters(), **kwargs),
@@ -84,7 +84,7 @@ def test_bf16_params_with_fp32_main_params_track_fp32_training():
 # -- loss scaling and overflow ------------------------------------------------------------------
 def _overflow_case(inject_on_rank: int | None, dtype: torch.dtype, initial_scale: float) -> list[dict]:
     torch.manual_seed(0)
-    ours = flatshard.shard(TiedGPT().to(dtype), stage=2, bucket_size=3000)
+    ours = flatshard.shard(TiedGPT().to(dtype), stage=2, buckets=flatshard.Buckets(size=3000))
     scaler = DynamicLossScaler(initial_scale, backoff_factor=2.0**-4, growth_interval=3)
     loss_scale = scaler if dtype == torch.float16 else None
     opt = DistributedOptimizer(ours, torch.optim.AdamW, lr=1e-2, loss_scale=loss_scale, nonfinite="skip")
@@ -134,7 +134,7 @@ def test_fp16_dynamic_scale_backs_off_from_overflow_and_training_recovers():
 # -- memory and communication against the formulas -----------------------------------------------
 def _memory_case(stage: int) -> dict:
     torch.manual_seed(0)
-    ours = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, bucket_size=3000)
+    ours = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, buckets=flatshard.Buckets(size=3000))
     opt = DistributedOptimizer(ours, torch.optim.AdamW, lr=1e-3)
     x, y = CORPUS.batch(0, _rank(), 4)
     ours(x, y).backward()
@@ -202,7 +202,7 @@ def test_memory_report_matches_the_design_formula(stage, world_size):
 
 def _comm_case(stage: int, dtype: torch.dtype) -> dict:
     torch.manual_seed(0)
-    ours = flatshard.shard(GPT(CFG).to(dtype), stage=stage, bucket_size=3000)
+    ours = flatshard.shard(GPT(CFG).to(dtype), stage=stage, buckets=flatshard.Buckets(size=3000))
     opt = DistributedOptimizer(ours, torch.optim.AdamW, lr=1e-3)
     _train_step(ours, opt, 0)
     ours.comm_stats.reset()
@@ -251,7 +251,7 @@ def _overlap_case(stage: int) -> dict:
     models, optimizers = [], []
     for overlap in (True, False):
         torch.manual_seed(0)
-        model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=2000)
+        model = flatshard.shard(TiedGPT(), stage=stage, buckets=flatshard.Buckets(size=2000))
         models.append(model)
         optimizers.append(
             DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, overlap_param_gather=overlap)
@@ -290,7 +290,7 @@ def test_overlapped_and_synchronous_param_gathers_give_identical_results(stage):
 
 def _scratch_case() -> int:
     torch.manual_seed(0)
-    ours = flatshard.shard(TiedGPT(), stage=2, bucket_size=500)
+    ours = flatshard.shard(TiedGPT(), stage=2, buckets=flatshard.Buckets(size=500))
     DistributedOptimizer(ours, torch.optim.SGD, lr=0.1)
     groups = ours.flatshard_state.grad_sync.groups
     alive = []
@@ -317,7 +317,7 @@ def test_stage2_scratch_stays_bounded_during_backward():
 def _resume_case(stage: int, dtype: torch.dtype) -> bool:
     def build(seed):
         torch.manual_seed(seed)
-        model = flatshard.shard(TiedGPT().to(dtype), stage=stage, bucket_size=3000)
+        model = flatshard.shard(TiedGPT().to(dtype), stage=stage, buckets=flatshard.Buckets(size=3000))
         return model, DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, weight_decay=0.1)
 
     model, opt = build(0)
@@ -488,7 +488,7 @@ def _expert_case(stage: int) -> list[float]:
     model = TinyMoE()
     plain = copy.deepcopy(model)
     expert = flatshard.ExpertGroup(pair, lambda name, p: name.startswith("expert."))
-    ours = flatshard.shard(model, stage=stage, expert=expert, bucket_size=40)
+    ours = flatshard.shard(model, stage=stage, expert=expert, buckets=flatshard.Buckets(size=40))
     opt = DistributedOptimizer(ours, torch.optim.SGD, lr=0.5)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
     ours(x).backward()
@@ -525,7 +525,9 @@ def _replicated_case() -> dict:
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     torch.manual_seed(dist.get_rank())  # different on every rank: sync_module_states must fix it
-    model = flatshard.shard(TiedGPT(), stage=2, group=mesh, bucket_size=3000, sync_module_states=True)
+    model = flatshard.shard(
+        TiedGPT(), stage=2, group=mesh, sync_module_states=True, buckets=flatshard.Buckets(size=3000)
+    )
     DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
     x, y = CORPUS.batch(0, dist.get_rank(), 4)
     model(x, y).backward()

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from _parity import SGD, check_parity, decay_groups, train_optimizer_side_by_side
+from flatshard import Buckets
 from flatshard.toolkit.testing import run_distributed
 
 
@@ -21,7 +22,7 @@ def test_sgd_groups_schedule_clip_accumulation(world_size, stage, bucket_size):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": bucket_size},
+        {"stage": stage, "buckets": Buckets(size=bucket_size)},
         **SGD,
         groups=decay_groups,
         schedule=True,
@@ -36,7 +37,7 @@ def test_adamw_groups_schedule(world_size, stage):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": 3000},
+        {"stage": stage, "buckets": Buckets(size=3000)},
         groups=decay_groups,
         schedule=True,
     )
@@ -51,7 +52,7 @@ def test_reducing_every_micro_batch_accumulates_like_no_sync(world_size, stage):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": 2000},
+        {"stage": stage, "buckets": Buckets(size=2000)},
         **SGD,
         accum=3,
         sync_every_micro_batch=True,
@@ -68,7 +69,7 @@ def test_summed_grads_every_micro_batch(world_size, stage):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": 2000, "grad_scale": 1.0},
+        {"stage": stage, "grad_scale": 1.0, "buckets": Buckets(size=2000)},
         **SGD,
         ours_opt_kwargs={"lr": lr / world_size, "momentum": 0.9, "weight_decay": wd * world_size},
         accum=3,
@@ -82,7 +83,7 @@ def test_other_elementwise_optimizers(optimizer_class):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         2,
-        {"stage": 2, "bucket_size": 3000},
+        {"stage": 2, "buckets": Buckets(size=3000)},
         optimizer_class=optimizer_class,
         opt_kwargs={"lr": 1e-2},
     )
@@ -97,7 +98,7 @@ def test_replicated_sharding_over_a_2d_mesh(mesh_shape, stage):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         4,
-        {"stage": stage, "bucket_size": 2000},
+        {"stage": stage, "buckets": Buckets(size=2000)},
         **SGD,
         groups=decay_groups,
         clip=0.5,
@@ -107,9 +108,9 @@ def test_replicated_sharding_over_a_2d_mesh(mesh_shape, stage):
 
 
 GROUPED = [
-    *[(world, stage, {"buckets_per_group": None}) for world in (1, 2, 3, 4) for stage in (1, 2, 3)],
-    *[(3, stage, {"buckets_per_group": 3}) for stage in (1, 2, 3)],
-    *[(3, stage, {"pad_for_high_busbw": True}) for stage in (1, 2)],
+    *[(world, stage, {"buckets": Buckets(per_group=None)}) for world in (1, 2, 3, 4) for stage in (1, 2, 3)],
+    *[(3, stage, {"buckets": Buckets(per_group=3)}) for stage in (1, 2, 3)],
+    *[(3, stage, {"buckets": Buckets(pad_for_high_busbw=True)}) for stage in (1, 2)],
 ]
 """Several buckets reduced as one group (one all-to-all on gloo: ``reduce_scatter_coalesced``),
 every bucket of a buffer in one group at every world size, and 2**16 padding."""
@@ -120,7 +121,7 @@ def test_coalesced_groups_and_high_busbw_padding(world_size, stage, layout_kwarg
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": 1000, **layout_kwargs},
+        {"stage": stage, **layout_kwargs, "buckets": Buckets(size=1000)},
         **SGD,
         clip=0.5,
     )

@@ -50,7 +50,9 @@ def _against_ddp_case(cls, kwargs, steps: int = 6, wrap: str = "ddp", **owner_kw
     if wrap == "ddp":
         ours = DDP(model, find_unused_parameters=True)
     else:
-        ours = flatshard.shard(model, stage=0, find_unused_parameters=True, bucket_size=3000)
+        ours = flatshard.shard(
+            model, stage=0, find_unused_parameters=True, buckets=flatshard.Buckets(size=3000)
+        )
     opt_ref = cls(decay_groups(reference.module), **kwargs)
     opt = OwnerShardedOptimizer(decay_groups(getattr(ours, "module", ours)), cls, **owner_kwargs, **kwargs)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.3) for o in (opt_ref, opt)]

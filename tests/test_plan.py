@@ -47,7 +47,7 @@ def test_count_plan_is_the_design_formula(world):
 def _measured(stage: int, precision: flatshard.OptimizerPrecision | None = None) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, bucket_size=3000)
+    model = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, buckets=flatshard.Buckets(size=3000))
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, precision=precision)
     x, y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, rank, 4)
     for _ in range(2):  # the second step is a steady one (stage 3 prefetches across steps)
@@ -153,7 +153,7 @@ def _measured_lora(stage: int) -> dict:
     from _parity import LoRAGPT
 
     torch.manual_seed(0)
-    model = flatshard.shard(LoRAGPT(), stage=stage, bucket_size=3000)
+    model = flatshard.shard(LoRAGPT(), stage=stage, buckets=flatshard.Buckets(size=3000))
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     x, y = SyntheticCorpus(64, 16).batch(0, dist.get_rank(), 4)
     model(x, y).backward()

@@ -202,13 +202,15 @@ def _follow(stage: int, cls_name: str, main_bf16: bool) -> dict:
     model = TiedGPT()
     if main_bf16:  # the fp32-state run: flatshard's fp32 main params of the same bf16 model
         mp = flatshard.MixedPrecision(BF16)
-        reference = flatshard.shard(copy.deepcopy(model), stage=stage, mixed_precision=mp, bucket_size=3000)
+        reference = flatshard.shard(
+            copy.deepcopy(model), stage=stage, mixed_precision=mp, buckets=flatshard.Buckets(size=3000)
+        )
         opt_ref = flatshard.DistributedOptimizer(reference, cls, **kwargs)
-        ours = flatshard.shard(model, stage=stage, mixed_precision=mp, bucket_size=3000)
+        ours = flatshard.shard(model, stage=stage, mixed_precision=mp, buckets=flatshard.Buckets(size=3000))
     else:
         reference = DDP(copy.deepcopy(model))
         opt_ref = cls(reference.parameters(), **kwargs)
-        ours = flatshard.shard(model, stage=stage, bucket_size=3000)
+        ours = flatshard.shard(model, stage=stage, buckets=flatshard.Buckets(size=3000))
     precision = flatshard.OptimizerPrecision(
         main_dtype=BF16 if main_bf16 else torch.float32, state_dtype=BF16
     )
@@ -280,7 +282,9 @@ def _follow_bf16_grads(stage: int) -> dict:
     runs = []
     for grads in (None, BF16):
         mp = flatshard.MixedPrecision(BF16, grad_dtype=grads)
-        sharded = flatshard.shard(copy.deepcopy(model), stage=stage, mixed_precision=mp, bucket_size=3000)
+        sharded = flatshard.shard(
+            copy.deepcopy(model), stage=stage, mixed_precision=mp, buckets=flatshard.Buckets(size=3000)
+        )
         runs.append((sharded, flatshard.DistributedOptimizer(sharded, torch.optim.SGD, lr=0.1, momentum=0.9)))
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     moved, diff, before = 0.0, 0.0, _params(runs[0][0])

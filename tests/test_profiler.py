@@ -16,7 +16,7 @@ from flatshard.toolkit.testing import run_distributed
 
 def _traced_step(stage: int) -> list[str]:
     torch.manual_seed(0)
-    model = flatshard.shard(TiedGPT(), stage=stage, bucket_size=3000)
+    model = flatshard.shard(TiedGPT(), stage=stage, buckets=flatshard.Buckets(size=3000))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     x, y = SyntheticCorpus(64, 16).batch(0, dist.get_rank(), 4)
     model(x, y).backward()

@@ -16,7 +16,7 @@ BF16 = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
 
 def _train(stage: int, steps: int = 3):
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(CFG), stage=stage, bucket_size=1500, mixed_precision=BF16)
+    model = flatshard.shard(GPT(CFG), stage=stage, mixed_precision=BF16, buckets=flatshard.Buckets(size=1500))
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     for step in range(steps):

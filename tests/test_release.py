@@ -27,7 +27,7 @@ def _dropped(stage: int, bf16: bool, hybrid: bool, path: str) -> list[str]:
     """Train two steps, save a checkpoint, drop everything; what is still alive."""
     torch.manual_seed(0)
     mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
-    model = flatshard.shard(GPT(CFG), stage=stage, mixed_precision=mp, bucket_size=3000)
+    model = flatshard.shard(GPT(CFG), stage=stage, mixed_precision=mp, buckets=flatshard.Buckets(size=3000))
     if hybrid:
         opt = flatshard.DistributedOptimizer(
             model,

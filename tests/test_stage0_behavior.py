@@ -34,7 +34,7 @@ def _divergent_control_flow(bucket_size):
     torch.manual_seed(0)
     model = TwoPaths()
     ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
-    ours = flatshard.shard(model, bucket_size=bucket_size, find_unused_parameters=True)
+    ours = flatshard.shard(model, find_unused_parameters=True, buckets=flatshard.Buckets(size=bucket_size))
     out = []
     for step in range(3):
         x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
@@ -62,7 +62,7 @@ def _bf16_grads_accumulate_in_fp32(world_size):
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4)).to(torch.bfloat16)
     plain = copy.deepcopy(model)
-    ours = flatshard.shard(model, bucket_size=100)
+    ours = flatshard.shard(model, buckets=flatshard.Buckets(size=100))
     (buffer,) = ours.flatshard_state.sets["main"].buffers
     assert buffer.param_data.dtype == torch.bfloat16 and buffer.grad_data.dtype == torch.float32
     expected = [torch.zeros(p.shape) for p in plain.parameters()]
@@ -115,7 +115,7 @@ def _expert_params_reduce_over_their_group():
     model = TinyMoE()
     plain = copy.deepcopy(model)
     expert = flatshard.ExpertGroup(pair, lambda name, p: name.startswith("expert."), grad_scale=0.25)
-    ours = flatshard.shard(model, expert=expert, bucket_size=1)
+    ours = flatshard.shard(model, expert=expert, buckets=flatshard.Buckets(size=1))
     assert set(ours.layouts) == {"main", "expert"} and ours.layouts["expert"].world_size == 2
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))
     ours(x).backward()
@@ -154,9 +154,18 @@ def _rank_dependent_option(stage: int, option: str, values: tuple) -> None:
         return
     if option == "ignored_modules":  # a frozen layer kept whole on one rank, sharded on the other
         model[0].requires_grad_(False)
-        flatshard.shard(model, stage=stage, ignored_modules=[model[0]] if dist.get_rank() == 1 else None)
+        flatshard.shard(
+            model,
+            stage=stage,
+            stage3=flatshard.Stage3(ignored_modules=[model[0]] if dist.get_rank() == 1 else None),
+        )
         return
-    flatshard.shard(model, stage=stage, **{option: values[dist.get_rank()]})
+    value = values[dist.get_rank()]
+    options = {
+        "sync_module_states": {"sync_module_states": value},
+        "pad_for_high_busbw": {"buckets": flatshard.Buckets(pad_for_high_busbw=value)},
+    }.get(option, {"stage3": flatshard.Stage3(**{option: value})})
+    flatshard.shard(model, stage=stage, **options)
 
 
 @pytest.mark.parametrize(
@@ -180,7 +189,9 @@ def test_ranks_that_differ_in_an_option_that_changes_the_collectives_fail_at_wra
 
 def _comm_accounting():
     torch.manual_seed(0)
-    model = flatshard.shard(nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3)), bucket_size=20)
+    model = flatshard.shard(
+        nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 3)), buckets=flatshard.Buckets(size=20)
+    )
     stats = model.comm_stats
     numel = sum(p.numel() for p in model.parameters())
     x = torch.randn(4, 10)
@@ -266,7 +277,7 @@ def test_world_of_one_without_torch_distributed():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
     plain = copy.deepcopy(model)
-    ours = flatshard.shard(model, bucket_size=1)
+    ours = flatshard.shard(model, buckets=flatshard.Buckets(size=1))
     x = torch.randn(6, 3)
     for _ in range(2):  # without zero_grad the grads accumulate, as in torch
         ours(x).sum().backward()
@@ -283,7 +294,7 @@ def test_params_are_views_into_the_flat_buffers_and_keep_values():
     model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 1))
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     frozen = model[0].bias.requires_grad_(False)
-    ours = flatshard.shard(model, bucket_size=None)
+    ours = flatshard.shard(model, buckets=flatshard.Buckets(size=None))
     (buffer,) = ours.flatshard_state.sets["main"].buffers
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p, before[name], rtol=0, atol=0)
@@ -299,9 +310,13 @@ def test_params_are_views_into_the_flat_buffers_and_keep_values():
     ("kwargs", "error", "message"),
     [
         ({"stage": 5}, ValueError, "stage must be 0, 1, 2 or 3, got 5"),
-        ({"stage": 3, "forward_prefetch": -1}, ValueError, "forward_prefetch must be an int >= 0, got -1"),
-        ({"bucket_size": 0}, ValueError, "bucket_size .* got 0"),
-        ({"buckets_per_group": 0}, ValueError, "buckets_per_group .* got 0"),
+        (
+            {"stage": 3, "stage3": flatshard.Stage3(forward_prefetch=-1)},
+            ValueError,
+            "forward_prefetch must be an int >= 0, got -1",
+        ),
+        ({"buckets": flatshard.Buckets(size=0)}, ValueError, "bucket_size .* got 0"),
+        ({"buckets": flatshard.Buckets(per_group=0)}, ValueError, "buckets_per_group .* got 0"),
         ({"grad_scale": -1.0}, ValueError, "grad_scale .* got -1.0"),
         ({"grad_scale": float("inf")}, ValueError, "grad_scale must be a positive finite number .* got inf"),
         ({"grad_scale": float("nan")}, ValueError, "grad_scale .* got nan"),
@@ -369,7 +384,7 @@ def _grad_arriving_twice(accumulate):
     plain = copy.deepcopy(model)
     calls = []
     model.shared.weight.register_post_accumulate_grad_hook(lambda p: calls.append(1))
-    ours = flatshard.shard(model, bucket_size=None)
+    ours = flatshard.shard(model, buckets=flatshard.Buckets(size=None))
     for micro in range(2 if accumulate else 1):
         x = torch.randn(3, 4, generator=torch.Generator().manual_seed(10 * dist.get_rank() + micro))
         with ours.no_sync() if accumulate and micro == 0 else torch.enable_grad():

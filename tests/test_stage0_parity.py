@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from _parity import train_side_by_side
+from flatshard import Buckets
 from flatshard.toolkit.testing import run_distributed
 
 BUCKETINGS = {
-    "one_bucket": {"bucket_size": None},
-    "some_buckets": {"bucket_size": 3000},
-    "bucket_per_param": {"bucket_size": 1},
-    "one_group": {"bucket_size": 1, "buckets_per_group": None},
+    "one_bucket": {"buckets": Buckets(size=None)},
+    "some_buckets": {"buckets": Buckets(size=3000)},
+    "bucket_per_param": {"buckets": Buckets(size=1)},
+    "one_group": {"buckets": Buckets(size=1, per_group=None)},
 }
 
 

@@ -63,7 +63,9 @@ def test_params_keep_names_and_shapes_and_layout_never_mixes_units():
     torch.manual_seed(0)
     model = GPT(DEEP)
     shapes = {n: p.shape for n, p in model.named_parameters()}
-    sharded = flatshard.shard(model, stage=3, bucket_size=10**9, unit_bytes=None)  # (a unit per block)
+    sharded = flatshard.shard(
+        model, stage=3, buckets=flatshard.Buckets(size=10**9), stage3=flatshard.Stage3(unit_bytes=None)
+    )  # (a unit per block)
     assert {n: p.shape for n, p in sharded.named_parameters()} == shapes
     unit_of = assign_params(sharded, find_units(sharded))
     params = dict(sharded.named_parameters())
@@ -78,9 +80,9 @@ def test_params_keep_names_and_shapes_and_layout_never_mixes_units():
 
 def test_bad_stage3_options_are_refused():
     with pytest.raises(ValueError, match="backward_prefetch"):
-        flatshard.shard(GPT(CFG), stage=3, backward_prefetch="later")
+        flatshard.shard(GPT(CFG), stage=3, stage3=flatshard.Stage3(backward_prefetch="later"))
     with pytest.raises(ValueError, match="limit_all_gathers"):
-        flatshard.shard(GPT(CFG), stage=3, limit_all_gathers=0)
+        flatshard.shard(GPT(CFG), stage=3, stage3=flatshard.Stage3(limit_all_gathers=0))
     with pytest.raises(ValueError, match="meta device"):
         with torch.device("meta"):
             model = GPT(CFG)
@@ -93,9 +95,8 @@ def _peak_case(reshard_after_forward: bool, unit_bytes: int | None) -> dict:
     model = flatshard.shard(
         GPT(DEEP).to(torch.bfloat16),
         stage=3,
-        bucket_size=None,
-        reshard_after_forward=reshard_after_forward,
-        unit_bytes=unit_bytes,
+        buckets=flatshard.Buckets(size=None),
+        stage3=flatshard.Stage3(reshard_after_forward=reshard_after_forward, unit_bytes=unit_bytes),
     )
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     for step in range(2):
@@ -153,7 +154,9 @@ def test_peak_model_state_is_bounded_by_the_shards_plus_two_units(reshard_after_
 
 def _gathers_case(backward_prefetch: str | None) -> list[int]:
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(DEEP), stage=3, backward_prefetch=backward_prefetch, unit_bytes=None)
+    model = flatshard.shard(
+        GPT(DEEP), stage=3, stage3=flatshard.Stage3(backward_prefetch=backward_prefetch, unit_bytes=None)
+    )
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     unsharder = model.flatshard_state.unsharder
     _step(model, opt, 0)  # (records the forward order)
@@ -185,7 +188,7 @@ def _full_params_case(path: str) -> dict:
     torch.manual_seed(0)
     model = TiedGPT()
     reference = copy.deepcopy(model)
-    sharded = flatshard.shard(model, stage=3, bucket_size=2000)
+    sharded = flatshard.shard(model, stage=3, buckets=flatshard.Buckets(size=2000))
     opt = DistributedOptimizer(sharded, torch.optim.AdamW, lr=1e-2)
     out = {
         "rank": _rank(),
@@ -255,7 +258,7 @@ def test_summon_full_state_dict_and_load(tmp_path):
 # -- main-backed shards: the fp32 main params are the only copy ----------------------------
 def _bf16_run(stage: int, steps: int):
     torch.manual_seed(0)
-    model = flatshard.shard(TiedGPT().to(torch.bfloat16), stage=stage, bucket_size=2000)
+    model = flatshard.shard(TiedGPT().to(torch.bfloat16), stage=stage, buckets=flatshard.Buckets(size=2000))
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     return model, opt, [_step(model, opt, s) for s in range(steps)]
 
@@ -365,7 +368,11 @@ def _init_case(meta: bool) -> dict:
         rank0 = torch.stack([p.detach().abs().sum() for p in model.parameters()])
         dist.broadcast(rank0, 0)
     sharded = flatshard.shard(
-        model, stage=3, sync_module_states=True, param_init_fn=_init_gpt, bucket_size=2000
+        model,
+        stage=3,
+        sync_module_states=True,
+        buckets=flatshard.Buckets(size=2000),
+        stage3=flatshard.Stage3(param_init_fn=_init_gpt),
     )
     peak = sharded.flatshard_state.unsharder.peak_full_bytes
     sums = _checksums(sharded)

@@ -21,6 +21,7 @@ from _parity import (
     train_against_fsdp2,
     train_optimizer_side_by_side,
 )
+from flatshard import Buckets, Stage3
 from flatshard.toolkit.testing import run_distributed
 
 
@@ -30,7 +31,11 @@ def test_sgd_groups_schedule_clip_accumulation(world_size, reshard_after_forward
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
+        {
+            "stage": 3,
+            "buckets": Buckets(size=3000),
+            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
+        },
         **SGD,
         groups=decay_groups,
         schedule=True,
@@ -44,7 +49,7 @@ def test_adamw_groups_schedule(world_size):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": 3, "bucket_size": 3000},
+        {"stage": 3, "buckets": Buckets(size=3000)},
         groups=decay_groups,
         schedule=True,
     )
@@ -60,10 +65,12 @@ def test_prefetch_settings_do_not_change_the_trajectory(forward_prefetch, backwa
         3,
         {
             "stage": 3,
-            "bucket_size": 1000,
-            "forward_prefetch": forward_prefetch,
-            "backward_prefetch": backward_prefetch,
-            "limit_all_gathers": limit,
+            "buckets": Buckets(size=1000),
+            "stage3": Stage3(
+                forward_prefetch=forward_prefetch,
+                backward_prefetch=backward_prefetch,
+                limit_all_gathers=limit,
+            ),
         },
         **SGD,
         clip=0.5,
@@ -80,7 +87,11 @@ def test_follows_fsdp2(world_size, reshard_after_forward):
     (result, *_) = run_distributed(
         train_against_fsdp2,
         world_size,
-        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
+        {
+            "stage": 3,
+            "buckets": Buckets(size=3000),
+            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
+        },
         fsdp_kwargs={"reshard_after_forward": reshard_after_forward},
         clip=None,
     )
@@ -94,7 +105,7 @@ def test_replicated_sharding(mesh_shape):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         4,
-        {"stage": 3, "bucket_size": 3000},
+        {"stage": 3, "buckets": Buckets(size=3000)},
         **SGD,
         clip=0.5,
         mesh_shape=mesh_shape,
@@ -111,7 +122,11 @@ def test_shared_blocks_and_activation_checkpointing(model_cls, reshard_after_for
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
+        {
+            "stage": 3,
+            "buckets": Buckets(size=3000),
+            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
+        },
         **SGD,
         clip=0.5,
         model_cls=model_cls,
@@ -141,7 +156,11 @@ def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward, ac
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {"stage": 3, "bucket_size": 3000, "reshard_after_forward": reshard_after_forward},
+        {
+            "stage": 3,
+            "buckets": Buckets(size=3000),
+            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
+        },
         **DIVERGING,
         model_cls=model_cls,
         steps=4 if accum == 1 else 3,
@@ -176,9 +195,9 @@ def test_params_of_a_unit_that_ran_without_grads_on_some_ranks(find_unused_param
         3,
         {
             "stage": 3,
-            "bucket_size": 3000,
             "find_unused_parameters": find_unused_parameters,
-            "unit_bytes": None,
+            "buckets": Buckets(size=3000),
+            "stage3": Stage3(unit_bytes=None),
         },
         **DIVERGING,
         model_cls=RankUnusedGPT,

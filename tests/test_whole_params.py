@@ -101,7 +101,9 @@ def train_muon_side_by_side(
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_muon_and_adamw_follow_ddp(stage, world_size):
-    (result, *_) = run_distributed(train_muon_side_by_side, world_size, {"stage": stage, "bucket_size": 3000})
+    (result, *_) = run_distributed(
+        train_muon_side_by_side, world_size, {"stage": stage, "buckets": flatshard.Buckets(size=3000)}
+    )
     check_parity(result, params=1e-5 if world_size <= 2 else 5e-2)
     assert result["moved"] > 0.05
 
@@ -112,7 +114,7 @@ def test_a_whole_tensor_rule_in_fp32_follows_ddp_exactly_at_3_and_4_ranks(stage,
     (result, *_) = run_distributed(
         train_muon_side_by_side,
         world_size,
-        {"stage": stage, "bucket_size": 3000},
+        {"stage": stage, "buckets": flatshard.Buckets(size=3000)},
         matrices=(NormalizedSGD, {"lr": 0.01}),
         others=(torch.optim.SGD, {"lr": 0.01}),
     )
@@ -127,7 +129,7 @@ def test_whole_param_buckets_reduced_as_one_group_follow_ddp_exactly(stage):
     (result, *_) = run_distributed(
         train_muon_side_by_side,
         4,
-        {"stage": stage, "bucket_size": 3000, "buckets_per_group": None},
+        {"stage": stage, "buckets": flatshard.Buckets(size=3000, per_group=None)},
         matrices=(NormalizedSGD, {"lr": 0.01}),
         others=(torch.optim.SGD, {"lr": 0.01}),
     )
@@ -138,7 +140,7 @@ def test_whole_param_buckets_reduced_as_one_group_follow_ddp_exactly(stage):
 def _whole_rule_on_a_mesh(stage: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     return train_muon_side_by_side(
-        {"stage": stage, "bucket_size": 3000, "group": mesh},
+        {"stage": stage, "group": mesh, "buckets": flatshard.Buckets(size=3000)},
         matrices=(NormalizedSGD, {"lr": 0.01}),
         others=(torch.optim.SGD, {"lr": 0.01}),
     )
@@ -160,7 +162,7 @@ def test_adafactor_steps_whole_matrices_with_its_factored_state(stage):
     (result, *_) = run_distributed(
         train_muon_side_by_side,
         3,
-        {"stage": stage, "bucket_size": 3000},
+        {"stage": stage, "buckets": flatshard.Buckets(size=3000)},
         matrices=(torch.optim.Adafactor, {"lr": 0.01}),
         others=(torch.optim.SGD, {"lr": 0.01}),
     )
@@ -172,7 +174,7 @@ def _refusals() -> list[str]:
     """What a user meets at 2 ranks without ``whole_params``: a clear refusal, not fragments."""
     messages = []
     for cls, hyper in [(torch.optim.Muon, MUON), (NormalizedSGD, {"lr": 0.01})]:
-        model = flatshard.shard(TiedGPT(), stage=2, bucket_size=3000)
+        model = flatshard.shard(TiedGPT(), stage=2, buckets=flatshard.Buckets(size=3000))
         mats, rest = split(model)
         groups = [{"params": mats, "optimizer_class": cls, **hyper}, {"params": rest}]
         try:

@@ -110,14 +110,6 @@ class Buckets:
             raise TypeError(f"pad_for_high_busbw must be True or False, got {self.pad_for_high_busbw!r}")
 
 
-BUCKET_KEYWORDS = {
-    "bucket_size": "size",
-    "buckets_per_group": "per_group",
-    "pad_for_high_busbw": "pad_for_high_busbw",
-}
-"""``shard()``'s former keywords, and the ``Buckets`` field each became."""
-
-
 @dataclass(frozen=True)
 class Stage3:
     """``shard(stage=3, stage3=flatshard.Stage3(...))``: how stage 3 picks, gathers,
@@ -167,10 +159,6 @@ class Stage3:
     @property
     def schedule(self) -> UnitOptions:
         return UnitOptions(**{name: getattr(self, name) for name in UnitOptions.__dataclass_fields__})
-
-
-STAGE3_OPTIONS = tuple(Stage3.__dataclass_fields__)
-"""``shard()``'s former keywords, now ``Stage3``'s fields."""
 
 
 @dataclass(frozen=True)

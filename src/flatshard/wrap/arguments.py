@@ -6,57 +6,19 @@ from __future__ import annotations
 
 import math
 import numbers
-import warnings
 
 import torch
 from torch import nn
 
-from flatshard.planner.stage import BUCKET_KEYWORDS, STAGE3_OPTIONS, Buckets, Stage3, StagePolicy, stage3_only
+from flatshard.planner.stage import Buckets
 from flatshard.wrap.module import ShardedModule
 
 
-def bucket_options(buckets: Buckets | None, keywords: dict) -> Buckets:
-    """``shard()``'s ``buckets``, or the ``Buckets`` its former keywords (``bucket_size=...``,
-    taken out of ``keywords``) spell, with a ``DeprecationWarning`` naming the new spelling."""
-    given = {k: keywords.pop(k) for k in list(keywords) if k in BUCKET_KEYWORDS}
+def bucket_options(buckets: Buckets | None) -> Buckets:
+    """``shard()``'s ``buckets``, checked (default: ``Buckets()``)."""
     if buckets is not None and not isinstance(buckets, Buckets):
         raise TypeError(f"buckets must be a flatshard.Buckets, got {type(buckets).__name__}")
-    if not given:
-        return buckets or Buckets()
-    _deprecated(given, buckets, "bucket", "buckets", "Buckets", BUCKET_KEYWORDS)
-    return Buckets(**{BUCKET_KEYWORDS[k]: v for k, v in given.items()})
-
-
-def _deprecated(given: dict, policy: object, what: str, keyword: str, cls: str, renamed: dict) -> None:
-    """Former keywords of ``shard()`` (``given``): refused beside the ``keyword=`` policy
-    object, else a ``DeprecationWarning`` (pointing at the caller of ``shard``) naming the new
-    spelling, fields renamed by ``renamed``."""
-    if policy is not None:
-        raise TypeError(f"give the {what} options in {keyword}= only, not also as {sorted(given)}")
-    old = ", ".join(f"{k}=..." for k in given)
-    new = ", ".join(f"{renamed.get(k, k)}=..." for k in given)
-    warnings.warn(
-        f"shard({old}) is deprecated: pass {keyword}=flatshard.{cls}({new})", DeprecationWarning, stacklevel=4
-    )
-
-
-def stage3_options(stage: int, stage3: Stage3 | None, keywords: dict) -> Stage3 | None:
-    """``shard()``'s ``stage3``, or the ``Stage3`` its former keywords (``unit_bytes=...``)
-    spell, with a ``DeprecationWarning`` naming the new spelling. As before, at stages 0-2 a
-    keyword given its default passes and any other value is refused naming it."""
-    unknown = sorted(set(keywords) - set(STAGE3_OPTIONS))
-    if unknown:
-        raise TypeError(f"shard() got an unexpected keyword argument {unknown[0]!r}")
-    if not keywords:
-        return stage3
-    _deprecated(keywords, stage3, "stage-3", "stage3", "Stage3", {})
-    if StagePolicy(stage).gathers_units:
-        return Stage3(**keywords)
-    defaults = Stage3.__dataclass_fields__
-    for name, value in keywords.items():
-        if value is not defaults[name].default and value != defaults[name].default:
-            raise stage3_only(name, value, stage)
-    return None
+    return buckets or Buckets()
 
 
 def check_arguments(module, grad_scale) -> None:

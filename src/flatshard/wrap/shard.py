@@ -6,7 +6,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Any
 
 import torch
 from torch import nn
@@ -40,7 +39,6 @@ from flatshard.wrap.arguments import (
     check_arguments,
     check_devices,
     check_flags,
-    stage3_options,
 )
 from flatshard.wrap.changes import WrappedTree
 from flatshard.wrap.init import default_init
@@ -85,7 +83,6 @@ def shard(
     whole_params: WholeParams = None,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT,
     stage3: Stage3 | None = None,
-    **deprecated: Any,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -103,8 +100,7 @@ def shard(
             the inner dimension and each shard's grads are all-reduced over the outer one.
         buckets: how the flat buffers are cut into buckets and reduced: a
             ``flatshard.Buckets`` (``size``, default 2**22 elements; ``per_group``;
-            ``pad_for_high_busbw``). The keywords ``bucket_size``, ``buckets_per_group`` and
-            ``pad_for_high_busbw`` still work, with a ``DeprecationWarning``.
+            ``pad_for_high_busbw``).
         grad_scale: factor applied to grads before the sum over ranks; None averages
             (``1 / world size``, all ranks of a 2-D mesh); e.g. 1.0 for a loss already
             summed over tokens.
@@ -132,12 +128,10 @@ def shard(
             and freed: a ``flatshard.Stage3`` (``units``, ``reshard_after_forward``,
             ``forward_prefetch``, ``backward_prefetch``, ``limit_all_gathers``,
             ``unit_bytes``, ``device``, ``param_init_fn``, ``ignored_modules``; [Note:
-            unsharding] in ``stage3/unshard.py``). Refused at stages 0-2. Those fields given
-            to ``shard()`` as keywords still work, with a ``DeprecationWarning``.
+            unsharding] in ``stage3/unshard.py``). Refused at stages 0-2.
     """
-    buckets = bucket_options(buckets, deprecated)
+    buckets = bucket_options(buckets)
     bucket_size, buckets_per_group = buckets.size, buckets.per_group
-    stage3 = stage3_options(stage, stage3, deprecated)
     policy = StagePolicy.build(stage, stage3)
     s3 = stage3 or Stage3()
     units, ignored_modules, unit_bytes = s3.units, s3.ignored_modules, s3.unit_bytes
