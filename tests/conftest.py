@@ -45,6 +45,13 @@ def over_budget(seconds: dict[str, float], share: float) -> list[tuple[str, floa
     return sorted(((k, v) for k, v in seconds.items() if v > share * total), key=lambda kv: -kv[1])
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """The ranks' forkserver imports its modules while the tests are collected (not in the
+    xdist controller, which runs no test)."""
+    if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
+        testing.warm_up()
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     """The heavy jobs of the selected modules start now ([Note: early starts] in _early.py)."""
     _early.start_selected({Path(item.path).resolve() for item in session.items})

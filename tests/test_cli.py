@@ -56,23 +56,17 @@ def _check_the_loss_fell(out: subprocess.CompletedProcess, stage: str) -> None:
     assert final < first - 0.5 and final < uniform - 0.5, line
 
 
-@pytest.mark.parametrize(("stage", "extra"), [("0", []), ("1", ["--offload-fraction", "0.5"])])
-def test_train_starts_its_ranks_and_the_loss_falls(stage, extra):
-    """(Stage 3's run is the first of test_train_starts_from_plain_weights.)"""
-    out = _flatshard(
-        "train",
-        "--world-size",
-        "2",
-        "--model",
-        "tiny",
-        "--steps",
-        "60",
-        "--lr",
-        "1e-2",
-        "--stage",
-        stage,
-        *extra,
-    )
+@pytest.mark.parametrize(
+    ("stage", "extra", "started"),
+    [("0", [], "by its launcher"), ("1", ["--offload-fraction", "0.5"], "as under torchrun")],
+)
+def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
+    """Its own launcher starting real processes once; the other case as ranks under torchrun
+    (``_ranks``), which trains the same without two new interpreters. (Stage 3's run is the
+    first of test_train_starts_from_plain_weights.)"""
+    args = ["train", "--world-size", "2", "--model", "tiny", "--steps", "60", "--lr", "1e-2"]
+    args += ["--stage", stage]
+    out = _flatshard(*args, *extra) if started == "by its launcher" else _ranks(2, *args, *extra)
     _check_the_loss_fell(out, stage)
     if extra:
         assert "50% of the optimizer on the host" in out.stdout

@@ -97,6 +97,16 @@ def _modules():
         yield p, ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def test_import_flatshard_leaves_the_checkpoint_modules_to_their_first_use():
+    """``torch.distributed.checkpoint`` (with DTensor) was a third of ``import flatshard``,
+    paid by every ``python -m flatshard`` and every rank that never saves."""
+    code = (
+        "import sys, flatshard; assert 'torch.distributed.checkpoint' not in sys.modules; "
+        "assert callable(flatshard.save_checkpoint); assert 'torch.distributed.checkpoint' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
 def test_hybrid_names_only_the_host_device_optimizer():
     """One meaning per word (docs/concepts.md): a 2-D mesh is "replicated sharding"."""
     paths = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]

@@ -27,9 +27,9 @@ Public: the names in ``__all__``, the modules of ``planner/``, ``memory``, ``too
 ``hosts/`` and the CLI. Everything else may move between releases.
 """
 
-from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
-from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
-from flatshard.checkpoint.weights import export_checkpoint, load_weights
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from flatshard.comm.collectives import CommStats
 from flatshard.errors import (
     CheckpointError,
@@ -90,3 +90,29 @@ __all__ = [
     "verify_checkpoint",
 ]
 __version__ = "0.1.0"
+
+_CHECKPOINTS = {
+    "load_checkpoint": "directory",
+    "save_checkpoint": "directory",
+    "verify_checkpoint": "directory",
+    "load_pretrained": "pretrained",
+    "save_pretrained": "pretrained",
+    "export_checkpoint": "weights",
+    "load_weights": "weights",
+}
+"""The checkpoint functions, imported at their first use: they bring in
+``torch.distributed.checkpoint`` and DTensor (a third of ``import flatshard``, ~1.1 s, which
+every ``python -m flatshard`` and every rank paid, checkpoint or not)."""
+
+if TYPE_CHECKING:
+    from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
+    from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
+    from flatshard.checkpoint.weights import export_checkpoint, load_weights
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _CHECKPOINTS:
+        raise AttributeError(f"module 'flatshard' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"flatshard.checkpoint.{_CHECKPOINTS[name]}"), name)
+    globals()[name] = value
+    return value

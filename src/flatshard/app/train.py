@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.app.train_report import Metrics, Progress, format_summary, plot_losses
-from flatshard.checkpoint.directory import MANIFEST
+from flatshard.checkpoint.destination import MANIFEST
 from flatshard.memory import memory_report
 from flatshard.planner import plan
 from flatshard.planner.stage import DEFAULT_BUCKET_SIZE

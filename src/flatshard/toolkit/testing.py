@@ -38,16 +38,23 @@ from flatshard.toolkit.malloc import cpu_malloc_env
 from flatshard.toolkit.rank_pool import Pool
 from flatshard.toolkit.ranks import RankError, collect, join, rank_env
 
-__all__ = ["PRELOAD", "RankError", "run_distributed", "run_script"]
+__all__ = ["PRELOAD", "RankError", "run_distributed", "run_script", "warm_up"]
 
 _CONTEXT: Any = None
 _POOLS: dict[tuple[int, str], Pool] = {}
 _POOLS_LOCK = threading.Lock()
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "flatshard"]
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "flatshard", "flatshard.checkpoint.directory"]
 """Modules the forkserver imports once before forking ranks, rather than each rank for
-seconds (torch._dynamo: shard() wraps its hooks with torch.compiler.disable). A process
+seconds (torch._dynamo: shard() wraps its hooks with torch.compiler.disable;
+``import flatshard`` leaves the checkpoint modules to their first use). A process
 whose ranks need more (the test suite: inductor, transformers, peft) extends the list
 before its first ``run_distributed``; a module that is not installed is skipped."""
+
+
+def warm_up() -> None:
+    """Start the forkserver now: it imports ``PRELOAD`` (seconds) beside what the caller does
+    next, rather than when the first run waits for it."""
+    _context()
 
 
 def _context() -> Any:
