@@ -1,4 +1,4 @@
-"""A bucket group's reduce-scatter: one collective a bucket, or one for the group?
+"""A reduction's reduce-scatter: one collective a bucket, or one for the group?
 
 For groups of K buckets of B bytes (fp32, equal shards) on real ranks, times K reduce-
 scatters launched together and then waited (each by the implementation ``IMPLS`` picks

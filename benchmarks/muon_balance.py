@@ -18,9 +18,8 @@ import torch
 
 from flatshard.app.peers import is_hidden_matrix
 from flatshard.planner.layout import plan_layout
-from flatshard.planner.stage import StagePolicy
+from flatshard.planner.stage import DEFAULT_BUCKET_SIZE, StagePolicy
 from flatshard.toolkit.models import GPT, PRESETS
-from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
 from flatshard.wrap.specs import model_specs
 
 

@@ -16,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 import flatshard
-import flatshard.engine.bucket_group as bucket_group
 import flatshard.engine.buffer as buffer_module
+import flatshard.engine.reduction as reduction
 import flatshard.stage3.unshard as unshard
 from _parity import CheckpointedGPT, RankSkippingGPT, SharedBlockGPT
 from flatshard.toolkit.data import SyntheticCorpus
@@ -34,7 +34,7 @@ class _Watch:
 
     def wrap(self, fn):
         def issue(tensor, *args, **kwargs):
-            # (a bucket group's buckets, as reduce_scatter_coalesced takes them: views of one range)
+            # (a reduction's buckets, as reduce_scatter_coalesced takes them: views of one range)
             storage = (tensor[0][0] if isinstance(tensor, list) else tensor).untyped_storage()
             watched = _Watched(fn(tensor, *args, **kwargs), storage.data_ptr(), self)
             self.open.append(watched)
@@ -65,9 +65,9 @@ class _Watched:
 
 def _install(watch: _Watch) -> None:
     unshard.all_gather = watch.wrap(unshard.all_gather)
-    bucket_group.reduce_scatter_coalesced = watch.wrap(bucket_group.reduce_scatter_coalesced)
-    bucket_group.all_reduce = watch.wrap(bucket_group.all_reduce)
-    release, give = buffer_module._release, bucket_group.ScratchPool.give
+    reduction.reduce_scatter_coalesced = watch.wrap(reduction.reduce_scatter_coalesced)
+    reduction.all_reduce = watch.wrap(reduction.all_reduce)
+    release, give = buffer_module._release, reduction.ScratchPool.give
 
     def checked_release(tensor):
         watch.check_free(tensor, "a full bucket or grad shard was freed")
@@ -78,7 +78,7 @@ def _install(watch: _Watch) -> None:
         give(pool, tensor)
 
     buffer_module._release = checked_release
-    bucket_group.ScratchPool.give = checked_give
+    reduction.ScratchPool.give = checked_give
 
 
 MODELS = {"rank-skipping": RankSkippingGPT, "shared-block": SharedBlockGPT, "checkpointed": CheckpointedGPT}
@@ -90,7 +90,7 @@ def _case(model_name: str, stage: int, options: dict) -> dict:
     torch.manual_seed(0)
     model = MODELS[model_name]()
     corpus = SyntheticCorpus(model.cfg.vocab_size, model.cfg.seq_len)
-    model = flatshard.shard(model, stage=stage, **options, buckets=flatshard.Buckets(size=2000))
+    model = flatshard.shard(model, stage=stage, **{"buckets": flatshard.Buckets(size=2000), **options})
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
     open_after_backward = []
     for step in range(4):
@@ -115,7 +115,7 @@ def _case(model_name: str, stage: int, options: dict) -> dict:
         ),
         ("shared-block", 3, {"stage3": flatshard.Stage3(limit_all_gathers=1)}, 2),
         ("checkpointed", 3, {}, 2),
-        ("rank-skipping", 2, {"buckets": flatshard.Buckets(per_group=1)}, 3),
+        ("rank-skipping", 2, {"buckets": flatshard.Buckets(size=2000, per_launch=1)}, 3),
     ],
 )
 def test_collective_memory_outlives_its_collective(model_name, stage, options, world_size):

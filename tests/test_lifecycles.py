@@ -12,18 +12,18 @@ from flatshard.engine.lifecycle import (
     Gather,
     Grads,
     IllegalTransition,
-    Reduction,
+    ReductionState,
     advance,
 )
 
 
 def test_every_state_has_its_edges_and_illegal_moves_raise():
-    for enum in (Backward, Grads, Reduction, Gather):
+    for enum in (Backward, Grads, ReductionState, Gather):
         for state in enum:
             assert state in TRANSITIONS and all(type(n) is enum for n in TRANSITIONS[state])
-    assert advance(Reduction.COLLECTING, Reduction.REDUCING, "g") is Reduction.REDUCING
-    with pytest.raises(IllegalTransition, match="bucket group 3: REDUCED -> REDUCING"):
-        advance(Reduction.REDUCED, Reduction.REDUCING, "bucket group 3")
+    assert advance(ReductionState.COLLECTING, ReductionState.REDUCING, "g") is ReductionState.REDUCING
+    with pytest.raises(IllegalTransition, match="reduction 3: REDUCED -> REDUCING"):
+        advance(ReductionState.REDUCED, ReductionState.REDUCING, "reduction 3")
     with pytest.raises(IllegalTransition):
         advance(Backward.IDLE, Backward.UNBOUNDED, "backward")
     with pytest.raises(IllegalTransition, match="a unit: SHARDED -> FULL"):
@@ -54,7 +54,7 @@ def test_a_step_walks_the_states(stage):
     model(inputs()).sum().backward()
     assert seen == [Backward.RUNNING, Backward.RUNNING]
     assert (sync.backward, sync.grads) == (Backward.IDLE, Grads.REDUCED)
-    assert {g.reduction for g in sync.groups} == {Reduction.COLLECTING}  # reset for the next backward
+    assert {g.state for g in sync.reductions} == {ReductionState.COLLECTING}  # reset for the next backward
     opt.step()
     opt.zero_grad()
     assert sync.grads is Grads.EMPTY

@@ -292,7 +292,7 @@ def _scratch_case() -> int:
     torch.manual_seed(0)
     ours = flatshard.shard(TiedGPT(), stage=2, buckets=flatshard.Buckets(size=500))
     DistributedOptimizer(ours, torch.optim.SGD, lr=0.1)
-    groups = ours.flatshard_state.grad_sync.groups
+    groups = ours.flatshard_state.grad_sync.reductions
     alive = []
     for p in ours.parameters():
         if p.requires_grad:
@@ -487,7 +487,7 @@ def _expert_case(stage: int) -> list[float]:
     torch.manual_seed(0)
     model = TinyMoE()
     plain = copy.deepcopy(model)
-    expert = flatshard.ExpertGroup(pair, lambda name, p: name.startswith("expert."))
+    expert = flatshard.Experts(pair, lambda name, p: name.startswith("expert."))
     ours = flatshard.shard(model, stage=stage, expert=expert, buckets=flatshard.Buckets(size=40))
     opt = DistributedOptimizer(ours, torch.optim.SGD, lr=0.5)
     x = torch.randn(5, 6, generator=torch.Generator().manual_seed(rank))

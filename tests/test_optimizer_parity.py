@@ -108,8 +108,8 @@ def test_replicated_sharding_over_a_2d_mesh(mesh_shape, stage):
 
 
 GROUPED = [
-    *[(world, stage, {"buckets": Buckets(per_group=None)}) for world in (1, 2, 3, 4) for stage in (1, 2, 3)],
-    *[(3, stage, {"buckets": Buckets(per_group=3)}) for stage in (1, 2, 3)],
+    *[(world, stage, {"buckets": Buckets(per_launch=None)}) for world in (1, 2, 3, 4) for stage in (1, 2, 3)],
+    *[(3, stage, {"buckets": Buckets(per_launch=3)}) for stage in (1, 2, 3)],
     *[(3, stage, {"buckets": Buckets(pad_for_high_busbw=True)}) for stage in (1, 2)],
 ]
 """Several buckets reduced as one group (one all-to-all on gloo: ``reduce_scatter_coalesced``),

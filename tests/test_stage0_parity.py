@@ -19,7 +19,7 @@ BUCKETINGS = {
     "one_bucket": {"buckets": Buckets(size=None)},
     "some_buckets": {"buckets": Buckets(size=3000)},
     "bucket_per_param": {"buckets": Buckets(size=1)},
-    "one_group": {"buckets": Buckets(size=1, per_group=None)},
+    "one_group": {"buckets": Buckets(size=1, per_launch=None)},
 }
 
 

@@ -116,7 +116,7 @@ def _peak_case(reshard_after_forward: bool, unit_bytes: int | None) -> dict:
         "shard": sum(b.shard_numel(rank) for b in layout.buffers),
         "psi": layout.numel,
         "full_params": state.unsharder.peak_full_bytes,
-        "scratch": state.grad_sync.groups[0].pool.peak_bytes,
+        "scratch": state.grad_sync.reductions[0].pool.peak_bytes,
         "unit_numel": unit_numel,
     }
 

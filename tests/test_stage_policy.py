@@ -5,12 +5,18 @@ import pytest
 from torch import nn
 
 import flatshard
-from flatshard.planner.stage import STAGES, StagePolicy, UnitOptions
+from flatshard.planner.stage import STAGES, StagePolicy
 
 
 def test_the_table_of_the_note():
     rows = {
-        s: (p.shards_optimizer, p.shards_grads, p.shards_params, p.reduction, p.gathers_buckets_after_step)
+        s: (
+            p.shards_optimizer,
+            p.shards_grads,
+            p.shards_params,
+            p.grad_collective,
+            p.gathers_buckets_after_step,
+        )
         for s, p in ((s, StagePolicy(s)) for s in STAGES)
     }
     assert rows == {
@@ -50,21 +56,14 @@ def test_stage3_options_below_stage_3_are_refused_naming_them(stage, option, val
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"stage3": flatshard.Stage3(backward_prefetch="later")}, "backward_prefetch must be one of"),
-        ({"stage3": flatshard.Stage3(forward_prefetch=-1)}, "forward_prefetch must be an int >= 0, got -1"),
-        (
-            {"stage3": flatshard.Stage3(limit_all_gathers=1.5)},
-            "limit_all_gathers must be an int >= 1, got 1.5",
-        ),
-        (
-            {"stage3": flatshard.Stage3(reshard_after_forward="yes")},
-            "reshard_after_forward must be a bool, got 'yes'",
-        ),
+        ({"backward_prefetch": "later"}, "backward_prefetch must be one of"),
+        ({"forward_prefetch": -1}, "forward_prefetch must be an int >= 0, got -1"),
+        ({"limit_all_gathers": 1.5}, "limit_all_gathers must be an int >= 1, got 1.5"),
+        ({"reshard_after_forward": "yes"}, "reshard_after_forward must be a bool, got 'yes'"),
+        ({"unit_bytes": 0}, "unit_bytes must be an int >= 1 or None, got 0"),
     ],
 )
-def test_unit_options_are_checked_once_when_built(kwargs, message):
-    with pytest.raises(ValueError, match=message):
-        UnitOptions(**kwargs)
+def test_stage3_options_are_checked_once_when_built(kwargs, message):
     with pytest.raises(ValueError, match=message):
         flatshard.Stage3(**kwargs)
 
@@ -96,25 +95,25 @@ def test_stage3_and_buckets_are_checked_where_they_are_built():
     new = flatshard.shard(
         nn.Linear(2, 2), stage=3, stage3=flatshard.Stage3(unit_bytes=None, forward_prefetch=0)
     )
-    assert new.flatshard_state.policy.unit_options.forward_prefetch == 0
+    assert new.flatshard_state.policy.stage3.forward_prefetch == 0
     with pytest.raises(
         ValueError, match=r"^stage3=Stage3\(unit_bytes=None\) applies to stage 3 only .* got stage 2"
     ):
         flatshard.shard(nn.Linear(2, 2), stage=2, stage3=flatshard.Stage3(unit_bytes=None))
     with pytest.raises(ValueError, match="limit_all_gathers must be an int >= 1, got 0"):
         flatshard.Stage3(limit_all_gathers=0)
-    model = flatshard.shard(nn.Linear(64, 64), buckets=flatshard.Buckets(size=50, per_group=None))
+    model = flatshard.shard(nn.Linear(64, 64), buckets=flatshard.Buckets(size=50, per_launch=None))
     layout = [
         (b.layout.numel, len(b.layout.buckets))
         for s in model.flatshard_state.sets.values()
         for b in s.buffers
     ]
     assert layout[0][1] == 2  # (the bias, 64 elements, then the weight)
-    assert len(model.flatshard_state.grad_sync.groups) == 1
+    assert len(model.flatshard_state.grad_sync.reductions) == 1
     with pytest.raises(TypeError, match=r"buckets must be a flatshard\.Buckets, got int"):
         flatshard.shard(nn.Linear(2, 2), buckets=1000)
     with pytest.raises(
-        ValueError, match=r"Buckets.size\) must be a positive number of elements or None, got 0"
+        ValueError, match=r"Buckets.size must be a positive number of elements or None, got 0"
     ):
         flatshard.Buckets(size=0)
     with pytest.raises(TypeError, match="pad_for_high_busbw must be True or False, got 'no'"):

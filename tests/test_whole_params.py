@@ -129,7 +129,7 @@ def test_whole_param_buckets_reduced_as_one_group_follow_ddp_exactly(stage):
     (result, *_) = run_distributed(
         train_muon_side_by_side,
         4,
-        {"stage": stage, "buckets": flatshard.Buckets(size=3000, per_group=None)},
+        {"stage": stage, "buckets": flatshard.Buckets(size=3000, per_launch=None)},
         matrices=(NormalizedSGD, {"lr": 0.01}),
         others=(torch.optim.SGD, {"lr": 0.01}),
     )

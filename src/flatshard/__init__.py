@@ -11,7 +11,7 @@ listed before it (``tests/test_repo.py`` checks every import):
    bytes per rank before running anything), ``mixed_precision``; beside it ``errors`` and
    ``toolkit.malloc`` (glibc malloc settings for ranks on CPU, a leaf);
 1. ``comm/``: worlds, collectives, deadlines;
-2. ``engine/``: flat buffers, bucket groups, grad sync, param gathers, units, hook wrappers;
+2. ``engine/``: flat buffers, reductions, grad sync, param gathers, units, hook wrappers;
 3. ``stage3/``: unsharding units, meta init, full params;
 4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;
 5. ``optim/``: the distributed, hybrid and owner-sharded optimizers, loss scaling;
@@ -50,7 +50,7 @@ from flatshard.planner.layout import Layout, ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, OptimizerPrecision
 from flatshard.planner.stage import Buckets, Stage3
 from flatshard.wrap.module import ShardedModule
-from flatshard.wrap.shard import ExpertGroup, shard
+from flatshard.wrap.shard import Experts, shard
 from flatshard.wrap.uneven import even_batches
 
 __all__ = [
@@ -61,7 +61,7 @@ __all__ = [
     "DesyncError",
     "DistributedOptimizer",
     "DynamicLossScaler",
-    "ExpertGroup",
+    "Experts",
     "GroupedOptimizer",
     "HybridDeviceOptimizer",
     "Layout",

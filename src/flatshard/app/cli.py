@@ -8,8 +8,7 @@ import os
 import sys
 
 from flatshard.app import launch
-from flatshard.planner.stage import DEFAULT_UNIT_BYTES, STAGES, StagePolicy
-from flatshard.wrap.shard import DEFAULT_BUCKET_SIZE
+from flatshard.planner.stage import DEFAULT_BUCKET_SIZE, DEFAULT_UNIT_BYTES, STAGES, StagePolicy
 
 MODEL_HELP = (
     "a GPT preset, hf:<model_type> (a tiny transformers model), a directory or config.json (the "
@@ -463,8 +462,8 @@ def _layout(args: argparse.Namespace) -> int:
         shard=policy.pads_for_shards,
     )
     print(draw.format_shards(layout))
-    if frozen[0]:  # (sharded with their units at stage 3, whole on every rank below)
-        kept = "sharded with their units" if policy.shards_params else "whole on every rank"
+    if frozen[0]:  # (sharded with their units at stage 3, replicated on every rank below)
+        kept = "sharded with their units" if policy.shards_params else "replicated on every rank"
         print(f"\nfrozen params ({kept}; no grads, no optimizer state):")
         if policy.shards_params:
             frozen_layout = plan_layout(frozen[1], world_size=args.world_size, bucket_size=args.bucket_size)

@@ -91,8 +91,8 @@ def _sharded_sets(model: nn.Module):
     state = model.flatshard_state
     if "expert" in state.sets:
         raise NotImplementedError(
-            "checkpoints of models with ExpertGroup params are not supported yet: expert params share "
-            "names across expert ranks"
+            "checkpoints of models with expert params (shard(expert=...)) are not supported yet: "
+            "expert params share names across expert ranks"
         )
     return state
 

@@ -3,20 +3,20 @@
 [Note: grad sync]
 
 * A post-accumulate-grad hook on every trainable param moves the new grad into
-  ``param.main_grad`` and marks the param ready in its bucket group.
-* Bucket groups are launched strictly in one fixed order (the order backward is expected
-  to complete them: the group holding the last-registered param first). A complete group
-  launches once every group before it has and the other groups of its launch unit (the
-  same ``per_group`` buckets, of other buffers: ``build_bucket_groups``) are complete too;
+  ``param.main_grad`` and marks the param ready in its reduction.
+* Reductions are launched strictly in one fixed order (the order backward is expected
+  to complete them: the reduction holding the last-registered param first). A complete reduction
+  launches once every reduction before it has and the other reductions of its launch (the
+  same ``per_launch`` buckets, of other buffers: ``build_reductions``) are complete too;
   so every rank issues the same collectives in
   the same order even when control flow differs, and a mismatch can never pair two
   different tensors in one collective.
 * At the first hook of a backward an end-of-backward callback is queued with autograd's
-  engine. It launches the groups still waiting (their unused params contribute zeros),
+  engine. It launches the reductions still waiting (their unused params contribute zeros),
   waits for every collective, and resets per-backward state. So when ``backward()``
   returns, grads are reduced: nothing can read them early.
 * Under ``no_sync`` nothing is launched; grads keep accumulating in ``main_grad``.
-* A grad that arrives after its group's reduction started is an error naming the param,
+* A grad that arrives after its reduction started is an error naming the param,
   never a silently dropped grad.
 
 Two kinds of buffers:
@@ -30,11 +30,11 @@ Two kinds of buffers:
   last ``zero_grad`` of the module or the flatshard optimizer.
 
 At stages 1-3 grads are scaled as they arrive and kept as shards between backwards
-([Note: sharded grads] in ``engine/bucket_group.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
-launched groups hold scratch (at stage 3, where a unit's full params are alive too, one),
-besides the group accumulating: before a group's reduction is launched, the oldest are
+([Note: sharded grads] in ``engine/reduction.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
+launched reductions hold scratch (at stage 3, where a unit's full params are alive too, one),
+besides the reduction accumulating: before a reduction is launched, the oldest are
 finished (waited for; at stage 3 only where that cannot deadlock with the param gathers,
-[Note: two process groups] in ``stage3/unshard.py``), and the next group reuses their scratch.
+[Note: two process groups] in ``stage3/unshard.py``), and the next reduction reuses their scratch.
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ from torch import nn
 
 from flatshard.comm.collectives import CommStats, all_reduce
 from flatshard.comm.deadline import HERE, Phase
-from flatshard.engine.bucket_group import BucketGroup, ScratchPool
 from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
 from flatshard.engine.grad_view import GradViews, Piece, ShardedGrad
 from flatshard.engine.lifecycle import Backward, Grads, advance
+from flatshard.engine.reduction import Reduction, ScratchPool
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import StagePolicy
 
@@ -77,7 +77,7 @@ class WeakHook:
 
 
 MAX_SCRATCH_IN_FLIGHT = 2
-"""Stage 2: launched bucket groups whose scratch may be alive at once."""
+"""Stage 2: launched reductions whose scratch may be alive at once."""
 STAGE3_SCRATCH_IN_FLIGHT = 1
 """The same at stage 3 (as FSDP, one reduce-scatter in flight while the next unit's grads
 accumulate)."""
@@ -99,48 +99,48 @@ class BackwardGathers(Protocol):
         """``param``'s grad of this backward is accumulated (called once grad sync took it)."""
 
 
-def build_bucket_groups(
+def build_reductions(
     sets: Sequence[BufferSet],
-    buckets_per_group: int | None,
+    buckets_per_launch: int | None,
     stats: CommStats,
     reduce_dtype: torch.dtype | None = None,
-) -> list[BucketGroup]:
-    """Bucket groups of every buffer, in launch order (see [Note: grad sync]).
+) -> list[Reduction]:
+    """Reductions of every buffer, in launch order (see [Note: grad sync]).
 
     Each set's buckets, of all its buffers (dtypes), are taken in the order backward is
-    expected to complete them and cut into *launch units* of ``buckets_per_group`` (None:
-    all of them). A unit's buckets of one buffer are consecutive there and form one
-    ``BucketGroup``; the groups of a unit follow each other in the launch order, share its
-    ``unit`` number, and launch together once all of them are complete (Megatron's bucket
+    expected to complete them and cut into *launches* of ``buckets_per_launch`` (None:
+    all of them). A launch's buckets of one buffer are consecutive there and form one
+    ``Reduction``; the reductions of a launch follow each other in the launch order, share its
+    ``launch`` number, and start together once all of them are complete (Megatron's bucket
     groups across dtypes)."""
-    units: list[tuple[int, int, BufferSet, list[tuple[FlatBuffer, list[BucketLayout]]]]] = []
+    launches: list[tuple[int, int, BufferSet, list[tuple[FlatBuffer, list[BucketLayout]]]]] = []
     for bset in sets:
         ordered = sorted(
             ((buffer, bucket) for buffer in bset.buffers for bucket in buffer.layout.buckets),
             key=lambda pair: -max(slot.index for slot in pair[1].params),
         )
-        step = len(ordered) if buckets_per_group is None else buckets_per_group
+        step = len(ordered) if buckets_per_launch is None else buckets_per_launch
         for i in range(0, len(ordered), step):
             chunk = ordered[i : i + step]
             by_buffer: dict[int, tuple[FlatBuffer, list[BucketLayout]]] = {}
             for buffer, bucket in chunk:
                 by_buffer.setdefault(buffer.layout.index, (buffer, []))[1].append(bucket)
             key = max(slot.index for _, bucket in chunk for slot in bucket.params)
-            units.append((-key, len(units), bset, list(by_buffer.values())))
-    units.sort(key=lambda item: item[:2])
+            launches.append((-key, len(launches), bset, list(by_buffer.values())))
+    launches.sort(key=lambda item: item[:2])
     pool = ScratchPool(MAX_SCRATCH_IN_FLIGHT + 1)
-    groups: list[BucketGroup] = []
-    for unit, (_, _, bset, parts) in enumerate(units):
+    reductions: list[Reduction] = []
+    for launch, (_, _, bset, parts) in enumerate(launches):
         for buffer, buckets in parts:
             slots = [slot for bucket in buckets for slot in bucket.params]
             params, names = [bset.params[s.index] for s in slots], [s.name for s in slots]
-            groups.append(
-                BucketGroup(
-                    len(groups), buffer, buckets, params, names, bset.world, bset.scale, stats, pool,
-                    bset.replicate, reduce_dtype, unit=unit,
+            reductions.append(
+                Reduction(
+                    len(reductions), buffer, buckets, params, names, bset.world, bset.scale, stats, pool,
+                    bset.replicate, reduce_dtype, launch=launch,
                 )
             )  # fmt: skip
-    return groups
+    return reductions
 
 
 class GradSync:
@@ -149,7 +149,7 @@ class GradSync:
     def __init__(
         self,
         sets: Sequence[BufferSet],
-        groups: Sequence[BucketGroup],
+        reductions: Sequence[Reduction],
         *,
         policy: StagePolicy,
         find_unused_parameters: bool,
@@ -163,7 +163,7 @@ class GradSync:
         self.sets = list(sets)
         self.policy = policy
         self.scratch_in_flight = STAGE3_SCRATCH_IN_FLIGHT if policy.gathers_units else MAX_SCRATCH_IN_FLIGHT
-        self.groups = list(groups)
+        self.reductions = list(reductions)
         self.find_unused_parameters = find_unused_parameters
         self.stats = stats
         self.sync_enabled = True
@@ -172,22 +172,22 @@ class GradSync:
         self.generation = 0  # counts backwards that changed grads
         self.optimizer_attached = False
         self.gathers = gathers
-        self._group_of: dict[int, BucketGroup] = {}
+        self._reduction_of: dict[int, Reduction] = {}
         self._exposed: set[int] = set()
         self._name: dict[int, str] = {}
-        for group in self.groups:
-            layout = group.buffer.layout
-            exposed = layout.dtype == layout.grad_dtype and not group.sharded
-            for name, p in zip(group.names, group.params, strict=True):
-                self._group_of[id(p)] = group
+        for reduction in self.reductions:
+            layout = reduction.buffer.layout
+            exposed = layout.dtype == layout.grad_dtype and not reduction.sharded
+            for name, p in zip(reduction.names, reduction.params, strict=True):
+                self._reduction_of[id(p)] = reduction
                 self._name[id(p)] = name
                 if exposed:
                     self._exposed.add(id(p))
         self._written: set[int] = set()  # hidden params whose main_grad holds a sum
         self._fired: list[FlatParam] = []  # exposed params whose grad returns after sync
-        self._pool = self.groups[0].pool if self.groups else ScratchPool(0)
-        self._next = 0  # first group not yet launched in this backward
-        self._done = 0  # groups before this one have finished their reduction
+        self._pool = self.reductions[0].pool if self.reductions else ScratchPool(0)
+        self._next = 0  # first reduction not yet launched in this backward
+        self._done = 0  # reductions before this one have finished their reduction
         self.views = self._hidden_views()
         hook = WeakHook(self._on_grad)
         for bset in sets:
@@ -199,15 +199,17 @@ class GradSync:
         the pieces of its reduced grad this rank holds ([Note: grads seen by torch])."""
         hidden, exposed = [], []
         pieces: dict[int, list[Piece]] = {}
-        for group in self.groups:
-            named = list(zip(group.names, group.params, strict=True))
+        for reduction in self.reductions:
+            named = list(zip(reduction.names, reduction.params, strict=True))
             exposed += [(n, p) for n, p in named if id(p) in self._exposed]
             by_name = {n: p for n, p in named if id(p) not in self._exposed}
             for name, p in by_name.items():
-                hidden.append((name, p, group.world, group.sharded, group.buffer.layout.grad_dtype))
+                hidden.append(
+                    (name, p, reduction.world, reduction.sharded, reduction.buffer.layout.grad_dtype)
+                )
                 pieces[id(p)] = []
-            buffer = group.buffer
-            for bucket in group.buckets:
+            buffer = reduction.buffer
+            for bucket in reduction.buckets:
                 for piece in bucket.local_ranges(buffer.rank):
                     if piece.name in by_name:
                         where: Piece = (buffer, bucket, slice(*piece.in_shard))
@@ -252,24 +254,24 @@ class GradSync:
         if type(grad) is ShardedGrad:  # (no zero_grad since the last backward: autograd added to it)
             param.grad = grad.take_pending()
         key = id(param)
-        group = self._group_of[key]
-        if group.launched:
+        reduction = self._reduction_of[key]
+        if reduction.launched:
             raise RuntimeError(
-                f"param {self._name[key]!r} got a gradient after its bucket group's reduction had "
+                f"param {self._name[key]!r} got a gradient after its reduction had "
                 "started in this backward (is it used again after its grad was final, e.g. by "
                 "reentrant activation checkpointing?)"
             )
         if not self.sync_enabled:
             self._set_grads(Grads.UNREDUCED)
-        group.begin()
-        if group.sharded:
-            self._accumulate_prescaled(param, group)
+        reduction.begin()
+        if reduction.sharded:
+            self._accumulate_prescaled(param, reduction)
         elif self.sync_enabled:
-            self._accumulate_scaled(param, group)
+            self._accumulate_scaled(param, reduction)
         else:
             self._accumulate(param)
         self._written.add(key)
-        if group.mark_ready(param) and self.sync_enabled:
+        if reduction.mark_ready(param) and self.sync_enabled:
             self._launch_ready()
         if self.gathers is not None:  # (one hook per param serves both: they cost per call)
             self.gathers.grad_ready(param)
@@ -286,16 +288,16 @@ class GradSync:
             main_grad.add_(grad)
         param.grad = main_grad if key in self._exposed else None
 
-    def _accumulate_scaled(self, param: FlatParam, group: BucketGroup) -> None:
-        """Fold the new grad into ``main_grad`` and apply the group's scale in the same pass.
+    def _accumulate_scaled(self, param: FlatParam, reduction: Reduction) -> None:
+        """Fold the new grad into ``main_grad`` and apply the reduction's scale in the same pass.
 
         From a param's first grad in a syncing backward until the sync finishes,
         ``main_grad`` holds the *scaled* sum and ``param.grad`` is None, so a second grad in
         the same backward arrives fresh and is added with the scale too.
         """
         key = id(param)
-        grad, main_grad, scale = param.grad, param.main_grad, group.scale
-        if group.is_ready(param):  # second grad in this backward
+        grad, main_grad, scale = param.grad, param.main_grad, reduction.scale
+        if reduction.is_ready(param):  # second grad in this backward
             main_grad.add_(grad, alpha=scale)
         else:
             if grad is main_grad:  # autograd added in place onto the unscaled sum
@@ -310,33 +312,33 @@ class GradSync:
                 self._fired.append(param)
         param.grad = None
 
-    def _accumulate_prescaled(self, param: FlatParam, group: BucketGroup) -> None:
+    def _accumulate_prescaled(self, param: FlatParam, reduction: Reduction) -> None:
         """``main_grad += scale * grad`` (stages 1 and 2, synced or not): what a shard holds is
         then always a scaled sum, ready to be reduced as it is."""
         grad, main_grad = param.grad, param.main_grad
         if id(param) in self._written:
-            main_grad.add_(grad, alpha=group.scale)
+            main_grad.add_(grad, alpha=reduction.scale)
         elif grad.dtype == main_grad.dtype:
-            torch.mul(grad, group.scale, out=main_grad)
+            torch.mul(grad, reduction.scale, out=main_grad)
         else:  # a 16-bit grad: scale in fp32
-            main_grad.copy_(grad).mul_(group.scale)
+            main_grad.copy_(grad).mul_(reduction.scale)
         param.grad = None
 
     def _bound_scratch(self) -> None:
-        """Before a scratch group's reduction is launched, finish the oldest launched groups
+        """Before a scratch reduction is launched, finish the oldest launched reductions
         until fewer than ``scratch_in_flight`` are left: waiting for them where that cannot
         deadlock with stage 3's param gathers, else only those reduced. (Bounding at launch,
-        not when the next group takes its scratch, holds the same scratch at the peak but
-        gives each reduction the next group's whole backward to finish.)"""
+        not when the next reduction takes its scratch, holds the same scratch at the peak but
+        gives each reduction the next reduction's whole backward to finish.)"""
         while self._next - self._done >= self.scratch_in_flight:
-            oldest = self.groups[self._done]
+            oldest = self.reductions[self._done]
             if not self._reduction_done(oldest):
                 return
-            self._finish_group(oldest)
+            self._finish_reduction(oldest)
             self._done += 1
 
-    def _reduction_done(self, group: BucketGroup) -> bool:
-        """Whether ``group``'s reduction may be finished now ([Note: two process groups]).
+    def _reduction_done(self, reduction: Reduction) -> bool:
+        """Whether ``reduction``'s reduction may be finished now ([Note: two process groups]).
 
         * No gathers in backward, or all of this backward's issued: yes (``finish_sync`` waits).
         * Every rank ran the same units and ``find_unused_parameters`` is False (as in DDP, a
@@ -350,14 +352,14 @@ class GradSync:
             return True
         unbounded = self.backward is Backward.UNBOUNDED
         if unbounded or self.find_unused_parameters or not gathers.ranks_ran_the_same_units():
-            return group.reduced()
-        if group.wait_reduced(BLOCK_TIMEOUT_S):
+            return reduction.reduced()
+        if reduction.wait_reduced(BLOCK_TIMEOUT_S):
             return True
         self._move(Backward.UNBOUNDED)  # for the rest of this backward
         warnings.warn(
-            f"rank {group.world.rank}: waited {BLOCK_TIMEOUT_S:g} s during backward for the "
-            f"reduction of the grads of {', '.join(map(repr, group.names[:3]))}"
-            f"{', ...' if len(group.names) > 3 else ''}; going on without the grad-scratch "
+            f"rank {reduction.world.rank}: waited {BLOCK_TIMEOUT_S:g} s during backward for the "
+            f"reduction of the grads of {', '.join(map(repr, reduction.names[:3]))}"
+            f"{', ...' if len(reduction.names) > 3 else ''}; going on without the grad-scratch "
             "bound in this backward. If params of a module that ran can get no grad on some "
             "ranks, pass find_unused_parameters=True (as in DDP); else some rank is that far "
             "behind.",
@@ -366,24 +368,28 @@ class GradSync:
         )
         return False
 
-    def _finish_group(self, group: BucketGroup) -> None:
-        group.finish_sync()
-        if not group.buffer.full_grads:  # the scratch was folded into the shard and dropped
-            self._written.difference_update(id(p) for p in group.params)
+    def _finish_reduction(self, reduction: Reduction) -> None:
+        reduction.finish_sync()
+        if not reduction.buffer.full_grads:  # the scratch was folded into the shard and dropped
+            self._written.difference_update(id(p) for p in reduction.params)
 
     def _launch_ready(self) -> None:
-        groups = self.groups
-        while self._next < len(groups) and self._unit_complete(self._next):
-            if not groups[self._next].buffer.full_grads:
+        reductions = self.reductions
+        while self._next < len(reductions) and self._launch_complete(self._next):
+            if not reductions[self._next].buffer.full_grads:
                 self._bound_scratch()
-            groups[self._next].start_sync()
+            reductions[self._next].start_sync()
             self._next += 1
 
-    def _unit_complete(self, first: int) -> bool:
-        """Whether the groups of ``groups[first]``'s launch unit from it on are complete."""
-        unit = self.groups[first].unit
-        members = itertools.takewhile(lambda g: g.unit == unit, itertools.islice(self.groups, first, None))
-        return all(g.complete for g in members)  # (no copy of the group list: it runs per ready group)
+    def _launch_complete(self, first: int) -> bool:
+        """Whether the reductions of ``reductions[first]``'s launch from it on are complete."""
+        launch = self.reductions[first].launch
+        members = itertools.takewhile(
+            lambda g: g.launch == launch, itertools.islice(self.reductions, first, None)
+        )
+        return all(
+            g.complete for g in members
+        )  # (no copy of the reduction list: it runs per ready reduction)
 
     # -- end of backward -----------------------------------------------------------------
     def finish(self) -> None:
@@ -394,8 +400,8 @@ class GradSync:
             if self.sync_enabled:
                 self._finish_sync()
         finally:
-            for group in self.groups:
-                group.reset()
+            for reduction in self.reductions:
+                reduction.reset()
             self._fired.clear()
             self._next = self._done = 0
             self._move(Backward.IDLE)
@@ -417,25 +423,25 @@ class GradSync:
         if self.gathers is not None:
             self.gathers.issue_backward()  # before waiting on any reduction
         locally_unused: list[FlatParam] = []
-        for group in self.groups[self._next :]:
-            group.begin()
-            for _, param in group.pending_params():
+        for reduction in self.reductions[self._next :]:
+            reduction.begin()
+            for _, param in reduction.pending_params():
                 if not self._holds_grad(param):
                     param.main_grad.zero_()
                     if id(param) in self._exposed:
                         locally_unused.append(param)
-                elif not group.sharded:  # accumulated unscaled under no_sync, none this backward
-                    param.main_grad.mul_(group.scale)
-            group.start_sync()
-        self._next = len(self.groups)
+                elif not reduction.sharded:  # accumulated unscaled under no_sync, none this backward
+                    param.main_grad.mul_(reduction.scale)
+            reduction.start_sync()
+        self._next = len(self.reductions)
         for param in self._fired:  # nobody reads a grad before backward returns
             param.grad = param.main_grad
         usage = self._exchange_usage() if self.find_unused_parameters else None
-        for group in self.groups[self._done :]:
-            group.replicate_shards()  # start every cross-replica reduction before waiting on any
-        for group in self.groups[self._done :]:
-            self._finish_group(group)
-        self._done = len(self.groups)
+        for reduction in self.reductions[self._done :]:
+            reduction.replicate_shards()  # start every cross-replica reduction before waiting on any
+        for reduction in self.reductions[self._done :]:
+            self._finish_reduction(reduction)
+        self._done = len(self.reductions)
         self._set_grads(Grads.REDUCED)
         globally_unused = self._globally_unused(usage)
         for param in locally_unused:
@@ -479,7 +485,7 @@ class GradSync:
         }
 
     def pooled_scratch(self) -> list[torch.Tensor]:
-        """Stage-2 scratch released in this backward and kept for reuse by later groups."""
+        """Stage-2 scratch released in this backward and kept for reuse by later reductions."""
         return list(self._pool.free)
 
     # -- user-facing state -----------------------------------------------------------------
@@ -489,8 +495,8 @@ class GradSync:
         self._set_grads(Grads.EMPTY if set_to_none else Grads.REDUCED)  # (zeros, as torch steps on)
         self.generation += 1
         self.views.forget()
-        for group in self.groups:
-            group.zero_grad()
+        for reduction in self.reductions:
+            reduction.zero_grad()
         if set_to_none:  # stages 2-3: no grad shards until the next backward's reductions
             for bset in self.sets:
                 for buffer in bset.buffers:

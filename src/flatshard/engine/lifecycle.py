@@ -13,7 +13,7 @@ cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance``
 * ``Grads``, of a module's grads since ``zero_grad``: ``EMPTY`` (none), ``REDUCED`` (a synced
   backward reduced them: the optimizer may step), ``UNREDUCED`` (a backward under
   ``no_sync`` accumulated grads that no reduction has summed yet: stepping is an error).
-* ``Reduction``, of one bucket group within a backward: ``COLLECTING`` (grads arrive),
+* ``ReductionState``, of one reduction within a backward: ``COLLECTING`` (grads arrive),
   ``REDUCING`` (its all-reduce or reduce-scatter is in flight), ``REPLICATING`` (replicated
   sharding: the shards' all-reduce across the replicate world is in flight), ``REDUCED``
   (waited for and folded into the grads; a grad arriving now is an error) until the next
@@ -47,7 +47,7 @@ class Grads(Enum):
     UNREDUCED = "accumulated under no_sync, not reduced"
 
 
-class Reduction(Enum):
+class ReductionState(Enum):
     COLLECTING = "collecting grads"
     REDUCING = "reducing"
     REPLICATING = "reducing across replicas"
@@ -69,10 +69,12 @@ TRANSITIONS: dict[Enum, frozenset[Enum]] = {
     Grads.REDUCED: frozenset({Grads.EMPTY, Grads.REDUCED, Grads.UNREDUCED}),
     Grads.UNREDUCED: frozenset({Grads.EMPTY, Grads.REDUCED, Grads.UNREDUCED}),
     # a backward without sync never launches; the next backward starts over from any state
-    Reduction.COLLECTING: frozenset({Reduction.COLLECTING, Reduction.REDUCING}),
-    Reduction.REDUCING: frozenset({Reduction.REPLICATING, Reduction.REDUCED, Reduction.COLLECTING}),
-    Reduction.REPLICATING: frozenset({Reduction.REDUCED, Reduction.COLLECTING}),
-    Reduction.REDUCED: frozenset({Reduction.COLLECTING}),
+    ReductionState.COLLECTING: frozenset({ReductionState.COLLECTING, ReductionState.REDUCING}),
+    ReductionState.REDUCING: frozenset(
+        {ReductionState.REPLICATING, ReductionState.REDUCED, ReductionState.COLLECTING}
+    ),
+    ReductionState.REPLICATING: frozenset({ReductionState.REDUCED, ReductionState.COLLECTING}),
+    ReductionState.REDUCED: frozenset({ReductionState.COLLECTING}),
     Gather.SHARDED: frozenset({Gather.GATHERING}),
     Gather.GATHERING: frozenset({Gather.FULL, Gather.SHARDED}),
     Gather.FULL: frozenset({Gather.SHARDED}),

@@ -213,7 +213,7 @@ def _sharded(model: nn.Module, how: int | Mapping[str, Any], device: torch.devic
 def _shard_reference(trainer: Any, how: int | Mapping[str, Any], device: torch.device) -> None:
     """A frozen model the host keeps beside the trained one (TRL's DPO ``ref_model``): at
     stage 3 sharded too, each rank holding its shards of it, as TRL shards it under FSDP or
-    ZeRO-3; below stage 3 it stays whole on every rank, as it does under DDP or ZeRO-1/2."""
+    ZeRO-3; below stage 3 it is replicated on every rank, as it does under DDP or ZeRO-1/2."""
     options = {"stage": how} if isinstance(how, int) else dict(how)
     reference = getattr(trainer, "ref_model", None)
     if not isinstance(reference, nn.Module) or isinstance(uncompiled(reference), ShardedModule):

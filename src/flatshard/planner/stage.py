@@ -16,9 +16,9 @@ grad shard, stage 3 is stage 2 whose param buffer is sharded too. Sharded stages
 buckets so that every rank's shard has the same size (``plan_layout(shard=True)``), need
 ``DistributedOptimizer`` (a torch optimizer over ``model.parameters()`` never sees the grad
 shards) and may shard over a 2-D (replicate, shard) mesh. Only stage 3 gathers params by
-unit, so only it takes the stage-3 options (``Stage3``, whose gather schedule is
-``UnitOptions``) and a model on the meta device; options given at a stage that does not
-read them are an error naming them and the stage, never silently ignored.
+unit, so only it takes the stage-3 options (``Stage3``) and a model on the meta device;
+options given at a stage that does not read them are an error naming them and the stage,
+never silently ignored.
 """
 
 from __future__ import annotations
@@ -31,41 +31,6 @@ BACKWARD_PREFETCH = ("pre", "post", None)
 DEFAULT_UNIT_BYTES = 2**20
 """Adjacent small units merge up to this many bytes of params ([Note: merged units] in
 ``engine/units.py``); measured in ``benchmarks/README.md`` (Stage 3: merged units)."""
-
-
-@dataclass(frozen=True)
-class UnitOptions:
-    """Stage 3's gather schedule ([Note: unsharding] in ``stage3/unshard.py``), validated once.
-
-    reshard_after_forward: free a unit's params after its forward (False: keep them until
-        its backward is done, trading memory for one gather per unit).
-    forward_prefetch: units whose gathers start ahead of the forward (0: none).
-    backward_prefetch: "pre" (start the next unit's gather when a unit's backward starts),
-        "post" (when it ends) or None.
-    limit_all_gathers: prefetches start only while fewer gathers are in flight.
-    unit_bytes: adjacent small sibling units merge into one while their params fit in this
-        many bytes (None: a unit per module).
-    """
-
-    reshard_after_forward: bool = True
-    forward_prefetch: int = 1
-    backward_prefetch: str | None = "pre"
-    limit_all_gathers: int = 2
-    unit_bytes: int | None = DEFAULT_UNIT_BYTES
-
-    def __post_init__(self) -> None:
-        if self.backward_prefetch not in BACKWARD_PREFETCH:
-            raise ValueError(
-                f"backward_prefetch must be one of {BACKWARD_PREFETCH}, got {self.backward_prefetch!r}"
-            )
-        if not _is_int(self.forward_prefetch) or self.forward_prefetch < 0:
-            raise ValueError(f"forward_prefetch must be an int >= 0, got {self.forward_prefetch!r}")
-        if not _is_int(self.limit_all_gathers) or self.limit_all_gathers < 1:
-            raise ValueError(f"limit_all_gathers must be an int >= 1, got {self.limit_all_gathers!r}")
-        if self.unit_bytes is not None and (not _is_int(self.unit_bytes) or self.unit_bytes < 1):
-            raise ValueError(f"unit_bytes must be an int >= 1 or None, got {self.unit_bytes!r}")
-        if not isinstance(self.reshard_after_forward, bool):
-            raise ValueError(f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
 
 
 def _is_int(value: object) -> bool:
@@ -84,7 +49,7 @@ class Buckets:
 
     size: elements per bucket (a bucket closes once it holds at least this many); None for
         one bucket per buffer.
-    per_group: buckets, of any dtype, reduced together once all their grads are in (on
+    per_launch: buckets, of any dtype, reduced together once all their grads are in (on
         gloo a buffer's buckets of up to 512 KiB by one all-to-all of the packed group;
         otherwise one collective a bucket, launched together); None puts all of them in
         one group.
@@ -93,19 +58,14 @@ class Buckets:
     """
 
     size: int | None = DEFAULT_BUCKET_SIZE
-    per_group: int | None = 1
+    per_launch: int | None = 1
     pad_for_high_busbw: bool = False
 
     def __post_init__(self) -> None:
         if self.size is not None and (not _is_int(self.size) or self.size < 1):
-            raise ValueError(
-                f"bucket_size (Buckets.size) must be a positive number of elements or None, got {self.size!r}"
-            )
-        if self.per_group is not None and (not _is_int(self.per_group) or self.per_group < 1):
-            raise ValueError(
-                f"buckets_per_group (Buckets.per_group) must be a positive int or None, "
-                f"got {self.per_group!r}"
-            )
+            raise ValueError(f"Buckets.size must be a positive number of elements or None, got {self.size!r}")
+        if self.per_launch is not None and (not _is_int(self.per_launch) or self.per_launch < 1):
+            raise ValueError(f"Buckets.per_launch must be a positive int or None, got {self.per_launch!r}")
         if not isinstance(self.pad_for_high_busbw, bool):
             raise TypeError(f"pad_for_high_busbw must be True or False, got {self.pad_for_high_busbw!r}")
 
@@ -120,14 +80,20 @@ class Stage3:
         units gathered and freed together; default: the layers a Hugging Face model's
         ``_no_split_modules`` names, else the children of every ``nn.ModuleList``. The root
         is a unit too and owns every other param.
-    reshard_after_forward, forward_prefetch, backward_prefetch, limit_all_gathers,
-        unit_bytes: the gather schedule (``UnitOptions``).
+    reshard_after_forward: free a unit's params after its forward (False: keep them until
+        its backward is done, trading memory for one gather per unit).
+    forward_prefetch: units whose gathers start ahead of the forward (0: none).
+    backward_prefetch: "pre" (start the next unit's gather when a unit's backward starts),
+        "post" (when it ends) or None.
+    limit_all_gathers: prefetches start only while fewer gathers are in flight.
+    unit_bytes: adjacent small sibling units merge into one while their params fit in this
+        many bytes (None: a unit per module).
     device: where a model built on the ``meta`` device is materialized (default: the current
         CUDA device if there is one, else the CPU), unit by unit.
     param_init_fn: initializes each module of a meta model (default: its own
         ``reset_parameters()``, a Hugging Face model's ``_init_weights``, zero LoRA B
         matrices: [Note: default init] in ``wrap/init.py``).
-    ignored_modules: modules whose frozen params stay whole on every rank; every other frozen
+    ignored_modules: modules whose frozen params stay replicated on every rank; every other frozen
         floating param is sharded and gathered with its unit ([Note: frozen params] in
         ``stage3/build.py``).
     """
@@ -143,7 +109,7 @@ class Stage3:
     ignored_modules: Any = None
 
     def __post_init__(self) -> None:
-        self.schedule  # noqa: B018 (validates the schedule's fields)
+        self._check_schedule()
         if self.ignored_modules is not None:
             object.__setattr__(self, "ignored_modules", tuple(self.ignored_modules))
         if self.param_init_fn is not None and not callable(self.param_init_fn):
@@ -156,9 +122,30 @@ class Stage3:
         ]
         return f"Stage3({', '.join(given)})"
 
-    @property
-    def schedule(self) -> UnitOptions:
-        return UnitOptions(**{name: getattr(self, name) for name in UnitOptions.__dataclass_fields__})
+    def _check_schedule(self) -> None:
+        if self.backward_prefetch not in BACKWARD_PREFETCH:
+            raise ValueError(
+                f"backward_prefetch must be one of {BACKWARD_PREFETCH}, got {self.backward_prefetch!r}"
+            )
+        if not _is_int(self.forward_prefetch) or self.forward_prefetch < 0:
+            raise ValueError(f"forward_prefetch must be an int >= 0, got {self.forward_prefetch!r}")
+        if not _is_int(self.limit_all_gathers) or self.limit_all_gathers < 1:
+            raise ValueError(f"limit_all_gathers must be an int >= 1, got {self.limit_all_gathers!r}")
+        if self.unit_bytes is not None and (not _is_int(self.unit_bytes) or self.unit_bytes < 1):
+            raise ValueError(f"unit_bytes must be an int >= 1 or None, got {self.unit_bytes!r}")
+        if not isinstance(self.reshard_after_forward, bool):
+            raise ValueError(f"reshard_after_forward must be a bool, got {self.reshard_after_forward!r}")
+
+
+SCHEDULE = (
+    "reshard_after_forward",
+    "forward_prefetch",
+    "backward_prefetch",
+    "limit_all_gathers",
+    "unit_bytes",
+)
+"""The fields of ``Stage3`` that set the order and number of the collectives (the gather
+schedule): every rank must agree on them."""
 
 
 @dataclass(frozen=True)
@@ -166,7 +153,7 @@ class StagePolicy:
     """What ``stage`` keeps sharded and which collectives it runs ([Note: stage policy])."""
 
     stage: int
-    unit_options: UnitOptions = field(default_factory=UnitOptions)
+    stage3: Stage3 = field(default_factory=Stage3, hash=False)
 
     def __post_init__(self) -> None:
         if not _is_int(self.stage) or self.stage not in STAGES:
@@ -183,7 +170,7 @@ class StagePolicy:
             if stage3 is not None:
                 raise stage3_only("stage3", stage3, stage)
             return policy
-        return cls(stage, (stage3 or Stage3()).schedule)
+        return cls(stage, stage3 or Stage3())
 
     # -- what each rank keeps ----------------------------------------------------------------
     @property
@@ -209,7 +196,7 @@ class StagePolicy:
         return self.shards_optimizer
 
     @property
-    def reduction(self) -> str:
+    def grad_collective(self) -> str:
         """How grads are summed over the world: whole (``all_reduce``) or into shards."""
         return "reduce_scatter" if self.shards_optimizer else "all_reduce"
 
@@ -233,7 +220,7 @@ class StagePolicy:
         """Bytes per element of a bucket that one step's collectives carry, before the ring
         factor (N-1)/N: an all-reduce of grads moves them twice; a reduce-scatter once plus
         each all-gather of params (``gathers`` a step at stage 3: [Note: comm bytes])."""
-        if self.reduction == "all_reduce":
+        if self.grad_collective == "all_reduce":
             return 2 * grad_bytes
         return grad_bytes + (gathers if self.gathers_units else 1) * param_bytes
 

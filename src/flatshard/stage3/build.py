@@ -21,7 +21,7 @@ per rank, as FSDP does. Invariants:
 
 * Frozen params get a buffer set of their own (``ShardState.frozen``), laid out by unit
   like the trainable ones, in their own dtype (``MixedPrecision`` casts them), with no grad
-  storage and no bucket group: nothing reduces them and no optimizer sees them. Their
+  storage and no reduction: nothing reduces them and no optimizer sees them. Their
   buckets are parts of their unit, so they are gathered and freed with it, by the same
   schedule; checkpoints, ``full_state_dict``, ``summon_full_params`` and ``memory_report``
   read them through ``ShardState.param_sets()``.
@@ -39,7 +39,7 @@ per rank, as FSDP does. Invariants:
   whose forward was never followed by a backward is freed at the end of the next one.
 * A model whose params are all frozen (a DPO reference, a distillation teacher) has only
   this buffer set: forward and ``generate`` gather it unit by unit; no optimizer takes it.
-* Frozen params of ``ignored_modules``, expert params and non-floating ones stay whole on
+* Frozen params of ``ignored_modules``, expert params and non-floating ones stay replicated on
   every rank (as at stages 0-2, where frozen params are never sharded); a meta-device
   model's sharded frozen params are materialized unit by unit like the trainable ones.
 """
@@ -55,7 +55,7 @@ from flatshard.comm.collectives import CommStats, broadcast
 from flatshard.comm.world import World, side_world
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.units import Unit, module_units, unsharded_tensors
-from flatshard.planner.stage import UnitOptions
+from flatshard.planner.stage import Stage3
 from flatshard.stage3.unshard import Part, Unsharder
 
 COALESCE_NUMEL = 2**22
@@ -67,7 +67,7 @@ def build_unsharder(
     unit_of: dict[int, int],
     sets: Sequence[BufferSet],
     stats: CommStats,
-    options: UnitOptions,
+    options: Stage3,
 ) -> Unsharder:
     """The parts (buckets) of each unit and the ``Unsharder`` over them."""
     parts: list[list[Part]] = [[] for _ in units]
@@ -116,14 +116,14 @@ def is_meta_model(named: Sequence[tuple[str, nn.Parameter]]) -> bool:
     return bool(meta)
 
 
-def replace_meta_params(module: nn.Module, device: torch.device, whole: set[int]) -> None:
-    """Give every meta param that is sharded (trainable, or frozen and not kept ``whole``)
+def replace_meta_params(module: nn.Module, device: torch.device, replicated: set[int]) -> None:
+    """Give every meta param that is sharded (trainable, or frozen and not ``replicated``)
     a placeholder on ``device`` (a new Parameter in each module that registers it, so tied
     params stay tied)."""
     new: dict[int, nn.Parameter] = {}
     for sub in module.modules():
         for name, p in list(sub._parameters.items()):
-            if p is None or not p.is_meta or (not p.requires_grad and id(p) in whole):
+            if p is None or not p.is_meta or (not p.requires_grad and id(p) in replicated):
                 continue
             if id(p) not in new:
                 nan = torch.full((1,), float("nan"), dtype=p.dtype, device=device)

@@ -8,7 +8,7 @@
   main params take a value only where the 16-bit value changed, so unchanged ones keep
   their full precision: [Note: main-backed shards] in ``engine/buffer.py``). ``with_grads``
   gathers the reduced grad shards into ``param.grad`` for the block. ``rank0_only`` frees
-  the units again on every other rank. Below stage 3 the params are whole already, and
+  the units again on every other rank. Below stage 3 the params are full already, and
   ``with_grads`` gathers the grads the same way (``summon_grads``): at stages 1-2 only this
   rank's shard of the grad buffer holds reduced values, so a view of the buffer would not do.
 * ``full_state_dict()`` gathers one unit at a time and gives rank 0 a plain CPU state dict

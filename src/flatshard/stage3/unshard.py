@@ -77,7 +77,7 @@ A stage-3 backward issues collectives on two groups, each in an order every rank
 gathers in the backward schedule, grad reductions in bucket-group order, each launched once
 its grads are complete. Their interleaving is the same on every rank only when the ranks'
 backwards are alike. A rank whose unit (or one param of it) got no grad completes that
-bucket group only at the end of its backward, after issuing every gather; a rank that
+reduction only at the end of its backward, after issuing every gather; a rank that
 blocked on that reduction before issuing its own remaining gathers would wait forever, and
 so would the first rank, on those gathers. So grad sync blocks on a reduction during a
 backward (to bound grad scratch, ``engine.grad_sync``) only where no cycle can form:
@@ -141,7 +141,7 @@ from flatshard.engine.placeholder import label
 from flatshard.engine.units import Unit, entry_points
 from flatshard.errors import ShardedParamError
 from flatshard.planner.layout import BucketLayout
-from flatshard.planner.stage import UnitOptions
+from flatshard.planner.stage import Stage3
 
 
 @dataclass(frozen=True)
@@ -162,9 +162,9 @@ class Unsharder:
         units: list[Unit],
         parts: list[list[Part]],
         stats: CommStats,
-        options: UnitOptions | None = None,
+        options: Stage3 | None = None,
     ) -> None:
-        options = options or UnitOptions()
+        options = options or Stage3()
         self.units = units
         self.parts = parts
         self.stats = stats
@@ -539,7 +539,7 @@ def _second_derivative(unit: Unit) -> ShardedParamError:
         f"a backward with create_graph=True reached unit {unit.name or '(root)'!r} at stage 3 (a gradient "
         "penalty, a double backward): the graph it records reads the unit's full params, which are "
         "freed as soon as the unit's grads are reduced, so a second backward would read freed "
-        "storage. Use stage 2 (params stay whole on every rank), or a penalty without second derivatives"
+        "storage. Use stage 2 (params stay replicated on every rank), or a penalty without second derivatives"
     )
 
 

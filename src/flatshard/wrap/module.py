@@ -60,7 +60,7 @@ class ShardState:
     """Everything flatshard attaches to a wrapped module."""
 
     policy: StagePolicy  # what the stage keeps sharded ([Note: stage policy])
-    sets: dict[str, BufferSet]  # "main", and "expert" when an ExpertGroup is given
+    sets: dict[str, BufferSet]  # "main", and "expert" when shard(expert=Experts(...)) is given
     grad_sync: GradSync
     stats: CommStats
     param_gather: ParamGather | None = None  # stages 1 and 2

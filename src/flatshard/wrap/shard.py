@@ -19,13 +19,13 @@ from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import eager
 from flatshard.engine.grad_sync import (
     GradSync,
-    build_bucket_groups,
+    build_reductions,
 )
 from flatshard.engine.param_gather import ParamGather
 from flatshard.engine.units import unsharded_tensors
 from flatshard.planner.layout import plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, cast_params, input_cast_hook
-from flatshard.planner.stage import DEFAULT_BUCKET_SIZE, Buckets, Stage3, StagePolicy  # noqa: F401 (DEFAULT_BUCKET_SIZE: its old home)
+from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
 from flatshard.stage3.build import (
     broadcast_values,
     build_unsharder,
@@ -50,7 +50,7 @@ FROZEN = "frozen"
 
 
 @dataclass(frozen=True)
-class ExpertGroup:
+class Experts:
     """Params that are data-parallel over another group (e.g. mixture-of-experts experts).
 
     ``match(name, param)`` selects them; they get their own buffers, reduce over ``group``
@@ -63,9 +63,7 @@ class ExpertGroup:
 
     def __post_init__(self) -> None:
         if not callable(self.match):
-            raise TypeError(
-                f"ExpertGroup.match must be a predicate (name, param) -> bool, got {self.match!r}"
-            )
+            raise TypeError(f"Experts.match must be a predicate (name, param) -> bool, got {self.match!r}")
 
 
 def shard(
@@ -75,7 +73,7 @@ def shard(
     group: object = None,
     buckets: Buckets | None = None,
     grad_scale: float | None = None,
-    expert: ExpertGroup | None = None,
+    expert: Experts | None = None,
     find_unused_parameters: bool = False,
     sync_module_states: bool = True,
     broadcast_buffers: bool = True,
@@ -99,12 +97,12 @@ def shard(
             DeviceMesh (replicate, shard): replicated sharding, where buckets are sharded over
             the inner dimension and each shard's grads are all-reduced over the outer one.
         buckets: how the flat buffers are cut into buckets and reduced: a
-            ``flatshard.Buckets`` (``size``, default 2**22 elements; ``per_group``;
+            ``flatshard.Buckets`` (``size``, default 2**22 elements; ``per_launch``;
             ``pad_for_high_busbw``).
         grad_scale: factor applied to grads before the sum over ranks; None averages
             (``1 / world size``, all ranks of a 2-D mesh); e.g. 1.0 for a loss already
             summed over tokens.
-        expert: params that reduce over another group (see ``ExpertGroup``).
+        expert: params that reduce over another group (see ``Experts``).
         find_unused_parameters: as in DDP: a param that got no grad on any rank keeps
             ``grad=None`` (one extra small all-reduce per step); otherwise its grad is zero.
         sync_module_states: start from rank 0's params and buffers (the default, as torch
@@ -131,7 +129,7 @@ def shard(
             unsharding] in ``stage3/unshard.py``). Refused at stages 0-2.
     """
     buckets = bucket_options(buckets)
-    bucket_size, buckets_per_group = buckets.size, buckets.per_group
+    bucket_size, buckets_per_launch = buckets.size, buckets.per_launch
     policy = StagePolicy.build(stage, stage3)
     s3 = stage3 or Stage3()
     units, ignored_modules, unit_bytes = s3.units, s3.ignored_modules, s3.unit_bytes
@@ -147,24 +145,24 @@ def shard(
             f"mixed_precision must be a flatshard.MixedPrecision or None, got {mixed_precision!r}"
         )
     mp = mixed_precision or MixedPrecision()
-    whole = _frozen_kept_whole(module, policy, expert, ignored_modules)
+    replicated = _frozen_replicated(module, policy, expert, ignored_modules)
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
-    named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, whole)
+    named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, replicated)
     unit_list, unit_of = stage3_units(module, named, units, unit_bytes) if policy.gathers_units else ([], {})
     specs_of = partial(
         param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole, mixed_precision=mp
     )
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
-    parts += _frozen_part(module, whole, unit_of, world, replicate) if policy.shards_params else []
+    parts += _frozen_part(module, replicated, unit_of, world, replicate) if policy.shards_params else []
     config = _agreement_lines(
         module,
         policy,
         mp,
         [u.name for u in unit_list],
-        whole,
+        replicated,
         meta=meta,
         bucket_size=bucket_size,
-        buckets_per_group=buckets_per_group,
+        buckets_per_launch=buckets_per_launch,
         grad_scale=grad_scale,
         find_unused_parameters=find_unused_parameters,
         sync_module_states=sync_module_states,
@@ -185,7 +183,7 @@ def shard(
         module,
         policy,
         sets,
-        buckets_per_group,
+        buckets_per_launch,
         find_unused_parameters,
         mp.reduce_dtype,
         (unit_list, unit_of),
@@ -217,29 +215,34 @@ def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_wo
 
 
 def _agreement_lines(
-    module: nn.Module, policy: StagePolicy, mp: MixedPrecision, units: list[str], whole: set[int], **options
+    module: nn.Module,
+    policy: StagePolicy,
+    mp: MixedPrecision,
+    units: list[str],
+    replicated: set[int],
+    **options,
 ):
     """What every rank must agree on before wrapping, one option per line so that a
     difference is named: everything that changes the sequence of collectives (the stage, the
     unit schedule, bucketing, syncing, padding, mixed precision, units) and the frozen params,
-    with which of them stay whole at stage 3 (``ignored_modules``)."""
-    kept = " kept whole" if policy.shards_params else ""
+    with which of them stay replicated at stage 3 (``ignored_modules``)."""
+    kept = " replicated" if policy.shards_params else ""
     return [
         f"stage={policy.stage}",
-        *(f"{k}={v}" for k, v in vars(policy.unit_options).items()),
+        *(f"{k}={getattr(policy.stage3, k)}" for k in SCHEDULE),
         *(f"{k}={v}" for k, v in options.items()),
         f"mixed_precision={mp}",
         f"units={units}",
         *(
-            f"frozen {n} {tuple(p.shape)} {p.dtype}{kept if id(p) in whole else ''}"
+            f"frozen {n} {tuple(p.shape)} {p.dtype}{kept if id(p) in replicated else ''}"
             for n, p in module.named_parameters()
             if not p.requires_grad
         ),
     ]
 
 
-def _frozen_kept_whole(module: nn.Module, policy: StagePolicy, expert, ignored_modules) -> set[int]:
-    """Ids of the frozen params that stay whole on every rank: all of them below stage 3;
+def _frozen_replicated(module: nn.Module, policy: StagePolicy, expert, ignored_modules) -> set[int]:
+    """Ids of the frozen params replicated on every rank (not sharded): all of them below stage 3;
     at stage 3 those of ``ignored_modules``, expert params and non-floating ones."""
     frozen = {id(p): (n, p) for n, p in module.named_parameters() if not p.requires_grad}
     if not policy.shards_params:
@@ -267,10 +270,10 @@ def _short_repr(value: object) -> str:
 
 
 def _frozen_part(
-    module: nn.Module, whole: set[int], unit_of, world: World, replicate: World
+    module: nn.Module, replicated: set[int], unit_of, world: World, replicate: World
 ) -> list[ParamPart]:
-    """Stage 3: the frozen params not kept ``whole``, sorted by unit as the trainable ones."""
-    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and id(p) not in whole]
+    """Stage 3: the frozen params not ``replicated``, sorted by unit as the trainable ones."""
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and id(p) not in replicated]
     frozen.sort(key=lambda item: unit_of[id(item[1])])
     return [ParamPart(FROZEN, world, replicate, frozen, None)] if frozen else []
 
@@ -286,15 +289,15 @@ def _check_agreement(parts: list[ParamPart], config: list[str], specs_of) -> Non
             check_ranks_agree(w, lines, f"the {part.key} params")
 
 
-def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device, whole: set[int]):
+def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device, replicated: set[int]):
     """(trainable named params, whether the model is on meta, the device, fp32 originals):
-    a meta model gets placeholders on ``device`` (its frozen params too, unless kept
-    ``whole``); params are cast to ``mp.param_dtype``."""
+    a meta model gets placeholders on ``device`` (its frozen params too, unless
+    ``replicated``); params are cast to ``mp.param_dtype``."""
     named = _trainable(module)
     if not named and not policy.shards_params:
         raise ValueError(
             f"{type(module).__name__} has no parameter that requires grad: below stage 3 frozen params "
-            "stay whole on every rank, so there is nothing to shard (stage 3 shards them: a reference "
+            "stay replicated on every rank, so there is nothing to shard (stage 3 shards them: a reference "
             "model or a teacher)"
         )
     meta = is_meta_model(named)
@@ -304,7 +307,7 @@ def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, 
     if meta:  # placeholders on the device (cast first: meta tensors cost nothing)
         originals = {}  # the main params start from the initialized values
         device = _default_device() if device is None else torch.device(device)
-        replace_meta_params(module, device, whole)
+        replace_meta_params(module, device, replicated)
     named = _trainable(module)
     check_devices(named)
     return named, meta, device, originals
@@ -367,26 +370,26 @@ def _assemble(
     module,
     policy: StagePolicy,
     sets,
-    buckets_per_group,
+    buckets_per_launch,
     find_unused_parameters,
     reduce_dtype,
     units,
     *,
     originals,
 ) -> ShardedModule:
-    """Bucket groups, the grad-sync state machine, and the param gathers (stages 1-2) or
+    """Reductions, the grad-sync state machine, and the param gathers (stages 1-2) or
     the unsharder (stage 3, over the frozen params' set too). ``originals``: the fp32 values
     before a MixedPrecision cast, or None."""
     frozen = sets.pop(FROZEN, None)
     stats = CommStats()
-    groups = build_bucket_groups(list(sets.values()), buckets_per_group, stats, reduce_dtype)
+    groups = build_reductions(list(sets.values()), buckets_per_launch, stats, reduce_dtype)
     gather = unsharder = None
     if policy.gathers_buckets_after_step:
         gather = ParamGather(module, list(sets.values()), stats)
     if policy.gathers_units:
         unit_list, unit_of = units
         every = [*sets.values(), *([frozen] if frozen is not None else [])]
-        unsharder = build_unsharder(unit_list, unit_of, every, stats, policy.unit_options)
+        unsharder = build_unsharder(unit_list, unit_of, every, stats, policy.stage3)
         if any(b.world.size > 1 and b.params and b.params[0].device.type == "cpu" for b in every):
             warn_once_without_tunables()  # gathers and frees fragment glibc's heap otherwise
     sync = GradSync(
@@ -417,7 +420,7 @@ class ParamPart:
 
 
 def _split_worlds(
-    named, world: World, replicate: World, grad_scale, expert: ExpertGroup | None
+    named, world: World, replicate: World, grad_scale, expert: Experts | None
 ) -> list[ParamPart]:
     """The main params and the expert params, each with its worlds and grad scale."""
     parts: list[ParamPart] = []

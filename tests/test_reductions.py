@@ -1,5 +1,5 @@
-"""Launch units of bucket groups across dtypes ([Note: grad sync] in engine/grad_sync.py):
-``Buckets(per_group=k)`` takes a set's buckets of every buffer (dtype) in backward order,
+"""Launches of reductions across dtypes ([Note: grad sync] in engine/grad_sync.py):
+``Buckets(per_launch=k)`` takes a set's buckets of every buffer (dtype) in backward order,
 k at a time, and a unit's groups (one per buffer) launch together. A GPT whose MLP input
 layers are fp64 (two buffers: fp32 and fp64) follows DDP exactly at stages 1-3 on 1-4
 ranks ([Note: parity tolerances] in tests/_parity.py: SGD, 1e-5; fp64 sums only make the
@@ -39,8 +39,8 @@ class TwoDtypeGPT(TiedGPT):
 
 
 def test_a_launch_unit_spans_both_dtypes_in_backward_order():
-    model = flatshard.shard(TwoDtypeGPT(), stage=1, buckets=flatshard.Buckets(size=1000, per_group=3))
-    groups = model.flatshard_state.grad_sync.groups
+    model = flatshard.shard(TwoDtypeGPT(), stage=1, buckets=flatshard.Buckets(size=1000, per_launch=3))
+    groups = model.flatshard_state.grad_sync.reductions
     dtypes = {g.unit: set() for g in groups}
     for g in groups:
         dtypes[g.unit].add(g.buffer.layout.dtype)
@@ -60,12 +60,12 @@ def test_a_launch_unit_spans_both_dtypes_in_backward_order():
 GROUPED = [(world, stage, 2) for world in (1, 2, 3, 4) for stage in (1, 2, 3)] + [(3, 2, None)]
 
 
-@pytest.mark.parametrize(("world_size", "stage", "per_group"), GROUPED)
-def test_two_dtype_launch_units_follow_ddp(world_size, stage, per_group):
+@pytest.mark.parametrize(("world_size", "stage", "per_launch"), GROUPED)
+def test_two_dtype_launch_units_follow_ddp(world_size, stage, per_launch):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {"stage": stage, "buckets": flatshard.Buckets(size=1000, per_group=per_group)},
+        {"stage": stage, "buckets": flatshard.Buckets(size=1000, per_launch=per_launch)},
         **SGD,
         model_cls=TwoDtypeGPT,
     )
@@ -74,21 +74,21 @@ def test_two_dtype_launch_units_follow_ddp(world_size, stage, per_group):
 
 def _launches_case(stage: int) -> list[bool]:
     """For every group launched in a backward: were all of its unit's groups complete?"""
-    from flatshard.engine import bucket_group
+    from flatshard.engine import reduction
     from flatshard.toolkit.data import SyntheticCorpus
 
     torch.manual_seed(0)
-    model = flatshard.shard(TwoDtypeGPT(), stage=stage, buckets=flatshard.Buckets(size=1000, per_group=3))
+    model = flatshard.shard(TwoDtypeGPT(), stage=stage, buckets=flatshard.Buckets(size=1000, per_launch=3))
     flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
-    groups = model.flatshard_state.grad_sync.groups
+    groups = model.flatshard_state.grad_sync.reductions
     seen: list[bool] = []
-    start_sync = bucket_group.BucketGroup.start_sync
+    start_sync = reduction.Reduction.start_sync
 
     def watched(group) -> None:
         seen.append(all(g.complete for g in groups if g.unit == group.unit))
         start_sync(group)
 
-    bucket_group.BucketGroup.start_sync = watched
+    reduction.Reduction.start_sync = watched
     corpus = SyntheticCorpus(64, 16)
     x, y = corpus.batch(0, torch.distributed.get_rank(), 4)
     model(x, y).backward()

@@ -1,4 +1,4 @@
-"""Bucket groups: consecutive buckets of one buffer whose grads are reduced together.
+"""Reductions: consecutive buckets of one buffer whose grads are reduced together.
 
 [Note: sharded grads]
 
@@ -52,7 +52,7 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_scatter_coalesced, wait_until
 from flatshard.comm.world import ONE, World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
-from flatshard.engine.lifecycle import Reduction, advance
+from flatshard.engine.lifecycle import ReductionState, advance
 from flatshard.planner.layout import BucketLayout, Range
 from flatshard.planner.mixed_precision import split_scale
 
@@ -97,7 +97,7 @@ class ScratchPool:
         self.alive_bytes -= tensor.numel() * tensor.element_size()
 
 
-class BucketGroup:
+class Reduction:
     """Consecutive buckets of one ``FlatBuffer``, reduced over ``world`` as one unit.
 
     The group is *complete* in a backward once every one of its params has had its grad
@@ -117,10 +117,10 @@ class BucketGroup:
         pool: ScratchPool | None = None,
         replicate: World = ONE,
         reduce_dtype: torch.dtype | None = None,
-        unit: int | None = None,
+        launch: int | None = None,
     ) -> None:
         self.index = index
-        self.unit = index if unit is None else unit  # its launch unit ([Note: grad sync])
+        self.launch = index if launch is None else launch  # its launch ([Note: grad sync])
         self.buffer = buffer
         self.buckets = tuple(buckets)
         self.params = tuple(params)
@@ -150,10 +150,10 @@ class BucketGroup:
         self._pending: set[int] = set(self._ids)
         self._handles: list[Handle] = []  # the collectives of the reduction in flight
         self._stale = False
-        self.reduction = Reduction.COLLECTING  # [Note: lifecycles]
+        self.state = ReductionState.COLLECTING  # [Note: lifecycles]
 
-    def _move(self, new: Reduction) -> None:
-        self.reduction = advance(self.reduction, new, f"bucket group {self.index}")
+    def _move(self, new: ReductionState) -> None:
+        self.state = advance(self.state, new, f"reduction {self.index}")
 
     @property
     def complete(self) -> bool:
@@ -162,11 +162,11 @@ class BucketGroup:
     @property
     def launched(self) -> bool:
         """Whether this backward's reduction has started (a grad arriving now is too late)."""
-        return self.reduction is not Reduction.COLLECTING
+        return self.state is not ReductionState.COLLECTING
 
     @property
     def in_flight(self) -> bool:
-        return self.reduction in (Reduction.REDUCING, Reduction.REPLICATING)
+        return self.state in (ReductionState.REDUCING, ReductionState.REPLICATING)
 
     def is_ready(self, param: nn.Parameter) -> bool:
         return id(param) not in self._pending
@@ -181,7 +181,7 @@ class BucketGroup:
         """``grad`` while the group holds one (a full buffer's range, or scratch from ``begin``
         until it is released)."""
         if self.grad is None:
-            raise RuntimeError("a bucket group's grads were read before begin() took its scratch")
+            raise RuntimeError("a reduction's grads were read before begin() took its scratch")
         return self.grad
 
     def pending_params(self) -> list[tuple[str, FlatParam]]:
@@ -225,8 +225,8 @@ class BucketGroup:
     # -- reduction ---------------------------------------------------------------------------
     def start_sync(self) -> None:
         if self.launched:
-            raise RuntimeError(f"bucket group {self.index} was launched twice in one backward")
-        self._move(Reduction.REDUCING)
+            raise RuntimeError(f"reduction {self.index} was launched twice in one backward")
+        self._move(ReductionState.REDUCING)
         self.begin()
         data = self._reduced_data()
         if not self.sharded:
@@ -268,7 +268,7 @@ class BucketGroup:
     def replicate_shards(self) -> None:
         """Replicated sharding: once the reduce-scatter is done, all-reduce this rank's shards
         over the replicate world (launched; ``finish_sync`` waits)."""
-        if self.reduction is not Reduction.REDUCING or self.replicate.size == 1:
+        if self.state is not ReductionState.REDUCING or self.replicate.size == 1:
             return
         for handle in self._handles:
             handle.wait()
@@ -276,7 +276,7 @@ class BucketGroup:
         self._handles = [
             all_reduce(data[lo:hi], self.replicate, stats=self.stats) for lo, hi in self._own_ranges()
         ]
-        self._move(Reduction.REPLICATING)
+        self._move(ReductionState.REPLICATING)
 
     def reduced(self) -> bool:
         """Whether ``finish_sync`` would return without waiting for another rank (with a
@@ -285,7 +285,7 @@ class BucketGroup:
             return True
         if not all(h.is_completed() for h in self._handles):
             return False
-        if self.replicate.size > 1 and self.reduction is Reduction.REDUCING:
+        if self.replicate.size > 1 and self.state is ReductionState.REDUCING:
             self.replicate_shards()
             return all(h.is_completed() for h in self._handles)
         return True
@@ -311,7 +311,7 @@ class BucketGroup:
         waited for counts as done whatever its ``is_completed()`` says (gloo's reduce-scatter
         of CUDA tensors never says so)."""
         while all(wait_until(h, deadline) for h in self._handles):
-            if self.reduction is Reduction.REPLICATING or self.replicate.size == 1:
+            if self.state is ReductionState.REPLICATING or self.replicate.size == 1:
                 return True
             self.replicate_shards()
         return False
@@ -324,7 +324,7 @@ class BucketGroup:
         for handle in self._handles:
             handle.wait()
         self._handles = []
-        self._move(Reduction.REDUCED)
+        self._move(ReductionState.REDUCED)
         self._copy_back()
         if not self.sharded:
             return
@@ -345,10 +345,10 @@ class BucketGroup:
         """Start a new backward: nothing ready, nothing launched."""
         self._pending = set(self._ids)
         self._handles = []
-        self._move(Reduction.COLLECTING)  # (from any state: a backward that raised is left behind)
+        self._move(ReductionState.COLLECTING)  # (from any state: a backward that raised is left behind)
 
     def __repr__(self) -> str:
         buckets = ",".join(str(b.index) for b in self.buckets)
         return (
-            f"BucketGroup({self.index}, buffer={self.buffer.layout.index}, buckets=[{buckets}], {self.world})"
+            f"Reduction({self.index}, buffer={self.buffer.layout.index}, buckets=[{buckets}], {self.world})"
         )
