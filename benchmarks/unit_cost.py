@@ -64,7 +64,7 @@ def _install(clock: HookClock) -> None:
     from torch import nn
 
     import flatshard.engine.grad_sync as grad_sync
-    import flatshard.stage3.unshard as unshard
+    import flatshard.units.unshard as unshard
     import flatshard.wrap.shard as shard
 
     def hooking(register):

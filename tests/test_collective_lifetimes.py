@@ -18,7 +18,7 @@ import torch.distributed as dist
 import flatshard
 import flatshard.engine.buffer as buffer_module
 import flatshard.engine.reduction as reduction
-import flatshard.stage3.unshard as unshard
+import flatshard.units.unshard as unshard
 from _parity import CheckpointedGPT, RankSkippingGPT, SharedBlockGPT
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed

@@ -1,4 +1,4 @@
-"""Frozen params at stage 3 ([Note: frozen params] in stage3/build.py): a LoRA fine-tune
+"""Frozen params at stage 3 ([Note: frozen params] in units/build.py): a LoRA fine-tune
 shards its frozen base, follows DDP, and every rank holds (frozen elements x bytes) / N of it,
 as memory_report measures and plan predicts."""
 

@@ -1,5 +1,5 @@
 """``summon_full_params(with_grads=True)`` gives every trained param its full reduced grad in
-``.grad`` at every stage ([Note: full params] in stage3/full_params.py), as torch DDP's
+``.grad`` at every stage ([Note: full params] in units/full_params.py), as torch DDP's
 ``p.grad``: at stages 1-2 only this rank's shard of the grad buffer holds reduced values,
 so the block gathers them; before, ``with_grads`` below stage 3 left ``.grad`` as it was.
 

@@ -1,4 +1,4 @@
-"""``generate()`` at stage 3 ([Note: forward entry points] in stage3/unshard.py): a peft
+"""``generate()`` at stage 3 ([Note: forward entry points] in units/unshard.py): a peft
 model's generation loop calls the wrapped ``transformers`` model, below the root, and ranks
 whose prompts end at different lengths must still run the same forwards. Greedy tokens are
 compared for equality with the same weights unsharded: a stage-3 forward computes on exact

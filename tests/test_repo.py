@@ -59,7 +59,7 @@ LAYERS = [
     ["flatshard.errors", "flatshard.planner", "flatshard.toolkit.malloc"],
     ["flatshard.comm"],
     ["flatshard.engine"],
-    ["flatshard.stage3"],
+    ["flatshard.units"],
     ["flatshard.wrap"],
     ["flatshard.optim"],
     ["flatshard.checkpoint"],
@@ -132,9 +132,7 @@ def test_imports_point_down_the_layers():
 def test_every_module_has_a_layer():
     for _, module in _modules():
         assert _layer(module) >= 0
-    assert (
-        _layer("flatshard.engine.buffer") < _layer("flatshard.stage3.unshard") < _layer("flatshard.app.cli")
-    )
+    assert _layer("flatshard.engine.buffer") < _layer("flatshard.units.unshard") < _layer("flatshard.app.cli")
 
 
 # torch's own private members that flatshard has to use (no public equivalent)

@@ -11,7 +11,7 @@ import flatshard
 from _parity import CFG, TiedGPT, full_params, max_rel_diff
 from flatshard import DistributedOptimizer, memory_report
 from flatshard.checkpoint.state import main_pieces
-from flatshard.engine.units import assign_params, find_units
+from flatshard.engine.unit_tree import assign_params, find_units
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.models.gpt import Block

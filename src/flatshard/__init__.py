@@ -12,7 +12,7 @@ listed before it (``tests/test_repo.py`` checks every import):
    ``toolkit.malloc`` (glibc malloc settings for ranks on CPU, a leaf);
 1. ``comm/``: worlds, collectives, deadlines;
 2. ``engine/``: flat buffers, reductions, grad sync, param gathers, units, hook wrappers;
-3. ``stage3/``: unsharding units, meta init, full params;
+3. ``units/``: unsharding units, meta init, full params;
 4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;
 5. ``optim/``: the distributed, hybrid and owner-sharded optimizers, loss scaling;
 6. ``checkpoint/``: checkpoint directories, pieces, checksums, weights files;

@@ -25,7 +25,7 @@ where each is enforced:
   negative ``max_norm`` and, with ``error_if_nonfinite``, a non-finite norm
   (``optim/distributed.py``).
 * **A placeholder never computes.** A module shared by two units belongs to their common
-  ancestor unit (``engine/units.py``), so whichever block runs, its params are full. A param
+  ancestor unit (``engine/unit_tree.py``), so whichever block runs, its params are full. A param
   read *outside* its unit's forward is a ``Placeholder`` that refuses any operation on its
   values with a ``ShardedParamError`` naming the param and its unit ([Note: placeholders] in
   ``engine/placeholder.py``).

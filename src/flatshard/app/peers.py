@@ -30,7 +30,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from flatshard.engine.units import find_units
+from flatshard.engine.unit_tree import find_units
 from flatshard.memory import memory_report
 from flatshard.planner.stage import STAGES
 

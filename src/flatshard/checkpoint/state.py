@@ -17,7 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard.checkpoint.pieces import Piece
-from flatshard.engine.units import names_by_param
+from flatshard.engine.unit_tree import names_by_param
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import ShardedModule
 

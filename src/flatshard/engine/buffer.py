@@ -21,7 +21,7 @@ shards) use that frame.
 With ``sharded_params=True`` (stage 3) params are kept as shards too: ``param_shard_data``
 holds this rank's shard of every bucket in the same frame, and each bucket has a full-size
 tensor whose storage is allocated only while its unit is gathered ([Note: unsharding] in
-``stage3/unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
+``units/unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
 sharded, a *placeholder*: a NaN that is expanded to the param's shape (one element of
 memory, the right shape for ``named_parameters()``), and the param a ``Placeholder`` that refuses
 to be read ([Note: placeholders] in ``engine/placeholder.py``).

@@ -34,7 +34,7 @@ At stages 1-3 grads are scaled as they arrive and kept as shards between backwar
 launched reductions hold scratch (at stage 3, where a unit's full params are alive too, one),
 besides the reduction accumulating: before a reduction is launched, the oldest are
 finished (waited for; at stage 3 only where that cannot deadlock with the param gathers,
-[Note: two process groups] in ``stage3/unshard.py``), and the next reduction reuses their scratch.
+[Note: two process groups] in ``units/unshard.py``), and the next reduction reuses their scratch.
 """
 
 from __future__ import annotations

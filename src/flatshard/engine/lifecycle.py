@@ -9,7 +9,7 @@ cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance``
 * ``Backward``, of a module's grad sync: ``IDLE`` between backwards; ``RUNNING`` from the
   first grad (or the hook on the outputs) until the end-of-backward callback; ``UNBOUNDED``
   once this backward gave up waiting for a reduction during backward ([Note: two process
-  groups] in ``stage3/unshard.py``): later reductions are left to the callback.
+  groups] in ``units/unshard.py``): later reductions are left to the callback.
 * ``Grads``, of a module's grads since ``zero_grad``: ``EMPTY`` (none), ``REDUCED`` (a synced
   backward reduced them: the optimizer may step), ``UNREDUCED`` (a backward under
   ``no_sync`` accumulated grads that no reduction has summed yet: stepping is an error).

@@ -8,7 +8,7 @@ all-gather per bucket, in the order the next forward needs them (the bucket hold
 first-registered param first), and waits for a bucket only where it is needed:
 
 * in a forward pre-hook of the outermost *block* (a child of an ``nn.ModuleList``, the
-  default units of ``engine/units.py``) around a module that owns (``recurse=False``) one of its
+  default units of ``engine/unit_tree.py``) around a module that owns (``recurse=False``) one of its
   params, or of that module itself when no block holds it. Hooking the block rather than
   its layers keeps the waits on its edges, outside a graph that ``block.compile()`` makes
   ([Note: hooks and torch.compile]);
@@ -30,7 +30,7 @@ from flatshard.comm.collectives import CommStats, Handle, all_gather
 from flatshard.comm.deadline import HERE
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.dynamo import eager
-from flatshard.engine.units import find_units
+from flatshard.engine.unit_tree import find_units
 
 
 class ParamGather:

@@ -183,7 +183,7 @@ def _add_frozen(
     bucket_size: int | None,
     rank: int,
 ) -> None:
-    """Frozen params ([Note: frozen params] in ``stage3/build.py``): their bytes, whole or
+    """Frozen params ([Note: frozen params] in ``units/build.py``): their bytes, whole or
     (stage 3) this rank's shard, and at stage 3 their gathers."""
     if not specs:
         return

@@ -30,7 +30,7 @@ STAGES = (0, 1, 2, 3)
 BACKWARD_PREFETCH = ("pre", "post", None)
 DEFAULT_UNIT_BYTES = 2**20
 """Adjacent small units merge up to this many bytes of params ([Note: merged units] in
-``engine/units.py``); measured in ``benchmarks/README.md`` (Stage 3: merged units)."""
+``engine/unit_tree.py``); measured in ``benchmarks/README.md`` (Stage 3: merged units)."""
 
 
 def _is_int(value: object) -> bool:
@@ -95,7 +95,7 @@ class Stage3:
         matrices: [Note: default init] in ``wrap/init.py``).
     ignored_modules: modules whose frozen params stay replicated on every rank; every other frozen
         floating param is sharded and gathered with its unit ([Note: frozen params] in
-        ``stage3/build.py``).
+        ``units/build.py``).
     """
 
     units: Any = None

@@ -1,5 +1,5 @@
 """How a meta-device model's modules are initialized when ``shard()`` is given no
-``param_init_fn`` ([Note: meta init] in ``stage3/build.py``).
+``param_init_fn`` ([Note: meta init] in ``units/build.py``).
 
 [Note: default init]
 

@@ -24,14 +24,14 @@ from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
 from flatshard.planner.layout import Layout
 from flatshard.planner.stage import StagePolicy
-from flatshard.stage3.full_params import (
+from flatshard.units.full_params import (
     full_state_dict,
     load_full_state_dict,
     replicate_rank,
     summon,
     summon_grads,
 )
-from flatshard.stage3.unshard import Unsharder
+from flatshard.units.unshard import Unsharder
 from flatshard.wrap.changes import WrappedTree
 from flatshard.wrap.record import cast, check_dtype, main_values
 
@@ -248,7 +248,7 @@ class ShardedModule(nn.Module):
     def summon_full_params(
         self, writeback: bool = True, rank0_only: bool = False, with_grads: bool = False
     ) -> Iterator[None]:
-        """Full params inside the block ([Note: full params] in ``stage3/full_params.py``); every rank
+        """Full params inside the block ([Note: full params] in ``units/full_params.py``); every rank
         must enter it. Below stage 3 params are always full: this waits for their gathers and,
         ``with_grads``, gathers the reduced grads into ``param.grad``."""
         if not self._flatshard.policy.shards_params:
@@ -354,7 +354,7 @@ def _moved_param(module: nn.Module, fn) -> tuple[str, nn.Parameter, torch.Tensor
 class SyncedGenerate:
     """Mixed in with ``ShardedModule`` where the module has a ``generate`` method
     (``transformers`` and peft models): at stage 3 on several ranks, ``synced_gpus=True``
-    unless given ([Note: forward entry points] in ``stage3/unshard.py``)."""
+    unless given ([Note: forward entry points] in ``units/unshard.py``)."""
 
     _flatshard: ShardState
 

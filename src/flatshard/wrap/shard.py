@@ -22,18 +22,18 @@ from flatshard.engine.grad_sync import (
     build_reductions,
 )
 from flatshard.engine.param_gather import ParamGather
-from flatshard.engine.units import unsharded_tensors
+from flatshard.engine.unit_tree import unsharded_tensors
 from flatshard.planner.layout import plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, cast_params, input_cast_hook
 from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
-from flatshard.stage3.build import (
+from flatshard.toolkit.malloc import warn_once_without_tunables
+from flatshard.units.build import (
     broadcast_values,
     build_unsharder,
     initialize_units,
     is_meta_model,
     replace_meta_params,
 )
-from flatshard.toolkit.malloc import warn_once_without_tunables
 from flatshard.wrap.arguments import (
     bucket_options,
     check_arguments,
@@ -126,7 +126,7 @@ def shard(
             and freed: a ``flatshard.Stage3`` (``units``, ``reshard_after_forward``,
             ``forward_prefetch``, ``backward_prefetch``, ``limit_all_gathers``,
             ``unit_bytes``, ``device``, ``param_init_fn``, ``ignored_modules``; [Note:
-            unsharding] in ``stage3/unshard.py``). Refused at stages 0-2.
+            unsharding] in ``units/unshard.py``). Refused at stages 0-2.
     """
     buckets = bucket_options(buckets)
     bucket_size, buckets_per_launch = buckets.size, buckets.per_launch

@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from flatshard.engine.units import UnitSpec, assign_params, find_units, merge_units, names_by_param
+from flatshard.engine.unit_tree import UnitSpec, assign_params, find_units, merge_units, names_by_param
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision
 from flatshard.planner.stage import DEFAULT_UNIT_BYTES, StagePolicy

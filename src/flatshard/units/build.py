@@ -54,9 +54,9 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, broadcast
 from flatshard.comm.world import World, side_world
 from flatshard.engine.buffer import BufferSet
-from flatshard.engine.units import Unit, module_units, unsharded_tensors
+from flatshard.engine.unit_tree import Unit, module_units, unsharded_tensors
 from flatshard.planner.stage import Stage3
-from flatshard.stage3.unshard import Part, Unsharder
+from flatshard.units.unshard import Part, Unsharder
 
 COALESCE_NUMEL = 2**22
 """Elements per broadcast when rank 0's values are sent to every rank before binding."""

@@ -19,7 +19,7 @@ each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *g
   prefetches the unit backward reaches next. Once every param of the unit has its grad
   (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the unit is freed
   (``"post"`` prefetches at this point instead); a unit holding frozen params waits for its
-  inputs' grads too ([Note: frozen params] in ``stage3/build.py``). At the end of backward
+  inputs' grads too ([Note: frozen params] in ``units/build.py``). At the end of backward
   every unit is freed.
 * **bounded memory**: prefetches start only while fewer than ``limit`` gathers are in
   flight; a unit's full buckets exist only from its gather to its release, and their storage
@@ -51,7 +51,7 @@ A forward need not begin at the root. ``generate()`` on a peft model calls the w
 the root unit's params (embeddings, final norm, head), which only the root's pre-hook would
 gather: a forward that began below it computed on NaN placeholders, and ``generate()`` returned
 token 0 on every rank. So the root's hooks sit on every module of the root's own that holds
-params in its subtree (``engine.units.entry_points``; for our GPT the root, its embeddings,
+params in its subtree (``engine.unit_tree.entry_points``; for our GPT the root, its embeddings,
 its final norm and head). The first of them whose forward begins while no forward is under
 way is the forward's *entry*: its pre-hook does what the root's does (gather the root unit,
 prefetch), and its forward hook ends the forward (free what is done, issue what was skipped,
@@ -116,7 +116,7 @@ its sharded grads; stage 2 too), plus at most two of the largest unit in full (p
 grads: the one running and the one prefetched or reducing; merged units hold at most
 ``unit_bytes`` of params unless one module's unit alone is larger) plus the root unit's
 params, which stay full for the whole step. A meta-device model is initialized unit by unit
-([Note: meta init] in ``stage3/build.py``) and never holds more than one unit in full.
+([Note: meta init] in ``units/build.py``) and never holds more than one unit in full.
 """
 
 from __future__ import annotations
@@ -138,7 +138,7 @@ from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
 from flatshard.engine.lifecycle import Gather, advance
 from flatshard.engine.placeholder import label
-from flatshard.engine.units import Unit, entry_points
+from flatshard.engine.unit_tree import Unit, entry_points
 from flatshard.errors import ShardedParamError
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import Stage3
@@ -182,7 +182,7 @@ class Unsharder:
             {id(p.params[s.index]) for p in ps if p.buffer.has_grads for s in p.bucket.params} for ps in parts
         ]
         self._waiting: list[set[int]] = [set(s) for s in self._params]  # params without grad yet
-        # [Note: frozen params] in stage3/build.py: a unit holding frozen params is freed in
+        # [Note: frozen params] in units/build.py: a unit holding frozen params is freed in
         # backward only once the grads of its forward's inputs are computed too
         self._holds_frozen = [any(not p.buffer.has_grads for p in ps) for ps in parts]
         # ... and one that encloses other units (the root) not before the end of backward
@@ -473,7 +473,7 @@ class Unsharder:
 
     def _watch_inputs(self, u: int, inputs: object) -> None:
         """Count this forward of ``u`` until the grads of its inputs are computed (its frozen
-        params serve those grads: [Note: frozen params] in ``stage3/build.py``)."""
+        params serve those grads: [Note: frozen params] in ``units/build.py``)."""
         tensors = [t for t in tree_leaves(inputs) if isinstance(t, torch.Tensor) and t.requires_grad]
         if tensors:
             self._inputs_pending[u] += 1

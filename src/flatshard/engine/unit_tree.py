@@ -189,7 +189,7 @@ def names_by_param(module: nn.Module) -> dict[int, list[str]]:
 def entry_points(units: list[Unit]) -> list[nn.Module]:
     """The modules of the root unit's own (the root and its descendants outside every other
     unit) that hold params in their subtree, root first: where a forward that reads params can
-    begin ([Note: forward entry points] in ``stage3/unshard.py``)."""
+    begin ([Note: forward entry points] in ``units/unshard.py``)."""
     root = units[0].modules[0]
     others = {id(m) for unit in units[1:] for m in unit.modules}
     found: list[nn.Module] = []

@@ -28,7 +28,7 @@ import torch
 from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Grads
-from flatshard.stage3.unshard import Part, Unsharder
+from flatshard.units.unshard import Part, Unsharder
 
 
 class Stage3State(Protocol):
