@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
@@ -105,6 +107,32 @@ def test_import_flatshard_leaves_the_checkpoint_modules_to_their_first_use():
         "assert callable(flatshard.save_checkpoint); assert 'torch.distributed.checkpoint' in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+RETIRED_WORDS = {
+    r"\bBucketGroup\b|\bbucket groups?\b": "a Reduction (a buffer's buckets reduced by one collective)",
+    r"\blaunch units?\b": "a launch",
+    r"\bper_group\b|\bbuckets_per_group\b": "Buckets(per_launch=...)",
+    r"\bExpertGroup\b": "Experts",
+    r"\bUnitOptions\b|\bunit_options\b": "Stage3",
+    r"\bflatshard\.stage3\b|(?<![\w.])stage3/": "the stage-3 layer, flatshard/units/",
+    r"\bwhole on every rank": "replicated",
+}
+
+
+@pytest.mark.parametrize("retired", sorted(RETIRED_WORDS))
+def test_each_concept_has_one_name(retired):
+    """The glossary of docs/concepts.md ("One word, one meaning"): each of these once named a
+    second concept, or the same concept under a second name."""
+    paths = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    paths += [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_repo.py"]
+    found = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in paths
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(retired, line) and "(retired spellings)" not in line
+    ]
+    assert not found, f"say {RETIRED_WORDS[retired]}:\n" + "\n".join(found)
 
 
 def test_hybrid_names_only_the_host_device_optimizer():

@@ -76,7 +76,7 @@ def test_a_stage_that_is_not_0_to_3_is_refused(stage):
 
 @pytest.mark.parametrize(
     "keyword",
-    ["bucket_size", "buckets_per_group", "pad_for_high_busbw", "unit_bytes", "forward_prefetch", "units"],
+    ["bucket_size", "buckets_per_group", "pad_for_high_busbw", "unit_bytes", "units"],  # (retired spellings)
 )
 def test_the_options_objects_are_the_only_spelling(keyword):
     """``Buckets`` and ``Stage3`` hold these options; ``shard()`` itself takes 12 keywords,
