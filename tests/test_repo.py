@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -155,6 +156,92 @@ def test_imports_point_down_the_layers():
         if _layer(target) > _layer(module)
     ]
     assert not upward, "imports that point up the layers:\n" + "\n".join(upward)
+
+
+def _docstring(path: pathlib.Path) -> str:
+    return ast.get_docstring(ast.parse(path.read_text())) or ""
+
+
+def _packages() -> list[tuple[str, pathlib.Path]]:
+    return [
+        (f"flatshard.{p.parent.name}", p.parent)
+        for p in sorted((ROOT / "src" / "flatshard").glob("*/__init__.py"))
+    ]
+
+
+def test_each_package_docstring_names_its_layer_and_its_modules_and_no_others():
+    """The package map has one source, ``LAYERS`` above and the files themselves: each
+    package's docstring opens with its layer's number and names each of its modules as
+    ``module``, and no module of another package as if it were its own."""
+    everywhere = {p.stem for p in (ROOT / "src" / "flatshard").rglob("*.py")} | {
+        n.split(".")[-1] for n, _ in _packages()
+    }
+    wrong = []
+    for name, folder in _packages():
+        doc = _docstring(folder / "__init__.py")
+        opening = re.match(r"Layer (\d+)", doc)
+        if opening is None or int(opening.group(1)) != _layer(name):
+            wrong.append(f"{name}: opens with {doc[:12]!r}, its layer is {_layer(name)}")
+        mine = {p.stem for p in folder.glob("*.py")} - {"__init__"} | {
+            p.parent.name for p in folder.glob("*/__init__.py")
+        }
+        named = set(re.findall(r"``(\w+)``", doc))
+        wrong += [f"{name}: does not name its module {m!r}" for m in sorted(mine - named)]
+        wrong += [
+            f"{name}: names {m!r}, a module of another package" for m in sorted((named & everywhere) - mine)
+        ]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_layer_note_and_the_design_page_follow_layers():
+    """[Note: package layers] lists each layer's packages under its number, and
+    docs/design.md has a section per layer naming its folder."""
+    note = _docstring(ROOT / "src" / "flatshard" / "__init__.py")
+    design = (ROOT / "docs" / "design.md").read_text()
+    wrong = []
+    for number, layer in enumerate(LAYERS):
+        folders = [
+            p.split(".")[1]
+            for p in layer
+            if p.count(".") == 1 and (ROOT / "src" / Path(*p.split("."))).is_dir()
+        ]
+        item = re.search(rf"^{number}\. (.*?)(?=^\d+\. |\n\n)", note, re.M | re.S)
+        if item is None:
+            wrong.append(f"[Note: package layers] has no item {number}.")
+            continue
+        wrong += [f"item {number}. does not name {f}/" for f in folders if f"``{f}/``" not in item.group(1)]
+        heading = re.search(rf"^## Layer {number}\b.*$", design, re.M)
+        if (
+            folders
+            and number < 8
+            and (heading is None or not all(f"`{f}/`" in heading.group(0) for f in folders))
+        ):
+            wrong.append(f"docs/design.md: no '## Layer {number}' heading naming {folders}")
+    assert not wrong, "\n".join(wrong)
+
+
+CITED = re.compile(r"(?<![\w/.-])((?:[a-z_]+/)+[a-z_0-9]+\.(?:py|md))\b")
+
+
+def test_every_file_a_docstring_or_page_cites_exists():
+    """``engine/buffer.py``, ``tests/_parity.py``, ``docs/cli.md``: a path a comment or a
+    page cites is a file of this repository (relative to src/flatshard, the repository or the
+    docs), and nothing cites outside the repository or an issue number."""
+    paths = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
+    roots = [ROOT / "src" / "flatshard", ROOT, ROOT / "docs", ROOT / "src"]
+    missing = [
+        f"{p.relative_to(ROOT)}: {cited}"
+        for p in paths
+        for cited in CITED.findall(p.read_text())
+        if not any((r / cited).exists() for r in roots) and not cited.startswith(("site-packages/", "torch/"))
+    ]
+    outside = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in paths
+        for m in re.finditer(r"\.\./shared/\S+|\bissue \d+\b", p.read_text())
+    ]
+    assert not missing, "cited but not in the repository:\n" + "\n".join(missing)
+    assert not outside, "cites outside the repository:\n" + "\n".join(outside)
 
 
 def test_every_module_has_a_layer():

@@ -1,4 +1,3 @@
 """Layer 8, the application on top of the library: the ``flatshard`` CLI (``cli``), its
 training loop and report (``train``, ``train_report``), the local launcher (``launch``), the
-benchmark and its peers (``bench``, ``peers``), layout drawings (``draw``) and the glibc
-malloc settings the launcher and the bench apply (``malloc``)."""
+benchmark and its peers (``bench``, ``peers``) and layout drawings (``draw``)."""

@@ -1,5 +1,6 @@
 """Layer 6, checkpoint and weights I/O: checkpoint directories written and read by every
-rank, with their manifest and destinations (``directory``), what each rank writes as pieces
-(``state``), the DCP planners and checksums for those pieces (``pieces``), single-file
-weights (``files``: safetensors and ``.pt``, streamed and checksummed) and export / seeding
-from them (``weights``)."""
+rank (``directory``), where a save may write and how it becomes visible (``destination``),
+what each rank writes as pieces (``state``), the DCP planners and checksums for those pieces
+(``pieces``), single-file weights (``files``: safetensors and ``.pt``, streamed and
+checksummed), export and seeding from them (``weights``), and Hugging Face directories in and
+out of a sharded model (``pretrained``)."""

@@ -1,5 +1,8 @@
 """Layer 2, the engine of every stage: flat buffers laid out by ``flatshard.planner.layout``
 (``buffer``), the reductions of their buckets (``reduction``), the backward's grad-sync
-state machine (``grad_sync``), the param all-gathers after a step at stages 1-2
-(``param_gather``), the units found in the module tree (``unit_tree``) and the hook wrappers that keep
-flatshard out of Dynamo's graphs (``dynamo``). Uses ``flatshard.comm``; knows no optimizer."""
+state machine (``grad_sync``), a param's ``.grad`` where the grads live in buffers
+(``grad_view``), the named states of all of these (``lifecycle``), the param all-gathers
+after a step at stages 1-2 (``param_gather``), the units found in the module tree
+(``unit_tree``), stage 3's placeholder params (``placeholder``) and the hook wrappers that
+keep flatshard out of Dynamo's graphs (``dynamo``). Uses ``flatshard.comm``; knows no
+optimizer."""

@@ -1,3 +1,4 @@
 """Layer 8, flatshard inside other libraries' training loops: ``hf`` (``transformers.Trainer``
-and the trainers built on it), ``accelerate`` (``Accelerator.prepare``) and ``lightning``
-(Lightning's ``Trainer``, ``strategy="flatshard"``). [Note: hosted training] in ``hf.py``."""
+and the trainers built on it), ``accelerate`` (``Accelerator.prepare``), ``lightning``
+(Lightning's ``Trainer``, ``strategy="flatshard"``) and ``optimizers`` (a host user's torch
+optimizer rebuilt as a ``DistributedOptimizer``). [Note: hosted training] in ``hf.py``."""

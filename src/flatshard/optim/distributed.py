@@ -4,7 +4,7 @@
 
 ``DistributedOptimizer(model, torch.optim.AdamW, lr=...)`` composes an *inner* torch
 optimizer over flat fp32 tensors ("runs", [Note: optimizer runs] in ``shard_map.py``) that
-cover this rank's shard of every bucket. A step is four phases, each one flat op (or one
+cover this rank's shard of every bucket. A step is three phases, each one flat op (or one
 small collective) per bucket shard, never a loop over params (except the whole-param runs
 of a rule that needs each param whole, below):
 

@@ -32,7 +32,7 @@ PRESETS: dict[str, GPTConfig] = {
     "small": GPTConfig(vocab_size=256, seq_len=64, d_model=128, n_layers=4, n_heads=4),
     "medium": GPTConfig(vocab_size=256, seq_len=128, d_model=256, n_layers=6, n_heads=8),
     "large": GPTConfig(vocab_size=512, seq_len=128, d_model=512, n_layers=8, n_heads=8),
-    # many small blocks: the per-unit cost of stage 3 (issue 25; bench it with --batch 4)
+    # many small blocks: the per-unit cost of stage 3 (bench it with --batch 4)
     "deep": GPTConfig(vocab_size=512, seq_len=64, d_model=64, n_layers=24, n_heads=4),
 }
 
