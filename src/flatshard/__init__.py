@@ -1,31 +1,32 @@
 """flatshard: ZeRO-style sharded data parallelism for PyTorch on flat, bucketed buffers.
 
-[Note: package layers]
+The reasoning is [Note: package layers] below."""
 
-The package is cut into layers; a module imports only from its own layer and the layers
-listed before it (``tests/test_repo.py`` checks every import):
-
-0. ``planner/``, pure planning with no process group and no wrapped module: ``layout``
-   (the flat layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),
-   ``shard_map`` (which parts of a shard an optimizer run covers), ``plan`` (memory and
-   bytes per rank before running anything), ``mixed_precision``; beside it ``errors`` and
-   ``toolkit.malloc`` (glibc malloc settings for ranks on CPU, a leaf);
-1. ``comm/``: worlds, collectives, deadlines;
-2. ``engine/``: flat buffers, reductions, grad sync, param gathers, units, hook wrappers;
-3. ``units/``: unsharding units, meta init, full params;
-4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;
-5. ``optim/``: the distributed, hybrid and owner-sharded optimizers, loss scaling;
-6. ``checkpoint/``: checkpoint directories, pieces, checksums, weights files;
-7. the public surface: this module (``flatshard.__all__``) and ``memory``
-   (``memory_report``, which reads a wrapped module and its optimizer);
-8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings),
-   ``hosts/`` (flatshard inside other libraries' loops: ``hf``, ``accelerate``, ``lightning``) and
-   ``toolkit/``: ``models`` (the demo GPT, Hugging Face configs), ``data`` (the synthetic
-   corpus) and ``testing`` (the multi-process test harness).
-
-Public: the names in ``__all__``, the modules of ``planner/``, ``memory``, ``toolkit/``,
-``hosts/`` and the CLI. Everything else may move between releases.
-"""
+# [Note: package layers]
+#
+# The package is cut into layers; a module imports only from its own layer and the layers
+# listed before it (``tests/test_repo.py`` checks every import):
+#
+# 0. ``planner/``, pure planning with no process group and no wrapped module: ``layout``
+#    (the flat layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),
+#    ``shard_map`` (which parts of a shard an optimizer run covers), ``plan`` (memory and
+#    bytes per rank before running anything), ``mixed_precision``; beside it ``errors`` and
+#    ``toolkit.malloc`` (glibc malloc settings for ranks on CPU, a leaf);
+# 1. ``comm/``: worlds, collectives, deadlines;
+# 2. ``engine/``: flat buffers, reductions, grad sync, param gathers, units, hook wrappers;
+# 3. ``units/``: unsharding units, meta init, full params;
+# 4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;
+# 5. ``optim/``: the distributed, hybrid and owner-sharded optimizers, loss scaling;
+# 6. ``checkpoint/``: checkpoint directories, pieces, checksums, weights files;
+# 7. the public surface: this module (``flatshard.__all__``) and ``memory``
+#    (``memory_report``, which reads a wrapped module and its optimizer);
+# 8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings),
+#    ``hosts/`` (flatshard inside other libraries' loops: ``hf``, ``accelerate``, ``lightning``) and
+#    ``toolkit/``: ``models`` (the demo GPT, Hugging Face configs), ``data`` (the synthetic
+#    corpus) and ``testing`` (the multi-process test harness).
+#
+# Public: the names in ``__all__``, the modules of ``planner/``, ``memory``, ``toolkit/``,
+# ``hosts/`` and the CLI. Everything else may move between releases.
 
 import importlib
 from typing import TYPE_CHECKING, Any

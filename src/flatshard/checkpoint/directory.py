@@ -7,60 +7,61 @@ process group calls them with its own model and optimizer. A checkpoint is a dir
 name only once it is complete. Objects in it (``extra``, param groups) are pickled: load
 only checkpoints you trust, as with ``torch.load(weights_only=False)``.
 
-[Note: checkpoints]
+The reasoning is [Note: checkpoints] below."""
 
-A checkpoint is a DCP directory plus ``flatshard.json``. Invariants:
-
-* **Keyed by name, stored flat.** Every param-shaped tensor is stored as the 1-D view of the
-  whole tensor under ``model/<name>`` (the param, in its dtype), ``main/<name>`` (fp32 main
-  param, where one exists) and ``state/<key>/<name>`` (an elementwise optimizer state
-  entry); a scalar entry (``step``) is a 0-d tensor under ``state/<key>/<name>``. Param
-  groups are stored by member names, with their hyperparameters. Nothing in the file depends
-  on the world size, stage, bucket size or optimizer class that wrote it.
-* **Each element is written once, by a rank that holds it.** A rank writes the pieces of its
-  shards (stages 1-3, and the distributed optimizer's state and main params); data every
-  rank holds (stage-0 params, a replicated optimizer's state) is split evenly and each rank
-  writes its part; an owner-sharded optimizer's owner writes its params' state. No rank
-  gathers anything.
-* **Loads read exactly what the new layout holds**, straight into its storage (param shards,
-  main-param shards); optimizer state is read into tensors of the inner optimizer's runs and
-  handed to its own ``load_state_dict``, so lazily created state and device/dtype casts
-  follow torch's rules. Elements of a run outside every param (padding) are zero, as they
-  are in training.
-* **A checkpoint is visible only when complete**: the ranks write ``PATH.partial``; after
-  every rank has finished, rank 0 writes ``flatshard.json`` (the world size, stage, every
-  param's shape and dtype, every file's size) into it, and renames it to ``PATH`` (the
-  previous checkpoint first moves to ``PATH.old``, removed last). A save killed at any
-  moment leaves ``PATH`` or, between the two renames, ``PATH.old`` complete;
-  ``load_checkpoint(PATH)`` falls back to ``PATH.old`` when ``PATH`` is missing.
-* **A checkpoint is one save.** Rank 0 holds ``PATH.lock`` for the whole save, so a second
-  save to ``PATH`` at once (another job, another thread) is refused before it writes; every
-  rank must name the same ``PATH``. The save's id (rank 0's, shared with the destination
-  check) is in the manifest, and every item's checksum trailer is bound to it and to the
-  item's key and offset ([Note: checkpoint checksums]): a file of another save, or files
-  swapped, fail as corrupted ones do. A load checks that every rank opened the same save.
-  ``extra`` is saved per rank and comes back to its own rank; at another world size only
-  values the saved ranks shared load, and one they did not is an error naming its key. Loading
-  checks the manifest against the model (a missing or extra param, a shape) and the files
-  against their sizes before reading, and every piece against its checksum as it reads it
-  ([Note: checkpoint checksums]), and names what is wrong. A save touches only what it wrote
-  ([Note: save destinations] in ``checkpoint/destination.py``).
-* **Resume is exact at the same layout**: params, fp32 main params and state round-trip bit
-  for bit; per-rank RNG states are restored when the world size is the same.
-* **Tied params** are stored once, under their first name; the manifest lists every further
-  name (``aliases``) so that an export can write each name the module's ``state_dict`` has.
-* **Export and import stream** (``checkpoint/weights.py``, ``checkpoint/files.py``). An
-  export reads ``main/<name>`` (else ``model/<name>``) in chunks of at most ``chunk_bytes``
-  through the same piece planner (DCP reads only the overlapping parts of the saved pieces,
-  so memory is bounded by the chunk and the largest saved piece) and writes each chunk where
-  it belongs: a ``.safetensors`` header is known from the manifest alone; a ``.pt`` file is
-  laid out first by ``torch.save`` under ``skip_data`` over fake tensors, then each storage
-  is ``pwrite``n into its zip record and its CRC-32 patched into the data descriptor and
-  central directory (so the file passes ``zipfile.testzip``). Both are written to
-  ``OUT.partial`` and renamed. An import (``load_weights``) fills the same destinations a
-  checkpoint load does (this rank's model pieces, then the main-param pieces at the source's
-  precision), reading only those ranges of the file.
-"""
+# [Note: checkpoints]
+#
+# A checkpoint is a DCP directory plus ``flatshard.json``. Invariants:
+#
+# * **Keyed by name, stored flat.** Every param-shaped tensor is stored as the 1-D view of the
+#   whole tensor under ``model/<name>`` (the param, in its dtype), ``main/<name>`` (fp32 main
+#   param, where one exists) and ``state/<key>/<name>`` (an elementwise optimizer state
+#   entry); a scalar entry (``step``) is a 0-d tensor under ``state/<key>/<name>``. Param
+#   groups are stored by member names, with their hyperparameters. Nothing in the file depends
+#   on the world size, stage, bucket size or optimizer class that wrote it.
+# * **Each element is written once, by a rank that holds it.** A rank writes the pieces of its
+#   shards (stages 1-3, and the distributed optimizer's state and main params); data every
+#   rank holds (stage-0 params, a replicated optimizer's state) is split evenly and each rank
+#   writes its part; an owner-sharded optimizer's owner writes its params' state. No rank
+#   gathers anything.
+# * **Loads read exactly what the new layout holds**, straight into its storage (param shards,
+#   main-param shards); optimizer state is read into tensors of the inner optimizer's runs and
+#   handed to its own ``load_state_dict``, so lazily created state and device/dtype casts
+#   follow torch's rules. Elements of a run outside every param (padding) are zero, as they
+#   are in training.
+# * **A checkpoint is visible only when complete**: the ranks write ``PATH.partial``; after
+#   every rank has finished, rank 0 writes ``flatshard.json`` (the world size, stage, every
+#   param's shape and dtype, every file's size) into it, and renames it to ``PATH`` (the
+#   previous checkpoint first moves to ``PATH.old``, removed last). A save killed at any
+#   moment leaves ``PATH`` or, between the two renames, ``PATH.old`` complete;
+#   ``load_checkpoint(PATH)`` falls back to ``PATH.old`` when ``PATH`` is missing.
+# * **A checkpoint is one save.** Rank 0 holds ``PATH.lock`` for the whole save, so a second
+#   save to ``PATH`` at once (another job, another thread) is refused before it writes; every
+#   rank must name the same ``PATH``. The save's id (rank 0's, shared with the destination
+#   check) is in the manifest, and every item's checksum trailer is bound to it and to the
+#   item's key and offset ([Note: checkpoint checksums]): a file of another save, or files
+#   swapped, fail as corrupted ones do. A load checks that every rank opened the same save.
+#   ``extra`` is saved per rank and comes back to its own rank; at another world size only
+#   values the saved ranks shared load, and one they did not is an error naming its key. Loading
+#   checks the manifest against the model (a missing or extra param, a shape) and the files
+#   against their sizes before reading, and every piece against its checksum as it reads it
+#   ([Note: checkpoint checksums]), and names what is wrong. A save touches only what it wrote
+#   ([Note: save destinations] in ``checkpoint/destination.py``).
+# * **Resume is exact at the same layout**: params, fp32 main params and state round-trip bit
+#   for bit; per-rank RNG states are restored when the world size is the same.
+# * **Tied params** are stored once, under their first name; the manifest lists every further
+#   name (``aliases``) so that an export can write each name the module's ``state_dict`` has.
+# * **Export and import stream** (``checkpoint/weights.py``, ``checkpoint/files.py``). An
+#   export reads ``main/<name>`` (else ``model/<name>``) in chunks of at most ``chunk_bytes``
+#   through the same piece planner (DCP reads only the overlapping parts of the saved pieces,
+#   so memory is bounded by the chunk and the largest saved piece) and writes each chunk where
+#   it belongs: a ``.safetensors`` header is known from the manifest alone; a ``.pt`` file is
+#   laid out first by ``torch.save`` under ``skip_data`` over fake tensors, then each storage
+#   is ``pwrite``n into its zip record and its CRC-32 patched into the data descriptor and
+#   central directory (so the file passes ``zipfile.testzip``). Both are written to
+#   ``OUT.partial`` and renamed. An import (``load_weights``) fills the same destinations a
+#   checkpoint load does (this rank's model pieces, then the main-param pieces at the source's
+#   precision), reading only those ranges of the file.
 
 from __future__ import annotations
 

@@ -12,21 +12,22 @@ them again; ``.safetensors`` cannot share data and stores it once per name.
   tensors: the pickle, and a hole per storage), then each chunk goes to its place with
   ``pwrite`` and each storage's CRC-32 is patched into its zip headers.
 
-[Note: weights checksums] A ``.safetensors`` file flatshard writes carries, in its header's
-``__metadata__`` under ``flatshard.crc32``, the CRC-32 of every ``CRC_BLOCK`` bytes of every
-tensor, computed as the bytes are written (the header goes out first with placeholders of
-the same width, and is rewritten in place at the end). A read of any range checks the
-blocks it touches, so a rank reading only its shard still checks all it reads; a mismatch
-is a ``ChecksumError`` naming the file, the tensor and the bytes. ``.pt`` files (ours and
-torch.save's) carry the zip format's CRC-32 per storage, which is checked over the whole
-file when one is opened. ``.safetensors`` files from elsewhere (a Hugging Face checkpoint)
-carry none of ours and are read unchecked.
+The reasoning is [Note: weights checksums] below."""
 
-Reading (``open_source``): a path to either format, or an in-memory state dict, becomes a
-``Source`` with each tensor's shape and dtype and ``read(name, lo, hi)``, the flat elements
-``[lo, hi)`` of one tensor. A ``.safetensors`` read touches only those bytes of the file; a
-``.pt`` file is memory-mapped.
-"""
+# [Note: weights checksums] A ``.safetensors`` file flatshard writes carries, in its header's
+# ``__metadata__`` under ``flatshard.crc32``, the CRC-32 of every ``CRC_BLOCK`` bytes of every
+# tensor, computed as the bytes are written (the header goes out first with placeholders of
+# the same width, and is rewritten in place at the end). A read of any range checks the
+# blocks it touches, so a rank reading only its shard still checks all it reads; a mismatch
+# is a ``ChecksumError`` naming the file, the tensor and the bytes. ``.pt`` files (ours and
+# torch.save's) carry the zip format's CRC-32 per storage, which is checked over the whole
+# file when one is opened. ``.safetensors`` files from elsewhere (a Hugging Face checkpoint)
+# carry none of ours and are read unchecked.
+#
+# Reading (``open_source``): a path to either format, or an in-memory state dict, becomes a
+# ``Source`` with each tensor's shape and dtype and ``read(name, lo, hi)``, the flat elements
+# ``[lo, hi)`` of one tensor. A ``.safetensors`` read touches only those bytes of the file; a
+# ``.pt`` file is memory-mapped.
 
 from __future__ import annotations
 

@@ -12,23 +12,24 @@ Plain tensors and other objects in the same state dict go through DCP's default 
 (plain tensors replicated on several ranks are written once; objects under per-rank keys
 by their rank).
 
-[Note: checkpoint checksums]
-Every item DCP writes (a piece, an object) passes through ``Crc32Trailer`` on its way to
-the file: the CRC-32 of its bytes is computed as they are written, with no second pass, and
-stored as 4 bytes right after them; DCP's metadata records the trailer's descriptor with the
-item. A read of an item checks the trailer before DCP unpickles anything, and a mismatch is
-a ``ChecksumError`` naming the file, the key and the byte range. Items written before the
-trailer existed carry no descriptor and load unchecked.
+The reasoning is [Note: checkpoint checksums] below."""
 
-A trailer also binds its item to its save and its place ([Note: checkpoints] in
-``checkpoint/directory.py``): since version 2 the CRC starts not from 0 but from
-``binding(save_id, key, offset)``, the save's id (in ``flatshard.json``) and the item's index.
-A piece file left by another save of the same model, or two files of equal size swapped,
-then fail their checks exactly as corrupted bytes do, naming the file and the key. Version-1
-trailers (unbound) still load. A failure on any rank, in a save or
-a load, reaches every rank as one ``CheckpointError`` that names each failing rank's cause
-(DCP's own ``CheckpointException`` is a ``BaseException``, which ``except Exception`` misses).
-"""
+# [Note: checkpoint checksums]
+# Every item DCP writes (a piece, an object) passes through ``Crc32Trailer`` on its way to
+# the file: the CRC-32 of its bytes is computed as they are written, with no second pass, and
+# stored as 4 bytes right after them; DCP's metadata records the trailer's descriptor with the
+# item. A read of an item checks the trailer before DCP unpickles anything, and a mismatch is
+# a ``ChecksumError`` naming the file, the key and the byte range. Items written before the
+# trailer existed carry no descriptor and load unchecked.
+#
+# A trailer also binds its item to its save and its place ([Note: checkpoints] in
+# ``checkpoint/directory.py``): since version 2 the CRC starts not from 0 but from
+# ``binding(save_id, key, offset)``, the save's id (in ``flatshard.json``) and the item's index.
+# A piece file left by another save of the same model, or two files of equal size swapped,
+# then fail their checks exactly as corrupted bytes do, naming the file and the key. Version-1
+# trailers (unbound) still load. A failure on any rank, in a save or
+# a load, reaches every rank as one ``CheckpointError`` that names each failing rank's cause
+# (DCP's own ``CheckpointException`` is a ``BaseException``, which ``except Exception`` misses).
 
 from __future__ import annotations
 

@@ -1,32 +1,33 @@
 """Hugging Face directories in and out of a sharded model: ``load_pretrained`` and
 ``save_pretrained``, for ``transformers`` models and peft models around them.
 
-[Note: pretrained directories]
+The reasoning is [Note: pretrained directories] below."""
 
-* **Names.** A peft model names its base weights ``base_model.model.<name>`` (and a LoRA
-  layer's own ``<layer>.base_layer.weight``), where the base model's ``save_pretrained``
-  directory says ``<name>`` (``<layer>.weight``). ``load_pretrained`` maps each name of the
-  model to the directory's and reads through ``load_weights``: every rank reads only the
-  ranges of each tensor it holds, at any stage, and the optimizer's fp32 main params take
-  the file's values. The adapters' params are not in a base directory and keep their
-  initialization (peft's: B zero, [Note: default init] in ``wrap/init.py``); any other
-  missing or unexpected name is an error with ``strict``.
-* **What is written.** ``save_pretrained`` writes the values of record (fp32 main params,
-  [Note: values of record] in ``wrap/record.py``), cast to ``dtype`` if given, gathered
-  unit by unit to rank 0, which alone writes: for a peft model the adapter alone
-  (``adapter_model.safetensors`` + ``adapter_config.json``, loadable by
-  ``PeftModel.from_pretrained(base, dir)``), or with ``merged=True`` the base model with
-  every LoRA update added to its weight (``W + scaling * B @ A``, in fp32, then cast), under
-  the base model's names, loadable by ``AutoModelForCausalLM.from_pretrained(dir)``; for a
-  ``transformers`` model its weights and config. Both go through the library's own
-  ``save_pretrained`` with an explicit ``state_dict``, as accelerate does for FSDP.
-* **Never lost, never silent.** The directory must be new or empty (a save never
-  overwrites files it did not write). Rank 0's outcome reaches every rank: a failure
-  there raises on all of them. Merging covers LoRA on linear layers; other adapters (DoRA,
-  embeddings, convolutions, other peft methods) are an error that says to save the adapter
-  and merge it in one process with ``merge_and_unload()``, the route accelerate documents
-  for FSDP.
-"""
+# [Note: pretrained directories]
+#
+# * **Names.** A peft model names its base weights ``base_model.model.<name>`` (and a LoRA
+#   layer's own ``<layer>.base_layer.weight``), where the base model's ``save_pretrained``
+#   directory says ``<name>`` (``<layer>.weight``). ``load_pretrained`` maps each name of the
+#   model to the directory's and reads through ``load_weights``: every rank reads only the
+#   ranges of each tensor it holds, at any stage, and the optimizer's fp32 main params take
+#   the file's values. The adapters' params are not in a base directory and keep their
+#   initialization (peft's: B zero, [Note: default init] in ``wrap/init.py``); any other
+#   missing or unexpected name is an error with ``strict``.
+# * **What is written.** ``save_pretrained`` writes the values of record (fp32 main params,
+#   [Note: values of record] in ``wrap/record.py``), cast to ``dtype`` if given, gathered
+#   unit by unit to rank 0, which alone writes: for a peft model the adapter alone
+#   (``adapter_model.safetensors`` + ``adapter_config.json``, loadable by
+#   ``PeftModel.from_pretrained(base, dir)``), or with ``merged=True`` the base model with
+#   every LoRA update added to its weight (``W + scaling * B @ A``, in fp32, then cast), under
+#   the base model's names, loadable by ``AutoModelForCausalLM.from_pretrained(dir)``; for a
+#   ``transformers`` model its weights and config. Both go through the library's own
+#   ``save_pretrained`` with an explicit ``state_dict``, as accelerate does for FSDP.
+# * **Never lost, never silent.** The directory must be new or empty (a save never
+#   overwrites files it did not write). Rank 0's outcome reaches every rank: a failure
+#   there raises on all of them. Merging covers LoRA on linear layers; other adapters (DoRA,
+#   embeddings, convolutions, other peft methods) are an error that says to save the adapter
+#   and merge it in one process with ``merge_and_unload()``, the route accelerate documents
+#   for FSDP.
 
 from __future__ import annotations
 

@@ -16,35 +16,37 @@ op works on, and ``wire`` is what one rank sends under the bandwidth-optimal rin
 algorithm: all-reduce ``2 (N-1)/N B``, reduce-scatter and all-gather ``(N-1)/N B``,
 broadcast ``B``.
 
-[Note: comm bytes]
+The reasoning is in the notes below ([Note: comm bytes], ...)."""
 
-Stage 0 moves one all-reduce of the whole grad buffer (padding included) per optimizer step
-and nothing under ``no_sync``; ``tests/test_stage0_behavior.py`` checks both against the
-layout. Stages 1 and 2 move, per step, one reduce-scatter of every grad bucket, one all-
-gather of every param bucket and one 8-byte all-reduce (the grad norm); wire bytes follow
-the formula of the implementation that ran (``CommStats.impls``):
-``tests/test_optimizer_behavior.py``.
-
-[Note: collective choice]
-
-Each backend has the implementation of reduce-scatter and all-gather that measured fastest
-on it (``IMPLS``, looked up for the backend that carries the bucket's device: a group made
-with ``"cpu:gloo,cuda:nccl"`` has one per device type, and gloo carries CUDA tensors too;
-the environment variables ``FLATSHARD_REDUCE_SCATTER`` and ``FLATSHARD_ALL_GATHER``
-override it). Every implementation takes the backend's per-op options, so each carries the
-world's deadline. On gloo, reduce-scatter is an all-to-all of the
-bucket's shards and a local sum up to 16 MiB and the same in all-to-alls of 8 MiB blocks
-above (so a reduce-scatter sends a ring's bytes at any bucket size, not an all-reduce's
-twice that), and all-gather is a broadcast per shard. Every implementation of an op leaves
-the same values; wire bytes follow the one that ran (``CommStats.impls``). The measurements behind the choice:
-``benchmarks/README.md``.
-
-A whole-param bucket's shards differ in size ([Note: whole-param buckets] in
-``planner/layout.py``): the caller passes every rank's size (``splits``). The all-to-all
-takes split sizes, the broadcasts and reduces one part per rank (an empty part is skipped
-on every rank alike), and an all-reduce any parts; the native ops, which take equal parts
-only, hand over to the all-to-all or the broadcasts (``UNEVEN``, also on NCCL).
-"""
+# [Note: comm bytes]
+#
+# Stage 0 moves one all-reduce of the whole grad buffer (padding included) per optimizer step
+# and nothing under ``no_sync``; ``tests/test_stage0_behavior.py`` checks both against the
+# layout. Stages 1 and 2 move, per step, one reduce-scatter of every grad bucket, one all-
+# gather of every param bucket and one 8-byte all-reduce (the grad norm); wire bytes follow
+# the formula of the implementation that ran (``CommStats.impls``):
+# ``tests/test_optimizer_behavior.py``.
+#
+# [Note: collective choice]
+#
+# Each backend has the implementation of reduce-scatter and all-gather that measured fastest
+# on it (``IMPLS``, looked up for the backend that carries the bucket's device: a group made
+# with ``"cpu:gloo,cuda:nccl"`` has one per device type, and gloo carries CUDA tensors too;
+# the environment variables ``FLATSHARD_REDUCE_SCATTER`` and ``FLATSHARD_ALL_GATHER``
+# override it). Every implementation takes the backend's per-op options, so each carries the
+# world's deadline. On gloo, reduce-scatter is an all-to-all of the
+# bucket's shards and a local sum up to 16 MiB and the same in all-to-alls of 8 MiB blocks
+# above (so a reduce-scatter sends a ring's bytes at any bucket size, not an all-reduce's
+# twice that), and all-gather is a broadcast per shard. Every implementation of an op leaves
+# the same values; wire bytes follow the one that ran (``CommStats.impls``). The
+# measurements behind the choice:
+# ``benchmarks/README.md``.
+#
+# A whole-param bucket's shards differ in size ([Note: whole-param buckets] in
+# ``planner/layout.py``): the caller passes every rank's size (``splits``). The all-to-all
+# takes split sizes, the broadcasts and reduces one part per rank (an empty part is skipped
+# on every rank alike), and an all-reduce any parts; the native ops, which take equal parts
+# only, hand over to the all-to-all or the broadcasts (``UNEVEN``, also on NCCL).
 
 from __future__ import annotations
 

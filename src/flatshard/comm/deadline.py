@@ -1,29 +1,30 @@
 """Deadlines on flatshard's collectives, and where each rank stands when one is missed.
 
-[Note: deadlines]
+The reasoning is [Note: deadlines] below."""
 
-Ranks that are not at the same collective (one skipped a backward, ran out of data, saves a
-checkpoint at another step) would wait in it until the backend gives up: 30 minutes on gloo,
-and nothing said about who is where. So:
-
-* Every collective flatshard issues on a world with a ``timeout`` (``shard(timeout=...)``,
-  default ``DEFAULT_TIMEOUT``) carries it in the backend's own per-op options. The op ends by
-  then on its own, so no backend thread is left blocked and the process can still exit.
-* Each process keeps its position in ``HERE``: the steps it has finished, its phase
-  (``Phase``), and the collective it issued last or is waiting on, numbered within the step.
-  Keeping it costs a few attribute writes per collective.
-* A daemon thread (``_Publisher``) copies the position to the job's rendezvous store (the
-  default process group's) when it has changed, at most every ``PUBLISH_EVERY`` seconds: no
-  extra collective and no store round trip on the training thread.
-* When a wait fails (the deadline passed, or a peer closed its connection because it stopped),
-  the rank publishes its own position at once, gives the others a moment to publish theirs,
-  reads every rank's, and raises ``DesyncError`` naming each rank's step, phase and op. A
-  rank that exits publishes ``exited`` first. Every rank stuck in a collective raises in turn:
-  its own deadline passes, or its peer's exit breaks its connection.
-
-On NCCL the per-op timeout goes to NCCL's watchdog, which aborts the process; the positions
-are still published but no ``DesyncError`` is raised there (``wait()`` does not block).
-"""
+# [Note: deadlines]
+#
+# Ranks that are not at the same collective (one skipped a backward, ran out of data, saves a
+# checkpoint at another step) would wait in it until the backend gives up: 30 minutes on gloo,
+# and nothing said about who is where. So:
+#
+# * Every collective flatshard issues on a world with a ``timeout`` (``shard(timeout=...)``,
+#   default ``DEFAULT_TIMEOUT``) carries it in the backend's own per-op options. The op ends by
+#   then on its own, so no backend thread is left blocked and the process can still exit.
+# * Each process keeps its position in ``HERE``: the steps it has finished, its phase
+#   (``Phase``), and the collective it issued last or is waiting on, numbered within the step.
+#   Keeping it costs a few attribute writes per collective.
+# * A daemon thread (``_Publisher``) copies the position to the job's rendezvous store (the
+#   default process group's) when it has changed, at most every ``PUBLISH_EVERY`` seconds: no
+#   extra collective and no store round trip on the training thread.
+# * When a wait fails (the deadline passed, or a peer closed its connection because it stopped),
+#   the rank publishes its own position at once, gives the others a moment to publish theirs,
+#   reads every rank's, and raises ``DesyncError`` naming each rank's step, phase and op. A
+#   rank that exits publishes ``exited`` first. Every rank stuck in a collective raises in turn:
+#   its own deadline passes, or its peer's exit breaks its connection.
+#
+# On NCCL the per-op timeout goes to NCCL's watchdog, which aborts the process; the positions
+# are still published but no ``DesyncError`` is raised there (``wait()`` does not block).
 
 from __future__ import annotations
 

@@ -1,49 +1,50 @@
 """Flat buffers: one contiguous param tensor and one grad tensor per ``BufferLayout``.
 
-[Note: buffers own storage]
-After ``FlatBuffer.bind``, each param's ``.data`` is a view into ``param_data`` and its
-``.main_grad`` a view into ``grad_data`` (of the buffer's grad dtype: fp32 accumulation for
-16-bit params). Nothing copies between a param and its bucket on the hot path; collectives
-and optimizer updates work on bucket-sized slices of these two tensors. Alignment gaps and
-end padding are zero at construction and nothing writes them as data.
+The reasoning is in the notes below ([Note: buffers own storage], ...)."""
 
-With ``full_grads=False`` (stages 2 and 3) there is no ``grad_data``: grads live in
-per-bucket-group scratch while a backward runs (see [Note: sharded grads]) and, between
-backwards, only as this rank's shard of each bucket, one tensor per bucket
-(``grad_shard(bucket)``). Their storage exists from the reduction that first writes them
-in a backward until ``zero_grad(set_to_none=True)`` frees it (resized to zero, so views of
-them, such as the optimizer's ``.grad``, stay valid), as FSDP2 drops its sharded grads: a
-forward after ``zero_grad`` runs without them. The concatenation of this rank's shards,
-bucket after bucket, is the buffer's *shard frame*: ``frame_range(bucket)`` is where a
-bucket's shard sits in it; the optimizer's fp32 main params (and, at stage 3, the param
-shards) use that frame.
-
-With ``sharded_params=True`` (stage 3) params are kept as shards too: ``param_shard_data``
-holds this rank's shard of every bucket in the same frame, and each bucket has a full-size
-tensor whose storage is allocated only while its unit is gathered ([Note: unsharding] in
-``units/unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
-sharded, a *placeholder*: a NaN that is expanded to the param's shape (one element of
-memory, the right shape for ``named_parameters()``), and the param a ``Placeholder`` that refuses
-to be read ([Note: placeholders] in ``engine/placeholder.py``).
-
-[Note: main-backed shards]
-At stage 3 a 16-bit buffer whose module has a ``DistributedOptimizer`` keeps no 16-bit
-shard: the optimizer's fp32 main params (the same frame) are the only copy of this rank's
-params, so the params cost 4 bytes per element of the shard instead of 2 + 4 (16Ψ/N in
-all with AdamW, as FSDP2 keeps). Invariants:
-
-* ``main_frame`` holds the values; the 16-bit params are ``main_frame.to(dtype)``, rounded
-  straight into this rank's part of a full bucket when it is gathered
-  (``gather_source``). That is the value a 16-bit shard refreshed after every step would
-  hold, so trajectories are unchanged.
-* A step writes ``main_frame`` and copies nothing.
-* Code that reads or writes the 16-bit shard (checkpoints, ``summon_full_params``, seeding
-  from weights) runs inside ``ShardState.param_dtype_shards()``: ``param_shard_data`` is
-  then ``main_frame.to(dtype)``, and on exit every element where it differs from
-  ``main_frame.to(dtype)`` (i.e. that was written) sets ``main_frame`` to its value; the
-  others keep their fp32 precision. Outside that block ``param_shard`` raises.
-* ``load_param`` writes the main params directly, at the precision it is given.
-"""
+# [Note: buffers own storage]
+# After ``FlatBuffer.bind``, each param's ``.data`` is a view into ``param_data`` and its
+# ``.main_grad`` a view into ``grad_data`` (of the buffer's grad dtype: fp32 accumulation for
+# 16-bit params). Nothing copies between a param and its bucket on the hot path; collectives
+# and optimizer updates work on bucket-sized slices of these two tensors. Alignment gaps and
+# end padding are zero at construction and nothing writes them as data.
+#
+# With ``full_grads=False`` (stages 2 and 3) there is no ``grad_data``: grads live in
+# per-bucket-group scratch while a backward runs (see [Note: sharded grads]) and, between
+# backwards, only as this rank's shard of each bucket, one tensor per bucket
+# (``grad_shard(bucket)``). Their storage exists from the reduction that first writes them
+# in a backward until ``zero_grad(set_to_none=True)`` frees it (resized to zero, so views of
+# them, such as the optimizer's ``.grad``, stay valid), as FSDP2 drops its sharded grads: a
+# forward after ``zero_grad`` runs without them. The concatenation of this rank's shards,
+# bucket after bucket, is the buffer's *shard frame*: ``frame_range(bucket)`` is where a
+# bucket's shard sits in it; the optimizer's fp32 main params (and, at stage 3, the param
+# shards) use that frame.
+#
+# With ``sharded_params=True`` (stage 3) params are kept as shards too: ``param_shard_data``
+# holds this rank's shard of every bucket in the same frame, and each bucket has a full-size
+# tensor whose storage is allocated only while its unit is gathered ([Note: unsharding] in
+# ``units/unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
+# sharded, a *placeholder*: a NaN that is expanded to the param's shape (one element of
+# memory, the right shape for ``named_parameters()``), and the param a ``Placeholder`` that refuses
+# to be read ([Note: placeholders] in ``engine/placeholder.py``).
+#
+# [Note: main-backed shards]
+# At stage 3 a 16-bit buffer whose module has a ``DistributedOptimizer`` keeps no 16-bit
+# shard: the optimizer's fp32 main params (the same frame) are the only copy of this rank's
+# params, so the params cost 4 bytes per element of the shard instead of 2 + 4 (16Ψ/N in
+# all with AdamW, as FSDP2 keeps). Invariants:
+#
+# * ``main_frame`` holds the values; the 16-bit params are ``main_frame.to(dtype)``, rounded
+#   straight into this rank's part of a full bucket when it is gathered
+#   (``gather_source``). That is the value a 16-bit shard refreshed after every step would
+#   hold, so trajectories are unchanged.
+# * A step writes ``main_frame`` and copies nothing.
+# * Code that reads or writes the 16-bit shard (checkpoints, ``summon_full_params``, seeding
+#   from weights) runs inside ``ShardState.param_dtype_shards()``: ``param_shard_data`` is
+#   then ``main_frame.to(dtype)``, and on exit every element where it differs from
+#   ``main_frame.to(dtype)`` (i.e. that was written) sets ``main_frame`` to its value; the
+#   others keep their fp32 precision. Outside that block ``param_shard`` raises.
+# * ``load_param`` writes the main params directly, at the precision it is given.
 
 from __future__ import annotations
 

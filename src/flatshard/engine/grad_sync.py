@@ -1,41 +1,42 @@
 """Gradient synchronization: accumulate grads into flat buffers and reduce them in buckets.
 
-[Note: grad sync]
+The reasoning is in the notes below ([Note: grad sync], ...)."""
 
-* A post-accumulate-grad hook on every trainable param moves the new grad into
-  ``param.main_grad`` and marks the param ready in its reduction.
-* Reductions are launched strictly in one fixed order (the order backward is expected
-  to complete them: the reduction holding the last-registered param first). A complete reduction
-  launches once every reduction before it has and the other reductions of its launch (the
-  same ``per_launch`` buckets, of other buffers: ``build_reductions``) are complete too;
-  so every rank issues the same collectives in
-  the same order even when control flow differs, and a mismatch can never pair two
-  different tensors in one collective.
-* At the first hook of a backward an end-of-backward callback is queued with autograd's
-  engine. It launches the reductions still waiting (their unused params contribute zeros),
-  waits for every collective, and resets per-backward state. So when ``backward()``
-  returns, grads are reduced: nothing can read them early.
-* Under ``no_sync`` nothing is launched; grads keep accumulating in ``main_grad``.
-* A grad that arrives after its reduction started is an error naming the param,
-  never a silently dropped grad.
-
-Two kinds of buffers:
-
-* *exposed* (the param dtype equals the grad dtype, e.g. fp32 at stage 0): ``param.grad`` is
-  ``param.main_grad`` itself between steps, so torch optimizers work unchanged. A grad of
-  None means "zero" exactly as in torch: the next backward overwrites ``main_grad`` instead
-  of adding to it, so ``optimizer.zero_grad()`` needs no help from us.
-* *hidden* (16-bit params with fp32 grads, and every param at stages 1 and 2):
-  ``param.grad`` is dropped after each accumulation; ``main_grad`` holds the sum since the
-  last ``zero_grad`` of the module or the flatshard optimizer.
-
-At stages 1-3 grads are scaled as they arrive and kept as shards between backwards
-([Note: sharded grads] in ``engine/reduction.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
-launched reductions hold scratch (at stage 3, where a unit's full params are alive too, one),
-besides the reduction accumulating: before a reduction is launched, the oldest are
-finished (waited for; at stage 3 only where that cannot deadlock with the param gathers,
-[Note: two process groups] in ``units/unshard.py``), and the next reduction reuses their scratch.
-"""
+# [Note: grad sync]
+#
+# * A post-accumulate-grad hook on every trainable param moves the new grad into
+#   ``param.main_grad`` and marks the param ready in its reduction.
+# * Reductions are launched strictly in one fixed order (the order backward is expected
+#   to complete them: the reduction holding the last-registered param first). A complete reduction
+#   launches once every reduction before it has and the other reductions of its launch (the
+#   same ``per_launch`` buckets, of other buffers: ``build_reductions``) are complete too;
+#   so every rank issues the same collectives in
+#   the same order even when control flow differs, and a mismatch can never pair two
+#   different tensors in one collective.
+# * At the first hook of a backward an end-of-backward callback is queued with autograd's
+#   engine. It launches the reductions still waiting (their unused params contribute zeros),
+#   waits for every collective, and resets per-backward state. So when ``backward()``
+#   returns, grads are reduced: nothing can read them early.
+# * Under ``no_sync`` nothing is launched; grads keep accumulating in ``main_grad``.
+# * A grad that arrives after its reduction started is an error naming the param,
+#   never a silently dropped grad.
+#
+# Two kinds of buffers:
+#
+# * *exposed* (the param dtype equals the grad dtype, e.g. fp32 at stage 0): ``param.grad`` is
+#   ``param.main_grad`` itself between steps, so torch optimizers work unchanged. A grad of
+#   None means "zero" exactly as in torch: the next backward overwrites ``main_grad`` instead
+#   of adding to it, so ``optimizer.zero_grad()`` needs no help from us.
+# * *hidden* (16-bit params with fp32 grads, and every param at stages 1 and 2):
+#   ``param.grad`` is dropped after each accumulation; ``main_grad`` holds the sum since the
+#   last ``zero_grad`` of the module or the flatshard optimizer.
+#
+# At stages 1-3 grads are scaled as they arrive and kept as shards between backwards
+# ([Note: sharded grads] in ``engine/reduction.py``). At stage 2 at most ``MAX_SCRATCH_IN_FLIGHT``
+# launched reductions hold scratch (at stage 3, where a unit's full params are alive too, one),
+# besides the reduction accumulating: before a reduction is launched, the oldest are
+# finished (waited for; at stage 3 only where that cannot deadlock with the param gathers,
+# [Note: two process groups] in ``units/unshard.py``), and the next reduction reuses their scratch.
 
 from __future__ import annotations
 

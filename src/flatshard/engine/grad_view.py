@@ -1,41 +1,42 @@
 """A param's ``.grad`` where flatshard keeps the grad in its buffers: a ``ShardedGrad``.
 
-[Note: grads seen by torch]
+The reasoning is [Note: grads seen by torch] below."""
 
-Torch's utilities (``clip_grad_norm_``, ``clip_grad_value_``, ``zero_grad``, a torch optimizer)
-read ``param.grad``. Where a buffer is *exposed* (stage 0, grad dtype = param dtype) that is
-``main_grad`` itself, all-reduced: they work unchanged. Elsewhere the grad lives in the
-buffers only (stages 1-3: each rank holds the reduced grads of its shard; stage 0 with
-16-bit params: an fp32 ``main_grad``), and a ``.grad`` of None made those utilities skip the
-param without a word (``clip_grad_norm_`` returned 0). So at the end of every backward each
-such param's ``.grad`` becomes its ``ShardedGrad``: a tensor with the param's shape, dtype
-and device and no storage, whose operations act on the grad as a whole, across ranks:
-
-* **Norms are global.** ``torch.linalg.vector_norm(g, ord)`` (and ``g.norm()``,
-  ``torch._foreach_norm``) is the norm of the param's whole reduced grad, in the dtype of
-  the grad flatshard holds (fp32 for a bf16 param with fp32 grads): on its first call
-  after a change, every param's partial norms (of this rank's pieces, in fp32 or wider) go
-  into one all-reduce per world (sum of ``|x|**ord``, or max for ``inf``), cached until the
-  grads change. As with DTensor, every rank must ask (torch's ``clip_grad_norm_`` does).
-* **Elementwise writes act on this rank's pieces** (``mul_``, ``div_`` by a scalar or a
-  0-d tensor, ``clamp_``, ``clamp_min_``, ``clamp_max_``, ``zero_``, and their ``_foreach_``
-  forms): the pieces are what the optimizer steps, so clipping reaches the update, on every
-  rank alike. Padding is never a piece.
-* **Anything else is refused** with a ``ShardedGradError`` naming the param, the operation
-  and what to call instead (``summon_full_params(with_grads=True)`` to read the full grad,
-  ``flatshard.DistributedOptimizer`` to step): a torch optimizer over the model's params, or
-  user code reading one rank's values, fails at once instead of stepping nothing.
-* **Backward adds through it.** A backward that finds a ``ShardedGrad`` (no ``zero_grad``
-  since the last one) has autograd call its ``add_``; inside backward that only hands the new
-  grad to the grad-sync hook, which accumulates it into the buffers as usual.
-* **A grad assigned by hand is refused at the step** (``check_assigned``): a ``.grad`` that is
-  neither None nor what flatshard put there never reached a reduction, so stepping would
-  ignore it (stages 1-3) or step on one rank's values; the error says to accumulate it with
-  ``torch.autograd.backward(params, grads)``, which goes through the reduction.
-
-Grads accumulated under ``no_sync`` are not reduced: their ``ShardedGrad`` refuses even
-norms until a synced backward. ``zero_grad`` (set to None) drops them all.
-"""
+# [Note: grads seen by torch]
+#
+# Torch's utilities (``clip_grad_norm_``, ``clip_grad_value_``, ``zero_grad``, a torch optimizer)
+# read ``param.grad``. Where a buffer is *exposed* (stage 0, grad dtype = param dtype) that is
+# ``main_grad`` itself, all-reduced: they work unchanged. Elsewhere the grad lives in the
+# buffers only (stages 1-3: each rank holds the reduced grads of its shard; stage 0 with
+# 16-bit params: an fp32 ``main_grad``), and a ``.grad`` of None made those utilities skip the
+# param without a word (``clip_grad_norm_`` returned 0). So at the end of every backward each
+# such param's ``.grad`` becomes its ``ShardedGrad``: a tensor with the param's shape, dtype
+# and device and no storage, whose operations act on the grad as a whole, across ranks:
+#
+# * **Norms are global.** ``torch.linalg.vector_norm(g, ord)`` (and ``g.norm()``,
+#   ``torch._foreach_norm``) is the norm of the param's whole reduced grad, in the dtype of
+#   the grad flatshard holds (fp32 for a bf16 param with fp32 grads): on its first call
+#   after a change, every param's partial norms (of this rank's pieces, in fp32 or wider) go
+#   into one all-reduce per world (sum of ``|x|**ord``, or max for ``inf``), cached until the
+#   grads change. As with DTensor, every rank must ask (torch's ``clip_grad_norm_`` does).
+# * **Elementwise writes act on this rank's pieces** (``mul_``, ``div_`` by a scalar or a
+#   0-d tensor, ``clamp_``, ``clamp_min_``, ``clamp_max_``, ``zero_``, and their ``_foreach_``
+#   forms): the pieces are what the optimizer steps, so clipping reaches the update, on every
+#   rank alike. Padding is never a piece.
+# * **Anything else is refused** with a ``ShardedGradError`` naming the param, the operation
+#   and what to call instead (``summon_full_params(with_grads=True)`` to read the full grad,
+#   ``flatshard.DistributedOptimizer`` to step): a torch optimizer over the model's params, or
+#   user code reading one rank's values, fails at once instead of stepping nothing.
+# * **Backward adds through it.** A backward that finds a ``ShardedGrad`` (no ``zero_grad``
+#   since the last one) has autograd call its ``add_``; inside backward that only hands the new
+#   grad to the grad-sync hook, which accumulates it into the buffers as usual.
+# * **A grad assigned by hand is refused at the step** (``check_assigned``): a ``.grad`` that is
+#   neither None nor what flatshard put there never reached a reduction, so stepping would
+#   ignore it (stages 1-3) or step on one rank's values; the error says to accumulate it with
+#   ``torch.autograd.backward(params, grads)``, which goes through the reduction.
+#
+# Grads accumulated under ``no_sync`` are not reduced: their ``ShardedGrad`` refuses even
+# norms until a synced backward. ``zero_grad`` (set to None) drops them all.
 
 from __future__ import annotations
 

@@ -1,27 +1,28 @@
 """The named states of the engine's lifecycles, and every legal transition, in one place.
 
-[Note: lifecycles]
+The reasoning is [Note: lifecycles] below."""
 
-Four things change state as a step runs; each is one enum member, never a
-cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance`` raises
-``IllegalTransition`` otherwise: a bug in flatshard, not a user error).
-
-* ``Backward``, of a module's grad sync: ``IDLE`` between backwards; ``RUNNING`` from the
-  first grad (or the hook on the outputs) until the end-of-backward callback; ``UNBOUNDED``
-  once this backward gave up waiting for a reduction during backward ([Note: two process
-  groups] in ``units/unshard.py``): later reductions are left to the callback.
-* ``Grads``, of a module's grads since ``zero_grad``: ``EMPTY`` (none), ``REDUCED`` (a synced
-  backward reduced them: the optimizer may step), ``UNREDUCED`` (a backward under
-  ``no_sync`` accumulated grads that no reduction has summed yet: stepping is an error).
-* ``ReductionState``, of one reduction within a backward: ``COLLECTING`` (grads arrive),
-  ``REDUCING`` (its all-reduce or reduce-scatter is in flight), ``REPLICATING`` (replicated
-  sharding: the shards' all-reduce across the replicate world is in flight), ``REDUCED``
-  (waited for and folded into the grads; a grad arriving now is an error) until the next
-  backward starts it over.
-* ``Gather``, of one stage-3 unit: ``SHARDED`` (its params are placeholders over shards),
-  ``GATHERING`` (its all-gathers are in flight), ``FULL`` (waited for; its params view the
-  full buckets). Resharding frees it from either of the last two.
-"""
+# [Note: lifecycles]
+#
+# Four things change state as a step runs; each is one enum member, never a
+# cluster of flags, and moves only along the edges of ``TRANSITIONS`` (``advance`` raises
+# ``IllegalTransition`` otherwise: a bug in flatshard, not a user error).
+#
+# * ``Backward``, of a module's grad sync: ``IDLE`` between backwards; ``RUNNING`` from the
+#   first grad (or the hook on the outputs) until the end-of-backward callback; ``UNBOUNDED``
+#   once this backward gave up waiting for a reduction during backward ([Note: two process
+#   groups] in ``units/unshard.py``): later reductions are left to the callback.
+# * ``Grads``, of a module's grads since ``zero_grad``: ``EMPTY`` (none), ``REDUCED`` (a synced
+#   backward reduced them: the optimizer may step), ``UNREDUCED`` (a backward under
+#   ``no_sync`` accumulated grads that no reduction has summed yet: stepping is an error).
+# * ``ReductionState``, of one reduction within a backward: ``COLLECTING`` (grads arrive),
+#   ``REDUCING`` (its all-reduce or reduce-scatter is in flight), ``REPLICATING`` (replicated
+#   sharding: the shards' all-reduce across the replicate world is in flight), ``REDUCED``
+#   (waited for and folded into the grads; a grad arriving now is an error) until the next
+#   backward starts it over.
+# * ``Gather``, of one stage-3 unit: ``SHARDED`` (its params are placeholders over shards),
+#   ``GATHERING`` (its all-gathers are in flight), ``FULL`` (waited for; its params view the
+#   full buckets). Resharding frees it from either of the last two.
 
 from __future__ import annotations
 

@@ -1,23 +1,24 @@
 """All-gathering updated params after a sharded optimizer step.
 
-[Note: param gather]
+The reasoning is [Note: param gather] below."""
 
-At stages 1 and 2 a step updates only this rank's shard of each bucket's params; the rest
-of the param buffer is stale until the bucket is all-gathered. ``ParamGather`` launches one
-all-gather per bucket, in the order the next forward needs them (the bucket holding the
-first-registered param first), and waits for a bucket only where it is needed:
-
-* in a forward pre-hook of the outermost *block* (a child of an ``nn.ModuleList``, the
-  default units of ``engine/unit_tree.py``) around a module that owns (``recurse=False``) one of its
-  params, or of that module itself when no block holds it. Hooking the block rather than
-  its layers keeps the waits on its edges, outside a graph that ``block.compile()`` makes
-  ([Note: hooks and torch.compile]);
-* in ``wait_all``: before the next step writes any shard, and before the module's
-  ``state_dict`` reads params.
-
-With ``overlap=False`` the step waits for every gather itself. Either way the values are
-the same: only when they are waited for differs.
-"""
+# [Note: param gather]
+#
+# At stages 1 and 2 a step updates only this rank's shard of each bucket's params; the rest
+# of the param buffer is stale until the bucket is all-gathered. ``ParamGather`` launches one
+# all-gather per bucket, in the order the next forward needs them (the bucket holding the
+# first-registered param first), and waits for a bucket only where it is needed:
+#
+# * in a forward pre-hook of the outermost *block* (a child of an ``nn.ModuleList``, the
+#   default units of ``engine/unit_tree.py``) around a module that owns (``recurse=False``) one of its
+#   params, or of that module itself when no block holds it. Hooking the block rather than
+#   its layers keeps the waits on its edges, outside a graph that ``block.compile()`` makes
+#   ([Note: hooks and torch.compile]);
+# * in ``wait_all``: before the next step writes any shard, and before the module's
+#   ``state_dict`` reads params.
+#
+# With ``overlap=False`` the step waits for every gather itself. Either way the values are
+# the same: only when they are waited for differs.
 
 from __future__ import annotations
 

@@ -1,36 +1,37 @@
 """Stage 3's placeholders: what a sharded param is while its unit is not gathered.
 
-[Note: placeholders]
+The reasoning is [Note: placeholders] below."""
 
-Between uses a stage-3 param's ``.data`` is a placeholder tensor (one NaN expanded to the
-param's shape, [Note: buffers own storage] in ``engine/buffer.py``), and the param object
-itself is switched to the class ``Placeholder``, a ``nn.Parameter`` whose
-``__torch_function__`` refuses every operation that would read or copy its values with a
-``ShardedParamError`` naming the param, its unit and the operation. So a param read
-outside the forward of the unit that holds it (a weight used in the loss after
-``model(x)``, user code holding a tied weight, an EMA copy, ``torch.save(model)``) raises
-before any result exists, where it used to compute on NaN (the storage-freeing of
-FSDP1/FSDP2 is not an option on CPU: a tensor whose storage holds no bytes crashes kernels
-that read it, and a tensor subclass cannot be ``.data``).
-
-Invariants:
-
-* A param is a ``Placeholder`` exactly while its ``.data`` is its placeholder: ``show`` and
-  ``hide`` (called by ``FlatBuffer.point_params``, the only place that swaps ``.data`` at
-  stage 3) change both together. A gathered param is a plain ``nn.Parameter`` again, so
-  inside a unit's forward (eager or compiled) there is no extra dispatch: the cost is one
-  class assignment per param per gather and free, beside the ``.data`` assignment already
-  made there. Reading a placeholder's metadata costs a Python dispatch (2.4 µs against
-  0.1 µs), so flatshard's own per-step reads of every param (the change check before a
-  forward, ``zero_grad``) run with subclass dispatch off: no placeholder dispatch in a step.
-* What stays allowed is what reads no values: shape, dtype, device, ``numel()``,
-  ``requires_grad`` (get, set, ``requires_grad_``), ``.grad`` (get, set), hooks, hashing,
-  ``.data`` assignment, and new tensors of its shape (``torch.zeros_like(p)``,
-  ``p.new_empty(...)``). So ``named_parameters()``, ``model.device`` and ``model.dtype``
-  (as ``transformers`` computes them), counting params and ``zero_grad`` work as before.
-* Only params whose class is exactly ``nn.Parameter`` are switched; a param of another
-  subclass keeps its class and its NaN placeholder.
-"""
+# [Note: placeholders]
+#
+# Between uses a stage-3 param's ``.data`` is a placeholder tensor (one NaN expanded to the
+# param's shape, [Note: buffers own storage] in ``engine/buffer.py``), and the param object
+# itself is switched to the class ``Placeholder``, a ``nn.Parameter`` whose
+# ``__torch_function__`` refuses every operation that would read or copy its values with a
+# ``ShardedParamError`` naming the param, its unit and the operation. So a param read
+# outside the forward of the unit that holds it (a weight used in the loss after
+# ``model(x)``, user code holding a tied weight, an EMA copy, ``torch.save(model)``) raises
+# before any result exists, where it used to compute on NaN (the storage-freeing of
+# FSDP1/FSDP2 is not an option on CPU: a tensor whose storage holds no bytes crashes kernels
+# that read it, and a tensor subclass cannot be ``.data``).
+#
+# Invariants:
+#
+# * A param is a ``Placeholder`` exactly while its ``.data`` is its placeholder: ``show`` and
+#   ``hide`` (called by ``FlatBuffer.point_params``, the only place that swaps ``.data`` at
+#   stage 3) change both together. A gathered param is a plain ``nn.Parameter`` again, so
+#   inside a unit's forward (eager or compiled) there is no extra dispatch: the cost is one
+#   class assignment per param per gather and free, beside the ``.data`` assignment already
+#   made there. Reading a placeholder's metadata costs a Python dispatch (2.4 µs against
+#   0.1 µs), so flatshard's own per-step reads of every param (the change check before a
+#   forward, ``zero_grad``) run with subclass dispatch off: no placeholder dispatch in a step.
+# * What stays allowed is what reads no values: shape, dtype, device, ``numel()``,
+#   ``requires_grad`` (get, set, ``requires_grad_``), ``.grad`` (get, set), hooks, hashing,
+#   ``.data`` assignment, and new tensors of its shape (``torch.zeros_like(p)``,
+#   ``p.new_empty(...)``). So ``named_parameters()``, ``model.device`` and ``model.dtype``
+#   (as ``transformers`` computes them), counting params and ``zero_grad`` work as before.
+# * Only params whose class is exactly ``nn.Parameter`` are switched; a param of another
+#   subclass keeps its class and its NaN placeholder.
 
 from __future__ import annotations
 

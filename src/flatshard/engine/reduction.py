@@ -1,45 +1,46 @@
 """Reductions: consecutive buckets of one buffer whose grads are reduced together.
 
-[Note: sharded grads]
+The reasoning is [Note: sharded grads] below."""
 
-How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell which):
-
-* **replicated** (stage 0): ``grad`` is the group's range of the grad buffer; one all-reduce
-  leaves the same sum on every rank.
-* **sharded** (stage 1): the same range, but each bucket is *reduce-scattered*: afterwards
-  only this rank's shard of each bucket is defined, and the optimizer reads only that. The
-  rest of the range is *stale*; it is zeroed lazily (``begin``) before the next backward
-  accumulates into it, so a second synced backward adds only new grads to the shard.
-* **scratch** (stage 2): there is no grad buffer. ``begin`` takes the group's range as
-  scratch from a small ``ScratchPool`` and points each param's ``main_grad`` into it; after
-  the reduction the shard is added into the bucket's grad shard (copied, into storage
-  allocated then, for the first backward after ``zero_grad``, which frees it) and the
-  scratch goes back to the pool (``main_grad``
-  becomes None), where a later group of the same backward may reuse it; the pool is
-  emptied when the backward ends. So between backwards grads exist only as shards. Reused
-  scratch is not cleared: a param's first
-  grad is copied in (not added), unused params are zeroed before the reduction, and
-  ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
-
-A group of several buckets is reduce-scattered by one collective where that measured faster
-(gloo, buckets of up to ``COALESCE_LIMIT``: ``reduce_scatter_coalesced`` packs every rank's
-parts of the buckets into one all-to-all), and by one collective a bucket otherwise.
-
-With a replicate world (replicated sharding), buckets are laid out and reduce-scattered over
-the shard world, and once a group's reduce-scatter is done its shards are all-reduced
-across the replicate world (every group's all-reduce is launched before any is waited).
-Params are gathered over the shard world only, and the grad norm is summed over it alone,
-since the replicas hold equal shards.
-
-With a ``reduce_dtype`` (``MixedPrecision.reduce_dtype``) that differs from the grad dtype,
-the collectives run on a copy in that dtype, multiplied by ``post`` ([``split_scale``]);
-the result is copied back (divided by ``post``) into the reduced part of ``grad`` before
-anything reads it, so accumulation stays in the grad dtype.
-
-In the sharded and scratch modes grads are scaled as they are accumulated
-(``main_grad += scale * grad``), so a shard that already holds a reduced sum is carried
-into the next reduction as it is, whatever the scale.
-"""
+# [Note: sharded grads]
+#
+# How a group's grads live, by stage (the buffer's layout and ``full_grads`` tell which):
+#
+# * **replicated** (stage 0): ``grad`` is the group's range of the grad buffer; one all-reduce
+#   leaves the same sum on every rank.
+# * **sharded** (stage 1): the same range, but each bucket is *reduce-scattered*: afterwards
+#   only this rank's shard of each bucket is defined, and the optimizer reads only that. The
+#   rest of the range is *stale*; it is zeroed lazily (``begin``) before the next backward
+#   accumulates into it, so a second synced backward adds only new grads to the shard.
+# * **scratch** (stage 2): there is no grad buffer. ``begin`` takes the group's range as
+#   scratch from a small ``ScratchPool`` and points each param's ``main_grad`` into it; after
+#   the reduction the shard is added into the bucket's grad shard (copied, into storage
+#   allocated then, for the first backward after ``zero_grad``, which frees it) and the
+#   scratch goes back to the pool (``main_grad``
+#   becomes None), where a later group of the same backward may reuse it; the pool is
+#   emptied when the backward ends. So between backwards grads exist only as shards. Reused
+#   scratch is not cleared: a param's first
+#   grad is copied in (not added), unused params are zeroed before the reduction, and
+#   ``begin`` zeroes the alignment gaps and padding, so nothing stale is ever reduced.
+#
+# A group of several buckets is reduce-scattered by one collective where that measured faster
+# (gloo, buckets of up to ``COALESCE_LIMIT``: ``reduce_scatter_coalesced`` packs every rank's
+# parts of the buckets into one all-to-all), and by one collective a bucket otherwise.
+#
+# With a replicate world (replicated sharding), buckets are laid out and reduce-scattered over
+# the shard world, and once a group's reduce-scatter is done its shards are all-reduced
+# across the replicate world (every group's all-reduce is launched before any is waited).
+# Params are gathered over the shard world only, and the grad norm is summed over it alone,
+# since the replicas hold equal shards.
+#
+# With a ``reduce_dtype`` (``MixedPrecision.reduce_dtype``) that differs from the grad dtype,
+# the collectives run on a copy in that dtype, multiplied by ``post`` ([``split_scale``]);
+# the result is copied back (divided by ``post``) into the reduced part of ``grad`` before
+# anything reads it, so accumulation stays in the grad dtype.
+#
+# In the sharded and scratch modes grads are scaled as they are accumulated
+# (``main_grad += scale * grad``), so a shard that already holds a reduced sum is carried
+# into the next reduction as it is, whatever the scale.
 
 from __future__ import annotations
 

@@ -1,43 +1,44 @@
 """Stage-3 units: the module subtrees whose params are gathered and freed together.
 
-[Note: units]
+The reasoning is in the notes below ([Note: units], ...)."""
 
-``find_units(module, units)`` picks the unit modules: those of the given classes, or those
-for which the predicate ``(qualified_name, module) -> bool`` holds; by default the children
-of every ``nn.ModuleList`` (the usual list of transformer blocks), or, for a Hugging Face
-model, the modules whose class its ``_no_split_modules`` names (its decoder layers) where
-there are any. The root module is always
-a unit too: it owns every param outside the others. Units may nest.
-
-A param belongs to exactly one unit: the innermost unit that contains *every* module
-registering it, along every path to it (so a param tied between two blocks, or registered by
-a module that two blocks share, belongs to their common ancestor, which is full whenever
-either block runs). Units are listed in module pre-order (root first).
-At stage 3 the params are handed to the layout grouped by unit (in that order, registration
-order within a unit), so each unit's params are contiguous in the buffer and the root's
-few params form one bucket rather than one at each end; ``ParamSpec.unit`` carries the
-unit's index, so a bucket never holds params of two units.
-
-[Note: merged units]
-
-Each unit costs a fixed price per step whatever its size: its hooks, a gather in forward
-and one in backward, a reduce-scatter, and the schedule's bookkeeping. On a model of many
-small blocks that price, not the bytes, sets the step time. So ``merge_units`` joins
-consecutive small units into one unit of several modules, gathered, freed and reduced
-together, while their params (full, in the dtype they are gathered in) fit in
-``unit_bytes``. Invariants:
-
-* Only *leaf* units (no unit inside them) that are *siblings* (the same enclosing unit) and
-  adjacent in pre-order merge; the root never does. So a merged unit's modules are
-  disjoint subtrees that run one after the other, and every enclosing unit stays one
-  module.
-* A merged unit never holds more than ``unit_bytes``, unless it is a single unit that
-  alone is larger: the peak of full params ([Note: stage-3 memory]) stays bounded by the
-  larger of ``unit_bytes`` and the largest unit.
-* Indices stay in pre-order of each unit's first module, so the root is still 0 and a
-  param's unit is the merged unit of the unit it had.
-* ``unit_bytes=None`` merges nothing (a unit per module, as before merging existed).
-"""
+# [Note: units]
+#
+# ``find_units(module, units)`` picks the unit modules: those of the given classes, or those
+# for which the predicate ``(qualified_name, module) -> bool`` holds; by default the children
+# of every ``nn.ModuleList`` (the usual list of transformer blocks), or, for a Hugging Face
+# model, the modules whose class its ``_no_split_modules`` names (its decoder layers) where
+# there are any. The root module is always
+# a unit too: it owns every param outside the others. Units may nest.
+#
+# A param belongs to exactly one unit: the innermost unit that contains *every* module
+# registering it, along every path to it (so a param tied between two blocks, or registered by
+# a module that two blocks share, belongs to their common ancestor, which is full whenever
+# either block runs). Units are listed in module pre-order (root first).
+# At stage 3 the params are handed to the layout grouped by unit (in that order, registration
+# order within a unit), so each unit's params are contiguous in the buffer and the root's
+# few params form one bucket rather than one at each end; ``ParamSpec.unit`` carries the
+# unit's index, so a bucket never holds params of two units.
+#
+# [Note: merged units]
+#
+# Each unit costs a fixed price per step whatever its size: its hooks, a gather in forward
+# and one in backward, a reduce-scatter, and the schedule's bookkeeping. On a model of many
+# small blocks that price, not the bytes, sets the step time. So ``merge_units`` joins
+# consecutive small units into one unit of several modules, gathered, freed and reduced
+# together, while their params (full, in the dtype they are gathered in) fit in
+# ``unit_bytes``. Invariants:
+#
+# * Only *leaf* units (no unit inside them) that are *siblings* (the same enclosing unit) and
+#   adjacent in pre-order merge; the root never does. So a merged unit's modules are
+#   disjoint subtrees that run one after the other, and every enclosing unit stays one
+#   module.
+# * A merged unit never holds more than ``unit_bytes``, unless it is a single unit that
+#   alone is larger: the peak of full params ([Note: stage-3 memory]) stays bounded by the
+#   larger of ``unit_bytes`` and the largest unit.
+# * Indices stay in pre-order of each unit's first module, so the root is still 0 and a
+#   param's unit is the merged unit of the unit it had.
+# * ``unit_bytes=None`` merges nothing (a unit per module, as before merging existed).
 
 from __future__ import annotations
 

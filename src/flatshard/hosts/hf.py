@@ -1,40 +1,41 @@
 """flatshard under ``transformers.Trainer``: ``flatshard.hosts.hf.Trainer`` is the Trainer,
 training a sharded model.
 
-[Note: hosted training]
+The reasoning is [Note: hosted training] below."""
 
-A host library (the Trainer, and TRL's trainers built on it) runs the loop: it wraps the
-model, builds the optimizer, accumulates, clips, logs, saves and resumes. Under it flatshard
-keeps the invariants it keeps in a hand-written loop, by taking over exactly the points
-where the host would otherwise break them:
-
-* **Sharded once the host has prepared the model.** With ``shard=``, the host's own
-  ``__init__`` runs on the plain model first (TRL adds its peft adapters, copies a reference
-  model, resizes embeddings), exactly as under its DDP; then the model it kept is sharded in
-  place (the same object, so every reference the host holds stays valid). At stage 3 a
-  frozen reference model (DPO's ``ref_model``) is sharded too.
-* **No wrapper on top.** The host prepares the model for evaluation only (autocast, no
-  DDP): flatshard's hooks reduce the grads (DDP on top is refused anyway).
-* **Only flatshard's optimizer steps.** The host's choice of optimizer (``args.optim``, or
-  ``optimizer_cls_and_kwargs``), its hyperparameters and its weight-decay groups become a
-  ``DistributedOptimizer`` of that class; LR schedulers see its param groups as usual. An
-  optimizer the host builds from the model by itself (factories, layer-wise, GaLore's
-  params) is refused, naming ``optim``.
-* **Accumulation and clipping are the host's own**: it runs the micro-batches before the last
-  under ``model.no_sync()``, and its clip is torch's ``clip_grad_norm_`` over the params,
-  whose grads give the global norm ([Note: grads seen by torch]); so the logged
-  ``grad_norm`` is the one DDP's Trainer logs. fp16 loss scaling uses ``ShardedGradScaler``
-  ([Note: grad scaler]) in place of the host's scaler.
-* **Saves are collective.** ``save_model`` gathers the full state dict on rank 0 (every rank
-  takes part) and writes it with the host's own ``save_pretrained`` path, so
-  ``from_pretrained`` loads the directory (a peft model: its adapter). A Trainer checkpoint
-  holds a flatshard checkpoint (``flatshard/``: params, fp32 main params, optimizer state) in
-  place of ``optimizer.pt``; ``resume_from_checkpoint`` loads it at any world size and stage,
-  with the scheduler, the trainer state and the RNG states the host saves itself.
-* **What cannot hold is refused** before training: FSDP or DeepSpeed in the same arguments,
-  full-eval casts (they cast the params), ranks the host does not see (on CPU, without
-  ``use_cpu=True`` the host trains each rank alone), a torch optimizer passed in.
-"""
+# [Note: hosted training]
+#
+# A host library (the Trainer, and TRL's trainers built on it) runs the loop: it wraps the
+# model, builds the optimizer, accumulates, clips, logs, saves and resumes. Under it flatshard
+# keeps the invariants it keeps in a hand-written loop, by taking over exactly the points
+# where the host would otherwise break them:
+#
+# * **Sharded once the host has prepared the model.** With ``shard=``, the host's own
+#   ``__init__`` runs on the plain model first (TRL adds its peft adapters, copies a reference
+#   model, resizes embeddings), exactly as under its DDP; then the model it kept is sharded in
+#   place (the same object, so every reference the host holds stays valid). At stage 3 a
+#   frozen reference model (DPO's ``ref_model``) is sharded too.
+# * **No wrapper on top.** The host prepares the model for evaluation only (autocast, no
+#   DDP): flatshard's hooks reduce the grads (DDP on top is refused anyway).
+# * **Only flatshard's optimizer steps.** The host's choice of optimizer (``args.optim``, or
+#   ``optimizer_cls_and_kwargs``), its hyperparameters and its weight-decay groups become a
+#   ``DistributedOptimizer`` of that class; LR schedulers see its param groups as usual. An
+#   optimizer the host builds from the model by itself (factories, layer-wise, GaLore's
+#   params) is refused, naming ``optim``.
+# * **Accumulation and clipping are the host's own**: it runs the micro-batches before the last
+#   under ``model.no_sync()``, and its clip is torch's ``clip_grad_norm_`` over the params,
+#   whose grads give the global norm ([Note: grads seen by torch]); so the logged
+#   ``grad_norm`` is the one DDP's Trainer logs. fp16 loss scaling uses ``ShardedGradScaler``
+#   ([Note: grad scaler]) in place of the host's scaler.
+# * **Saves are collective.** ``save_model`` gathers the full state dict on rank 0 (every rank
+#   takes part) and writes it with the host's own ``save_pretrained`` path, so
+#   ``from_pretrained`` loads the directory (a peft model: its adapter). A Trainer checkpoint
+#   holds a flatshard checkpoint (``flatshard/``: params, fp32 main params, optimizer state) in
+#   place of ``optimizer.pt``; ``resume_from_checkpoint`` loads it at any world size and stage,
+#   with the scheduler, the trainer state and the RNG states the host saves itself.
+# * **What cannot hold is refused** before training: FSDP or DeepSpeed in the same arguments,
+#   full-eval casts (they cast the params), ranks the host does not see (on CPU, without
+#   ``use_cpu=True`` the host trains each rank alone), a torch optimizer passed in.
 
 from __future__ import annotations
 

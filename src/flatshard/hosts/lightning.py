@@ -2,34 +2,35 @@
 module is imported), ``Trainer(strategy=Strategy(stage=3, ...))`` or
 ``Fabric(strategy=FabricStrategy(stage=3, ...))``.
 
-[Note: Lightning's strategy]
+The reasoning is [Note: Lightning's strategy] below."""
 
-Lightning runs the loop and asks its strategy for each distributed decision. ``Strategy``
-is Lightning's DDP strategy with the decisions that would break a sharded model taken
-over ([Note: hosted training] in ``hf.py`` says why each matters):
-
-* **The LightningModule is sharded in place** after the precision plugin's cast and the
-  move to the device: ``strategy.model`` *is* the LightningModule, with no DDP on top. Its
-  steps run through its own ``__call__`` (Lightning's forward redirection), so the hooks
-  of the whole module fire as under ``model(...)``, at stage 3 too.
-* **The optimizer ``configure_optimizers`` returns is rebuilt** as a ``DistributedOptimizer``
-  ([Note: rebuilt optimizers] in ``optimizers.py``); the LR schedulers are pointed at it. A
-  ``DistributedOptimizer`` returned there is kept. One optimizer per model (flatshard's rule).
-* **Accumulation**: the micro-batches before the last run under ``model.no_sync()``.
-* **Clipping** (``gradient_clip_val``, ``self.clip_gradients``): the precision plugin clips
-  the model's params, whose grads give the global norm ([Note: grads seen by torch]),
-  instead of the optimizer's params (this rank's shards: a local norm). fp16's scaler
-  becomes a ``ShardedGradScaler``.
-* **Checkpoints are directories written by every rank**: ``trainer.save_checkpoint`` and
-  ``ModelCheckpoint`` write a flatshard checkpoint (params, main params, optimizer state)
-  holding Lightning's own entries (loops, callbacks, schedulers, ...) as its ``extra``;
-  ``fit(ckpt_path=...)`` loads it after setup, at any world size and stage.
-* **Teardown leaves the model where it is** (Lightning's moves it to the CPU: a sharded
-  param cannot move).
-
-``FabricStrategy`` takes the same decisions where Fabric asks for them: ``setup`` (shard,
-rebuild), ``no_backward_sync``, ``clip_gradients``, ``save`` and ``load``.
-"""
+# [Note: Lightning's strategy]
+#
+# Lightning runs the loop and asks its strategy for each distributed decision. ``Strategy``
+# is Lightning's DDP strategy with the decisions that would break a sharded model taken
+# over ([Note: hosted training] in ``hf.py`` says why each matters):
+#
+# * **The LightningModule is sharded in place** after the precision plugin's cast and the
+#   move to the device: ``strategy.model`` *is* the LightningModule, with no DDP on top. Its
+#   steps run through its own ``__call__`` (Lightning's forward redirection), so the hooks
+#   of the whole module fire as under ``model(...)``, at stage 3 too.
+# * **The optimizer ``configure_optimizers`` returns is rebuilt** as a ``DistributedOptimizer``
+#   ([Note: rebuilt optimizers] in ``optimizers.py``); the LR schedulers are pointed at it. A
+#   ``DistributedOptimizer`` returned there is kept. One optimizer per model (flatshard's rule).
+# * **Accumulation**: the micro-batches before the last run under ``model.no_sync()``.
+# * **Clipping** (``gradient_clip_val``, ``self.clip_gradients``): the precision plugin clips
+#   the model's params, whose grads give the global norm ([Note: grads seen by torch]),
+#   instead of the optimizer's params (this rank's shards: a local norm). fp16's scaler
+#   becomes a ``ShardedGradScaler``.
+# * **Checkpoints are directories written by every rank**: ``trainer.save_checkpoint`` and
+#   ``ModelCheckpoint`` write a flatshard checkpoint (params, main params, optimizer state)
+#   holding Lightning's own entries (loops, callbacks, schedulers, ...) as its ``extra``;
+#   ``fit(ckpt_path=...)`` loads it after setup, at any world size and stage.
+# * **Teardown leaves the model where it is** (Lightning's moves it to the CPU: a sharded
+#   param cannot move).
+#
+# ``FabricStrategy`` takes the same decisions where Fabric asks for them: ``setup`` (shard,
+# rebuild), ``no_backward_sync``, ``clip_gradients``, ``save`` and ``load``.
 
 from __future__ import annotations
 

@@ -1,20 +1,21 @@
 """A torch optimizer a host's user built over the model, rebuilt as a ``DistributedOptimizer``
 once the model is sharded (Lightning's ``configure_optimizers``, Fabric's ``setup``).
 
-[Note: rebuilt optimizers]
+The reasoning is [Note: rebuilt optimizers] below."""
 
-The user builds ``AdamW(model.parameters(), ...)`` and often an LR scheduler over it before
-the host shards the model; sharding keeps the param objects, so the optimizer's groups still
-name the model's params. ``rebuilt(model, optimizer)`` returns a ``DistributedOptimizer`` of
-the same class, groups and settings (what a scheduler already wrote, ``initial_lr`` and the
-current ``lr``, included), and *retires* the torch optimizer, because references to it live
-on where the host cannot see them (a scheduler the user kept, an attribute):
-
-* its ``param_groups`` and ``state`` become the new optimizer's, so a scheduler built over it
-  goes on setting the learning rate the steps use;
-* its ``step`` and ``zero_grad`` raise, naming the optimizer to call instead: stepping it
-  would update the shards a second time, or nothing.
-"""
+# [Note: rebuilt optimizers]
+#
+# The user builds ``AdamW(model.parameters(), ...)`` and often an LR scheduler over it before
+# the host shards the model; sharding keeps the param objects, so the optimizer's groups still
+# name the model's params. ``rebuilt(model, optimizer)`` returns a ``DistributedOptimizer`` of
+# the same class, groups and settings (what a scheduler already wrote, ``initial_lr`` and the
+# current ``lr``, included), and *retires* the torch optimizer, because references to it live
+# on where the host cannot see them (a scheduler the user kept, an attribute):
+#
+# * its ``param_groups`` and ``state`` become the new optimizer's, so a scheduler built over it
+#   goes on setting the learning rate the steps use;
+# * its ``step`` and ``zero_grad`` raise, naming the optimizer to call instead: stepping it
+#   would update the shards a second time, or nothing.
 
 from __future__ import annotations
 

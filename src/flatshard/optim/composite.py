@@ -7,33 +7,34 @@ stand-ins with ``add_sub``. This class keeps the two views consistent: hyperpara
 flow outer -> sub before every sub-step, ``state`` holds the sub-optimizers' own per-param
 dicts, and state dicts are torch's format keyed by the user's params.
 
-[Note: composite optimizers]
+The reasoning is [Note: composite optimizers] below."""
 
-``HybridDeviceOptimizer`` and ``OwnerShardedOptimizer`` are torch optimizers over the user's
-params that delegate the update to *sub-optimizers* (ordinary torch optimizers) over *stand-
-ins*: a host fp32 copy of an offloaded param, an fp32 master of a 16-bit param, or the param
-itself. Invariants, each tested:
-
-* **One source of truth for hyperparameters.** ``param_groups`` holds the user's params and
-  every hyperparameter of the sub-optimizer class (filled from the class's own defaults, so
-  a group shows ``betas`` even on a rank that updates none of its params). Each sub-
-  optimizer group mirrors one outer group; before every sub-step the outer values are copied
-  onto it (only keys the sub-optimizer knows), so LR schedulers and hand edits reach every
-  sub-optimizer.
-* **One source of truth for state.** ``state[param]`` is *the same dict object* as the sub-
-  optimizer's ``state[stand_in]`` (re-linked after each step and load, never copied, and
-  ``state`` is mutated in place so that a ``DistributedOptimizer`` holding it sees it).
-* **State dicts are keyed like torch's**: ``state_dict()`` is torch's format over the outer
-  groups (params numbered in group order), so a plain torch optimizer's state dict loads
-  into a composite one and back. ``load_state_dict`` hands each sub-optimizer the entries of
-  its stand-ins, and the sub-optimizer casts them to its stand-in's device and dtype (fp32
-  on the host for offloaded params), not to the user's param's. Masters of 16-bit params
-  travel under ``"master_params"`` so a resume continues from the fp32 values, not from the
-  rounded 16-bit ones.
-* **A stand-in's grad is the param's grad**, copied (or cast) at step time; a param whose
-  grad is None gives a stand-in whose grad is None, so it is skipped exactly as torch skips
-  it.
-"""
+# [Note: composite optimizers]
+#
+# ``HybridDeviceOptimizer`` and ``OwnerShardedOptimizer`` are torch optimizers over the user's
+# params that delegate the update to *sub-optimizers* (ordinary torch optimizers) over *stand-
+# ins*: a host fp32 copy of an offloaded param, an fp32 master of a 16-bit param, or the param
+# itself. Invariants, each tested:
+#
+# * **One source of truth for hyperparameters.** ``param_groups`` holds the user's params and
+#   every hyperparameter of the sub-optimizer class (filled from the class's own defaults, so
+#   a group shows ``betas`` even on a rank that updates none of its params). Each sub-
+#   optimizer group mirrors one outer group; before every sub-step the outer values are copied
+#   onto it (only keys the sub-optimizer knows), so LR schedulers and hand edits reach every
+#   sub-optimizer.
+# * **One source of truth for state.** ``state[param]`` is *the same dict object* as the sub-
+#   optimizer's ``state[stand_in]`` (re-linked after each step and load, never copied, and
+#   ``state`` is mutated in place so that a ``DistributedOptimizer`` holding it sees it).
+# * **State dicts are keyed like torch's**: ``state_dict()`` is torch's format over the outer
+#   groups (params numbered in group order), so a plain torch optimizer's state dict loads
+#   into a composite one and back. ``load_state_dict`` hands each sub-optimizer the entries of
+#   its stand-ins, and the sub-optimizer casts them to its stand-in's device and dtype (fp32
+#   on the host for offloaded params), not to the user's param's. Masters of 16-bit params
+#   travel under ``"master_params"`` so a resume continues from the fp32 values, not from the
+#   rounded 16-bit ones.
+# * **A stand-in's grad is the param's grad**, copied (or cast) at step time; a param whose
+#   grad is None gives a stand-in whose grad is None, so it is skipped exactly as torch skips
+#   it.
 
 from __future__ import annotations
 

@@ -1,36 +1,36 @@
-"""``DistributedOptimizer``: an ordinary torch optimizer stepping this rank's shards.
+"""``DistributedOptimizer``: an ordinary torch optimizer stepping this rank's shards
+([Note: distributed optimizer] below)."""
 
-[Note: distributed optimizer]
-
-``DistributedOptimizer(model, torch.optim.AdamW, lr=...)`` composes an *inner* torch
-optimizer over flat fp32 tensors ("runs", [Note: optimizer runs] in ``shard_map.py``) that
-cover this rank's shard of every bucket. A step is three phases, each one flat op (or one
-small collective) per bucket shard, never a loop over params (except the whole-param runs
-of a rule that needs each param whole, below):
-
-1. **grads**: backward has already reduced them into the shards ([Note: sharded grads]);
-   their global norm is computed over the shards (each element counted once, padding is
-   zero) with one 1-element all-reduce. A non-finite norm means some rank overflowed; all
-   ranks see the same sum, so all skip the step together (and a loss scaler backs off).
-   Unscaling by the loss scale and clipping are one multiply.
-2. **update**: the inner optimizer steps the runs. For fp32 params the runs *are* views of
-   the param buffer's shard; for 16-bit params they are views of an fp32 *main param*
-   frame, copied back into the param shard after the step (at stage 3 there is no 16-bit
-   shard: the main params are gathered, [Note: main-backed shards] in ``engine/buffer.py``).
-3. **gather**: each bucket's params are all-gathered from the shards ([Note: param
-   gather]), overlapped with the next forward unless ``overlap_param_gather=False``.
-
-A param group may name its own class (``{"params": matrices, "optimizer_class":
-torch.optim.Muon}``); groups of several classes step through one ``GroupedOptimizer``. A
-class not known to be elementwise steps *whole-param runs* ([Note: optimizer runs]): real
-tensors of their params' shapes, which the layout must hold whole on one rank (``shard(...,
-whole_params=...)``, [Note: whole-param buckets]).
-
-``param_groups`` and ``state`` are the inner optimizer's own objects, so LR schedulers,
-``optimizer.param_groups[i]["lr"] = ...`` and per-group hyperparameters work unchanged.
-At stage 0 the "shard" of a bucket is the whole bucket: the same class is an unsharded
-optimizer with fp32 main params for a 16-bit model.
-"""
+# [Note: distributed optimizer]
+#
+# ``DistributedOptimizer(model, torch.optim.AdamW, lr=...)`` composes an *inner* torch
+# optimizer over flat fp32 tensors ("runs", [Note: optimizer runs] in ``shard_map.py``) that
+# cover this rank's shard of every bucket. A step is three phases, each one flat op (or one
+# small collective) per bucket shard, never a loop over params (except the whole-param runs
+# of a rule that needs each param whole, below):
+#
+# 1. **grads**: backward has already reduced them into the shards ([Note: sharded grads]);
+#    their global norm is computed over the shards (each element counted once, padding is
+#    zero) with one 1-element all-reduce. A non-finite norm means some rank overflowed; all
+#    ranks see the same sum, so all skip the step together (and a loss scaler backs off).
+#    Unscaling by the loss scale and clipping are one multiply.
+# 2. **update**: the inner optimizer steps the runs. For fp32 params the runs *are* views of
+#    the param buffer's shard; for 16-bit params they are views of an fp32 *main param*
+#    frame, copied back into the param shard after the step (at stage 3 there is no 16-bit
+#    shard: the main params are gathered, [Note: main-backed shards] in ``engine/buffer.py``).
+# 3. **gather**: each bucket's params are all-gathered from the shards ([Note: param
+#    gather]), overlapped with the next forward unless ``overlap_param_gather=False``.
+#
+# A param group may name its own class (``{"params": matrices, "optimizer_class":
+# torch.optim.Muon}``); groups of several classes step through one ``GroupedOptimizer``. A
+# class not known to be elementwise steps *whole-param runs* ([Note: optimizer runs]): real
+# tensors of their params' shapes, which the layout must hold whole on one rank (``shard(...,
+# whole_params=...)``, [Note: whole-param buckets]).
+#
+# ``param_groups`` and ``state`` are the inner optimizer's own objects, so LR schedulers,
+# ``optimizer.param_groups[i]["lr"] = ...`` and per-group hyperparameters work unchanged.
+# At stage 0 the "shard" of a bucket is the whole bucket: the same class is an unsharded
+# optimizer with fp32 main params for a 16-bit model.
 
 from __future__ import annotations
 

@@ -1,26 +1,27 @@
 """torch's Adam and AdamW over low-precision params and state in one pass: [Note: fused Adam step].
 
-[Note: fused Adam step]
+The reasoning is [Note: fused Adam step] below."""
 
-The precision-aware optimizer steps any elementwise torch class by widening a chunk of the
-params and state into fp32 scratch, calling the class, and rounding the results back: a dozen
-passes over memory and two dozen kernels a chunk. For ``torch.optim.Adam`` and ``AdamW``
-(exactly those classes; a subclass may change the update) this module does the same update in
-one function that reads each param, grad and moment once and writes the param and moments
-back, rounded ([Note: rounding bits]); on an accelerator the function is compiled, so a chunk
-is one kernel. What stays the same as the chunked path:
-
-* the arithmetic: torch's single-tensor Adam, op for op, in fp32 (bias corrections and step
-  size computed on the host in double, as torch does), so with fp32 params and state it is
-  torch's step to fp32 rounding;
-* the state: ``step`` (a CPU fp32 scalar tensor, as torch keeps it), ``exp_avg`` and
-  ``exp_avg_sq`` in the state dtype, so checkpoints, ``memory_report`` and a switch between
-  the two paths see one format;
-* the rounding bits, so the two paths differ only where a compiler orders fp32 arithmetic
-  differently (then an element may round to the neighbouring bf16 value).
-
-Groups with ``amsgrad``, ``capturable`` or ``differentiable`` take the chunked path.
-"""
+# [Note: fused Adam step]
+#
+# The precision-aware optimizer steps any elementwise torch class by widening a chunk of the
+# params and state into fp32 scratch, calling the class, and rounding the results back: a dozen
+# passes over memory and two dozen kernels a chunk. For ``torch.optim.Adam`` and ``AdamW``
+# (exactly those classes; a subclass may change the update) this module does the same update in
+# one function that reads each param, grad and moment once and writes the param and moments
+# back, rounded ([Note: rounding bits]); on an accelerator the function is compiled, so a chunk
+# is one kernel. What stays the same as the chunked path:
+#
+# * the arithmetic: torch's single-tensor Adam, op for op, in fp32 (bias corrections and step
+#   size computed on the host in double, as torch does), so with fp32 params and state it is
+#   torch's step to fp32 rounding;
+# * the state: ``step`` (a CPU fp32 scalar tensor, as torch keeps it), ``exp_avg`` and
+#   ``exp_avg_sq`` in the state dtype, so checkpoints, ``memory_report`` and a switch between
+#   the two paths see one format;
+# * the rounding bits, so the two paths differ only where a compiler orders fp32 arithmetic
+#   differently (then an element may round to the neighbouring bf16 value).
+#
+# Groups with ``amsgrad``, ``capturable`` or ``differentiable`` take the chunked path.
 
 from __future__ import annotations
 

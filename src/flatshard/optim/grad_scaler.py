@@ -1,21 +1,22 @@
 """``ShardedGradScaler``: ``torch.amp.GradScaler`` whose inf check spans every rank.
 
-[Note: grad scaler]
+The reasoning is [Note: grad scaler] below."""
 
-torch's ``GradScaler`` checks the grads of the optimizer it drives for inf and NaN, divides
-them by the scale, and skips ``step`` and backs the scale off when it found any. Over a
-sharded model each rank holds only its shard of the grads, so an overflow in one rank's
-shard is seen by that rank alone: it would skip while the others step, and the ranks'
-scales would part. ``ShardedGradScaler`` is the same class with one change: for a
-``DistributedOptimizer`` the check is the optimizer's global grad norm (the one all-reduce
-its step takes anyway), so every rank finds the same thing and moves its scale alike, and
-unscaling is one multiply of the grad shards. Other optimizers are checked as torch checks
-them.
-
-A plain ``GradScaler`` driving a ``DistributedOptimizer`` is refused at ``scaler.step``
-before anything is stepped: the optimizer declares ``_step_supports_amp_scaling``, so torch
-hands it the inf check it made, and one not made here was this rank's alone.
-"""
+# [Note: grad scaler]
+#
+# torch's ``GradScaler`` checks the grads of the optimizer it drives for inf and NaN, divides
+# them by the scale, and skips ``step`` and backs the scale off when it found any. Over a
+# sharded model each rank holds only its shard of the grads, so an overflow in one rank's
+# shard is seen by that rank alone: it would skip while the others step, and the ranks'
+# scales would part. ``ShardedGradScaler`` is the same class with one change: for a
+# ``DistributedOptimizer`` the check is the optimizer's global grad norm (the one all-reduce
+# its step takes anyway), so every rank finds the same thing and moves its scale alike, and
+# unscaling is one multiply of the grad shards. Other optimizers are checked as torch checks
+# them.
+#
+# A plain ``GradScaler`` driving a ``DistributedOptimizer`` is refused at ``scaler.step``
+# before anything is stepped: the optimizer declares ``_step_supports_amp_scaling``, so torch
+# hands it the inf check it made, and one not made here was this rank's alone.
 
 from __future__ import annotations
 

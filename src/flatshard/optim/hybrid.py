@@ -7,22 +7,24 @@ params get fp32 masters on the side that updates them. As the inner optimizer of
 ``DistributedOptimizer`` it offloads this rank's shard (the fp32 main params stay on the
 device; their state moves).
 
-[Note: host overlap]
+The reasoning is [Note: host overlap] below."""
 
-A param is offloaded when its midpoint, counted in elements in group order, falls within the
-first ``offload_fraction`` of all elements, and it holds at least ``offload_threshold``
-elements: a smaller one (a norm's weight, a bias) stays on the device, where its update
-costs less than two copies and, with ``overlap``, a host optimizer of its own (as DeepSpeed
-keeps params under its persistence threshold whole). The fraction still counts every
-element, so the share offloaded is at most ``offload_fraction``. With ``overlap=True`` each host param has its
-own sub-optimizer: all device-to-host grad copies are issued first on a side stream with one
-event each, then the device sub-optimizer steps (on the compute stream), then each host sub-
-optimizer waits only for its own event, steps, and issues its host-to-device copy on a
-second side stream; the compute stream waits for that stream before ``step`` returns, so the
-next forward sees the new values without blocking the host. Host buffers the copies read are
-pinned; before the host rewrites one, it waits for the copy that last read it. Without an
-accelerator the same code runs with same-device copies and no streams.
-"""
+# [Note: host overlap]
+#
+# A param is offloaded when its midpoint, counted in elements in group order, falls within the
+# first ``offload_fraction`` of all elements, and it holds at least ``offload_threshold``
+# elements: a smaller one (a norm's weight, a bias) stays on the device, where its update
+# costs less than two copies and, with ``overlap``, a host optimizer of its own (as DeepSpeed
+# keeps params under its persistence threshold whole). The fraction still counts every
+# element, so the share offloaded is at most ``offload_fraction``. With ``overlap=True`` each
+# host param has its
+# own sub-optimizer: all device-to-host grad copies are issued first on a side stream with one
+# event each, then the device sub-optimizer steps (on the compute stream), then each host sub-
+# optimizer waits only for its own event, steps, and issues its host-to-device copy on a
+# second side stream; the compute stream waits for that stream before ``step`` returns, so the
+# next forward sees the new values without blocking the host. Host buffers the copies read are
+# pinned; before the host rewrites one, it waits for the copy that last read it. Without an
+# accelerator the same code runs with same-device copies and no streams.
 
 from __future__ import annotations
 

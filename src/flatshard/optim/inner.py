@@ -1,22 +1,23 @@
 """The inner optimizer of ``DistributedOptimizer``: its param groups, the class of each, and
 whether a class steps flat runs or whole-param runs.
 
-[Note: elementwise optimizers]
+The reasoning is [Note: elementwise optimizers] below."""
 
-Flat shards cut params anywhere, so an inner optimizer stepping them sees pieces of params
-glued together: exact only for rules that update every element from that element's own
-grad and state (plus per-group scalars such as the step count). The classes in
-``ELEMENTWISE`` are known to be such rules and step *flat runs*. Every other class (a
-subclass of one too: it may override ``step``), unless the caller declares
-``elementwise=True``, steps *whole-param runs*: real tensors of their params' shapes
-([Note: optimizer runs] in ``shard_map.py``), so Muon orthogonalizes whole matrices and
-a per-tensor norm sees the whole tensor. That needs the layout to hold each of its params
-whole on one rank ([Note: whole-param buckets] in ``layout.py``); where it does not, the
-optimizer is refused, naming the params and the ``shard(whole_params=...)`` that fixes it.
-A refusal list let a per-tensor rule through silently (a normalised SGD stepped fragments
-as if they were tensors); this rule cannot: an unknown class is stepped whole or refused.
-``UNSUPPORTED`` classes cannot step one rank's shards at all and are refused outright.
-"""
+# [Note: elementwise optimizers]
+#
+# Flat shards cut params anywhere, so an inner optimizer stepping them sees pieces of params
+# glued together: exact only for rules that update every element from that element's own
+# grad and state (plus per-group scalars such as the step count). The classes in
+# ``ELEMENTWISE`` are known to be such rules and step *flat runs*. Every other class (a
+# subclass of one too: it may override ``step``), unless the caller declares
+# ``elementwise=True``, steps *whole-param runs*: real tensors of their params' shapes
+# ([Note: optimizer runs] in ``shard_map.py``), so Muon orthogonalizes whole matrices and
+# a per-tensor norm sees the whole tensor. That needs the layout to hold each of its params
+# whole on one rank ([Note: whole-param buckets] in ``layout.py``); where it does not, the
+# optimizer is refused, naming the params and the ``shard(whole_params=...)`` that fixes it.
+# A refusal list let a per-tensor rule through silently (a normalised SGD stepped fragments
+# as if they were tensors); this rule cannot: an unknown class is stepped whole or refused.
+# ``UNSUPPORTED`` classes cannot step one rank's shards at all and are refused outright.
 
 from __future__ import annotations
 

@@ -5,19 +5,20 @@ A composite optimizer ([Note: composite optimizers] in ``optim/composite.py``). 
 every rank to hold the same reduced grads (torch DDP, or flatshard stage 0) and keeps
 optimizer state only for the params this rank owns: about 1/N of it.
 
-[Note: ownership]
+The reasoning is [Note: ownership] below."""
 
-every rank runs the same deterministic
-assignment (balanced: largest param first to the least-loaded rank; round robin: param i to
-rank i mod N), so ownership needs no communication, and a digest of the params' shapes and
-dtypes is compared across ranks at construction. Each owner packs its params into buckets
-(same device and dtype, up to ``bucket_cap_bytes``; a larger param is its own bucket), each
-with its own sub-optimizer. The broadcast order interleaves the owners' buckets (bucket 0 of
-every rank, then bucket 1, ...), and it is the same on every rank; with ``overlap=True`` an
-owner steps a bucket just before broadcasting it, so its compute overlaps the broadcasts
-already in flight. ``bucket_cap_bytes=0`` broadcasts each param in place: the per-param
-baseline.
-"""
+# [Note: ownership]
+#
+# every rank runs the same deterministic
+# assignment (balanced: largest param first to the least-loaded rank; round robin: param i to
+# rank i mod N), so ownership needs no communication, and a digest of the params' shapes and
+# dtypes is compared across ranks at construction. Each owner packs its params into buckets
+# (same device and dtype, up to ``bucket_cap_bytes``; a larger param is its own bucket), each
+# with its own sub-optimizer. The broadcast order interleaves the owners' buckets (bucket 0 of
+# every rank, then bucket 1, ...), and it is the same on every rank; with ``overlap=True`` an
+# owner steps a bucket just before broadcasting it, so its compute overlaps the broadcasts
+# already in flight. ``bucket_cap_bytes=0`` broadcasts each param in place: the per-param
+# baseline.
 
 from __future__ import annotations
 

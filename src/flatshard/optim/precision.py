@@ -1,45 +1,46 @@
 """A precision-aware inner optimizer: main params and state below fp32, updates in fp32.
 
-[Note: precision-aware optimizer]
+The reasoning is [Note: precision-aware optimizer] below."""
 
-``DistributedOptimizer(..., precision=OptimizerPrecision(main_dtype, state_dtype))`` keeps
-its main params (``main_dtype``) and every elementwise state tensor (``state_dtype``) in
-bf16 where asked, while each update is computed in fp32 by the user's own torch class:
-
-* **Stored low, stepped in fp32, a chunk at a time.** A step walks each param group's runs
-  in chunks of at most ``CHUNK`` elements (``DEVICE_CHUNK`` on an accelerator). For a
-  chunk, the main params (where they are bf16) and the state are widened into fp32
-  scratch, the grads are the fp32 grad shards themselves, the torch class steps that chunk
-  (one ``step`` call over all its pieces), and the results are rounded back. Extra memory
-  is the scratch of one chunk per state tensor, not an fp32 copy of anything.
-* **Stochastic rounding, not round-to-nearest.** An Adam moment changes by a factor
-  ``beta`` (0.9, 0.999) a step; for the second moment that is a relative change of 1e-3,
-  below half a bf16 ulp (2**-9), so round-to-nearest would freeze it. Likewise an update
-  ``lr * u`` smaller than half an ulp of its weight would vanish every step. Rounding up
-  with probability equal to the remainder's fraction of an ulp is unbiased: the expected
-  stored value is the fp32 value, and updates below an ulp still land on average. It costs
-  no memory, where a Kahan compensation term would cost 2 more bytes a param; its noise is
-  of the order of an ulp, far below the gradient noise of a mini-batch (measured by
-  ``benchmarks/precision.py``).
-* **Random bits that replay.** Each element's bits are a hash of its place in its run and
-  of ``(seed, the step count, the group, the run, the state key)`` ([Note: rounding bits]
-  in ``optim/rounding.py``), the same on every rank. Replicated state (stage 0) stays
-  replicated, and a resume at the same layout rounds as the uninterrupted run would have
-  (for classes that count steps in their state; SGD does not, and then the count is this
-  optimizer's own).
-* **Adam and AdamW in one pass.** Groups of torch's ``Adam`` or ``AdamW`` skip the widening
-  and take a fused step ([Note: fused Adam step] in ``optim/fused_adam.py``): the same
-  arithmetic, state and rounding bits, one compiled kernel a chunk on an accelerator.
-  ``fused=False`` keeps the chunked path for every class.
-* **torch's state format.** ``state[run]`` holds the class's own keys (``exp_avg``,
-  ``exp_avg_sq``, ``step``) with elementwise tensors in ``state_dtype``, so checkpoints
-  write them as they do fp32 state, and a checkpoint of either loads into the other
-  (values widened, or rounded to nearest once, on load). bf16 main params are the params:
-  the checkpoint holds them under ``model/``, and an fp32-state optimizer loading it starts
-  its main params from them.
-* Elementwise classes only (``[Note: elementwise optimizers]``): a state tensor of another
-  shape than its param's is refused, naming the class and the key.
-"""
+# [Note: precision-aware optimizer]
+#
+# ``DistributedOptimizer(..., precision=OptimizerPrecision(main_dtype, state_dtype))`` keeps
+# its main params (``main_dtype``) and every elementwise state tensor (``state_dtype``) in
+# bf16 where asked, while each update is computed in fp32 by the user's own torch class:
+#
+# * **Stored low, stepped in fp32, a chunk at a time.** A step walks each param group's runs
+#   in chunks of at most ``CHUNK`` elements (``DEVICE_CHUNK`` on an accelerator). For a
+#   chunk, the main params (where they are bf16) and the state are widened into fp32
+#   scratch, the grads are the fp32 grad shards themselves, the torch class steps that chunk
+#   (one ``step`` call over all its pieces), and the results are rounded back. Extra memory
+#   is the scratch of one chunk per state tensor, not an fp32 copy of anything.
+# * **Stochastic rounding, not round-to-nearest.** An Adam moment changes by a factor
+#   ``beta`` (0.9, 0.999) a step; for the second moment that is a relative change of 1e-3,
+#   below half a bf16 ulp (2**-9), so round-to-nearest would freeze it. Likewise an update
+#   ``lr * u`` smaller than half an ulp of its weight would vanish every step. Rounding up
+#   with probability equal to the remainder's fraction of an ulp is unbiased: the expected
+#   stored value is the fp32 value, and updates below an ulp still land on average. It costs
+#   no memory, where a Kahan compensation term would cost 2 more bytes a param; its noise is
+#   of the order of an ulp, far below the gradient noise of a mini-batch (measured by
+#   ``benchmarks/precision.py``).
+# * **Random bits that replay.** Each element's bits are a hash of its place in its run and
+#   of ``(seed, the step count, the group, the run, the state key)`` ([Note: rounding bits]
+#   in ``optim/rounding.py``), the same on every rank. Replicated state (stage 0) stays
+#   replicated, and a resume at the same layout rounds as the uninterrupted run would have
+#   (for classes that count steps in their state; SGD does not, and then the count is this
+#   optimizer's own).
+# * **Adam and AdamW in one pass.** Groups of torch's ``Adam`` or ``AdamW`` skip the widening
+#   and take a fused step ([Note: fused Adam step] in ``optim/fused_adam.py``): the same
+#   arithmetic, state and rounding bits, one compiled kernel a chunk on an accelerator.
+#   ``fused=False`` keeps the chunked path for every class.
+# * **torch's state format.** ``state[run]`` holds the class's own keys (``exp_avg``,
+#   ``exp_avg_sq``, ``step``) with elementwise tensors in ``state_dtype``, so checkpoints
+#   write them as they do fp32 state, and a checkpoint of either loads into the other
+#   (values widened, or rounded to nearest once, on load). bf16 main params are the params:
+#   the checkpoint holds them under ``model/``, and an fp32-state optimizer loading it starts
+#   its main params from them.
+# * Elementwise classes only (``[Note: elementwise optimizers]``): a state tensor of another
+#   shape than its param's is refused, naming the class and the key.
 
 from __future__ import annotations
 

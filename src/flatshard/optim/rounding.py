@@ -1,25 +1,26 @@
 """Stochastic rounding of fp32 values into bf16, with random bits that are a function of
 where they land: [Note: rounding bits].
 
-[Note: rounding bits]
+The reasoning is [Note: rounding bits] below."""
 
-Each rounded element takes 16 random bits from a hash of its index within its run (the flat
-shard tensor it lives in) and a salt. The salt mixes the rounding seed, the step count, the
-param group, the run's place in its group and the state key (``"param"`` for the param
-itself), so:
-
-* the bits do not depend on how a step cuts a run into chunks, nor on which path stepped it
-  (the chunked path of any torch class and the fused Adam step draw the same bits, so the two
-  differ only where their fp32 arithmetic differs);
-* every rank draws the same bits for the same run (replicated state stays replicated);
-* a resume at the same layout draws what the uninterrupted run would have;
-* the hash is a handful of integer ops an element that a compiler fuses into the update's own
-  kernel: no generator state, no buffer of random numbers.
-
-The hash folds 31-bit lanes: ``x * K`` with ``x, K < 2**31`` stays below ``2**62``, so no
-int64 product overflows on any backend, and the high half folded back into the low half
-spreads every input bit over the low 16.
-"""
+# [Note: rounding bits]
+#
+# Each rounded element takes 16 random bits from a hash of its index within its run (the flat
+# shard tensor it lives in) and a salt. The salt mixes the rounding seed, the step count, the
+# param group, the run's place in its group and the state key (``"param"`` for the param
+# itself), so:
+#
+# * the bits do not depend on how a step cuts a run into chunks, nor on which path stepped it
+#   (the chunked path of any torch class and the fused Adam step draw the same bits, so the two
+#   differ only where their fp32 arithmetic differs);
+# * every rank draws the same bits for the same run (replicated state stays replicated);
+# * a resume at the same layout draws what the uninterrupted run would have;
+# * the hash is a handful of integer ops an element that a compiler fuses into the update's own
+#   kernel: no generator state, no buffer of random numbers.
+#
+# The hash folds 31-bit lanes: ``x * K`` with ``x, K < 2**31`` stays below ``2**62``, so no
+# int64 product overflows on any backend, and the high half folded back into the low half
+# spreads every input bit over the low 16.
 
 from __future__ import annotations
 

@@ -1,69 +1,70 @@
 """The layout planner: where every parameter lives in flat buffers, buckets and shards.
 
-[Note: layout]
+The reasoning is in the notes below ([Note: layout], ...)."""
 
-``plan_layout`` is pure: it takes ``ParamSpec`` metadata and returns frozen data, with no
-tensors and no process group, so it is identical on every rank and cheap to test. Every
-other module reads offsets from it and never computes its own.
-
-Rules (after Megatron-Core's ``_ParamAndGradBuffer``):
-
-* one buffer per (param dtype, grad dtype), in first-seen registration order;
-* inside a buffer, params are laid out in *reverse* registration order, which is the order
-  in which backward produces their grads, so the first bucket is ready first;
-* a param is never split across buckets; a bucket closes as soon as it holds at least
-  ``bucket_size`` elements (``None``: one bucket per buffer); a param with
-  ``own_bucket=True`` sits alone in its bucket; a bucket also closes where the ``unit`` of
-  consecutive params changes, so a unit's params never share a bucket with another unit's;
-* when ``shard``: every param starts at a multiple of ``PARAM_ALIGN`` (64) elements and every
-  bucket's end is padded to a multiple of ``lcm(world_size, 128)`` (``lcm(world_size, 128,
-  2**16)`` with ``pad_for_high_busbw``), so each bucket splits into ``world_size`` equal
-  shards and each shard starts on a 128-element (256-byte for 16-bit) boundary.
-
-Invariants (tested property-based in ``tests/test_layout.py``):
-
-1. params of one buffer never overlap, and each lies inside exactly one bucket;
-2. buckets tile their buffer: ``buckets[0].start == 0``, ``buckets[j].end ==
-   buckets[j + 1].start``, ``buckets[-1].end == buffer.numel``;
-3. when ``shard``: param starts are multiples of 64 and bucket sizes of ``pad_multiple``
-   (a whole-param bucket's shards: of ``BUCKET_ALIGN``);
-4. when ``shard``: every param element lies in exactly one rank's shard, and the four ranges
-   of a param in a shard describe the same elements (their sizes are equal and they map
-   into each other by the bucket start, the shard start and the param start);
-5. when ``shard`` over more than one rank: in a bucket that holds a ``whole`` param, every
-   param lies whole in one rank's shard (see [Note: whole-param buckets]).
-
-[Note: whole-param buckets]
-
-A rule that updates a param as one matrix (Muon's orthogonalization, a factored second
-moment) needs all of it on one rank. A spec with ``whole=True`` makes its bucket a *whole-
-param bucket*: each of its params (the others too: they fill in) gets an owner rank, and
-each rank's shard is exactly its params, in buffer order, each at a multiple of
-``PARAM_ALIGN``, the shard rounded up to ``BUCKET_ALIGN``. The shards of one bucket are of
-*uneven* size (``bucket.bounds``; a rank that owns nothing there has an empty shard), so a
-whole-param bucket is padded by alignment only, whatever its params and the world size.
-Owners are chosen once for every whole-param bucket of a buffer (``plan_owners``: largest
-first to the least-loaded rank, then moves and swaps while they lower the fullest rank), so
-the ranks' loads balance over the model even where one bucket holds fewer params than there
-are ranks (a stage-3 unit of four matrices over eight ranks); the loads carry over from one
-buffer to the next. The collectives take the uneven shards as they are (``splits`` in
-``comm/collectives.py``: an all-to-all with split sizes, a broadcast per shard), so a bucket
-moves the bytes of its params and alignment, and each rank's share of a step's traffic
-follows its share of the params. Buckets close by the same rules as flat ones. Inside the
-bucket, params are no longer in reverse registration order (a bucket is reduced once all
-its grads are in, so the order inside it does not matter); ``bucket.params`` is still in
-buffer order.
-
-The four ranges of a param in one rank's shard (all half-open ``[start, end)``):
-
-* ``in_buffer``: the elements' offsets in the flat buffer;
-* ``in_bucket``: the same, relative to the bucket's start;
-* ``in_shard``: the same, relative to the rank's shard start (where they sit in a shard
-  tensor such as a main-param shard);
-* ``in_param``: the same, relative to the param's own start (offsets into ``param.view(-1)``).
-
-Without ``shard`` (stage 0), a rank's "shard" of a bucket is the whole bucket on every rank.
-"""
+# [Note: layout]
+#
+# ``plan_layout`` is pure: it takes ``ParamSpec`` metadata and returns frozen data, with no
+# tensors and no process group, so it is identical on every rank and cheap to test. Every
+# other module reads offsets from it and never computes its own.
+#
+# Rules (after Megatron-Core's ``_ParamAndGradBuffer``):
+#
+# * one buffer per (param dtype, grad dtype), in first-seen registration order;
+# * inside a buffer, params are laid out in *reverse* registration order, which is the order
+#   in which backward produces their grads, so the first bucket is ready first;
+# * a param is never split across buckets; a bucket closes as soon as it holds at least
+#   ``bucket_size`` elements (``None``: one bucket per buffer); a param with
+#   ``own_bucket=True`` sits alone in its bucket; a bucket also closes where the ``unit`` of
+#   consecutive params changes, so a unit's params never share a bucket with another unit's;
+# * when ``shard``: every param starts at a multiple of ``PARAM_ALIGN`` (64) elements and every
+#   bucket's end is padded to a multiple of ``lcm(world_size, 128)`` (``lcm(world_size, 128,
+#   2**16)`` with ``pad_for_high_busbw``), so each bucket splits into ``world_size`` equal
+#   shards and each shard starts on a 128-element (256-byte for 16-bit) boundary.
+#
+# Invariants (tested property-based in ``tests/test_layout.py``):
+#
+# 1. params of one buffer never overlap, and each lies inside exactly one bucket;
+# 2. buckets tile their buffer: ``buckets[0].start == 0``, ``buckets[j].end ==
+#    buckets[j + 1].start``, ``buckets[-1].end == buffer.numel``;
+# 3. when ``shard``: param starts are multiples of 64 and bucket sizes of ``pad_multiple``
+#    (a whole-param bucket's shards: of ``BUCKET_ALIGN``);
+# 4. when ``shard``: every param element lies in exactly one rank's shard, and the four ranges
+#    of a param in a shard describe the same elements (their sizes are equal and they map
+#    into each other by the bucket start, the shard start and the param start);
+# 5. when ``shard`` over more than one rank: in a bucket that holds a ``whole`` param, every
+#    param lies whole in one rank's shard (see [Note: whole-param buckets]).
+#
+# [Note: whole-param buckets]
+#
+# A rule that updates a param as one matrix (Muon's orthogonalization, a factored second
+# moment) needs all of it on one rank. A spec with ``whole=True`` makes its bucket a *whole-
+# param bucket*: each of its params (the others too: they fill in) gets an owner rank, and
+# each rank's shard is exactly its params, in buffer order, each at a multiple of
+# ``PARAM_ALIGN``, the shard rounded up to ``BUCKET_ALIGN``. The shards of one bucket are of
+# *uneven* size (``bucket.bounds``; a rank that owns nothing there has an empty shard), so a
+# whole-param bucket is padded by alignment only, whatever its params and the world size.
+# Owners are chosen once for every whole-param bucket of a buffer (``plan_owners``: largest
+# first to the least-loaded rank, then moves and swaps while they lower the fullest rank), so
+# the ranks' loads balance over the model even where one bucket holds fewer params than there
+# are ranks (a stage-3 unit of four matrices over eight ranks); the loads carry over from one
+# buffer to the next. The collectives take the uneven shards as they are (``splits`` in
+# ``comm/collectives.py``: an all-to-all with split sizes, a broadcast per shard), so a bucket
+# moves the bytes of its params and alignment, and each rank's share of a step's traffic
+# follows its share of the params. Buckets close by the same rules as flat ones. Inside the
+# bucket, params are no longer in reverse registration order (a bucket is reduced once all
+# its grads are in, so the order inside it does not matter); ``bucket.params`` is still in
+# buffer order.
+#
+# The four ranges of a param in one rank's shard (all half-open ``[start, end)``):
+#
+# * ``in_buffer``: the elements' offsets in the flat buffer;
+# * ``in_bucket``: the same, relative to the bucket's start;
+# * ``in_shard``: the same, relative to the rank's shard start (where they sit in a shard
+#   tensor such as a main-param shard);
+# * ``in_param``: the same, relative to the param's own start (offsets into ``param.view(-1)``).
+#
+# Without ``shard`` (stage 0), a rank's "shard" of a bucket is the whole bucket on every rank.
 
 from __future__ import annotations
 

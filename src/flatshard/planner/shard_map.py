@@ -1,32 +1,33 @@
 """Which flat tensors the inner optimizer of ``DistributedOptimizer`` steps.
 
-[Note: optimizer runs]
+The reasoning is [Note: optimizer runs] below."""
 
-The inner torch optimizer does not see one tensor per model param. It sees *runs*: maximal
-stretches of one bucket's shard (for this rank) whose params all belong to the same param
-group. A run also covers the alignment gaps and padding next to its params, so with one
-param group every bucket shard that holds any param is exactly one run, and the optimizer
-does one pass per bucket shard instead of a Python loop over params.
-
-This is exact for *elementwise* update rules (SGD, Adam, AdamW, Adagrad, RMSprop, ...):
-each element's update depends only on that element's param, grad and state. Padding and
-gaps hold zero params and zero grads, which these rules keep at zero, and nothing reads
-them as data. Rules that look at a whole tensor (Adafactor's factored moments, Muon's
-orthogonalization) would see flat pieces of params: their params are *whole-param runs*
-instead, one per param, shaped as the param (it must lie whole in the shard: [Note:
-whole-param buckets] in ``layout.py``), so the inner optimizer sees real matrices.
-
-Rules (``plan_runs``, tested in ``tests/test_shard_map.py``):
-
-1. runs of one bucket are disjoint, in order, and inside the bucket's shard;
-2. every element of an optimized param in the shard lies in exactly one run, the run of
-   its param's group; no element of a param outside every group lies in a run;
-3. a run starts at the shard's start or at the start of its first param's piece (or where
-   the previous piece of an unoptimized param ended), and ends at the start of the next
-   run, at the start of an unoptimized piece, or at the shard's end;
-4. a param given a shape is a run of its own, exactly its elements (no gap or padding),
-   with that shape; the flat runs stop at its start and go on after its end.
-"""
+# [Note: optimizer runs]
+#
+# The inner torch optimizer does not see one tensor per model param. It sees *runs*: maximal
+# stretches of one bucket's shard (for this rank) whose params all belong to the same param
+# group. A run also covers the alignment gaps and padding next to its params, so with one
+# param group every bucket shard that holds any param is exactly one run, and the optimizer
+# does one pass per bucket shard instead of a Python loop over params.
+#
+# This is exact for *elementwise* update rules (SGD, Adam, AdamW, Adagrad, RMSprop, ...):
+# each element's update depends only on that element's param, grad and state. Padding and
+# gaps hold zero params and zero grads, which these rules keep at zero, and nothing reads
+# them as data. Rules that look at a whole tensor (Adafactor's factored moments, Muon's
+# orthogonalization) would see flat pieces of params: their params are *whole-param runs*
+# instead, one per param, shaped as the param (it must lie whole in the shard: [Note:
+# whole-param buckets] in ``layout.py``), so the inner optimizer sees real matrices.
+#
+# Rules (``plan_runs``, tested in ``tests/test_shard_map.py``):
+#
+# 1. runs of one bucket are disjoint, in order, and inside the bucket's shard;
+# 2. every element of an optimized param in the shard lies in exactly one run, the run of
+#    its param's group; no element of a param outside every group lies in a run;
+# 3. a run starts at the shard's start or at the start of its first param's piece (or where
+#    the previous piece of an unoptimized param ended), and ends at the start of the next
+#    run, at the start of an unoptimized piece, or at the shard's end;
+# 4. a param given a shape is a run of its own, exactly its elements (no gap or padding),
+#    with that shape; the flat runs stop at its start and go on after its end.
 
 from __future__ import annotations
 

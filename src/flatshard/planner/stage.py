@@ -1,25 +1,26 @@
 """What a ZeRO stage means, in one place: ``StagePolicy``.
 
-[Note: stage policy]
-A stage is four answers, and every part of flatshard asks the policy instead of comparing
-the stage number (``tests/test_repo.py`` holds that to this module):
+The reasoning is [Note: stage policy] below."""
 
-| stage | params | grads kept | optimizer state | grads reduced by | params return by      |
-| ----- | ------ | ---------- | --------------- | ---------------- | --------------------- |
-| 0     | full   | full       | full            | all-reduce       | (they never left)     |
-| 1     | full   | full       | shard           | reduce-scatter   | all-gather per bucket |
-| 2     | full   | shard      | shard           | reduce-scatter   | all-gather per bucket |
-| 3     | shard  | shard      | shard           | reduce-scatter   | all-gather per unit   |
-
-So stage 0 is stage 1 with an unsharded optimizer, stage 2 is stage 1 that keeps only its
-grad shard, stage 3 is stage 2 whose param buffer is sharded too. Sharded stages pad their
-buckets so that every rank's shard has the same size (``plan_layout(shard=True)``), need
-``DistributedOptimizer`` (a torch optimizer over ``model.parameters()`` never sees the grad
-shards) and may shard over a 2-D (replicate, shard) mesh. Only stage 3 gathers params by
-unit, so only it takes the stage-3 options (``Stage3``) and a model on the meta device;
-options given at a stage that does not read them are an error naming them and the stage,
-never silently ignored.
-"""
+# [Note: stage policy]
+# A stage is four answers, and every part of flatshard asks the policy instead of comparing
+# the stage number (``tests/test_repo.py`` holds that to this module):
+#
+# | stage | params | grads kept | optimizer state | grads reduced by | params return by      |
+# | ----- | ------ | ---------- | --------------- | ---------------- | --------------------- |
+# | 0     | full   | full       | full            | all-reduce       | (they never left)     |
+# | 1     | full   | full       | shard           | reduce-scatter   | all-gather per bucket |
+# | 2     | full   | shard      | shard           | reduce-scatter   | all-gather per bucket |
+# | 3     | shard  | shard      | shard           | reduce-scatter   | all-gather per unit   |
+#
+# So stage 0 is stage 1 with an unsharded optimizer, stage 2 is stage 1 that keeps only its
+# grad shard, stage 3 is stage 2 whose param buffer is sharded too. Sharded stages pad their
+# buckets so that every rank's shard has the same size (``plan_layout(shard=True)``), need
+# ``DistributedOptimizer`` (a torch optimizer over ``model.parameters()`` never sees the grad
+# shards) and may shard over a 2-D (replicate, shard) mesh. Only stage 3 gathers params by
+# unit, so only it takes the stage-3 options (``Stage3``) and a model on the meta device;
+# options given at a stage that does not read them are an error naming them and the stage,
+# never silently ignored.
 
 from __future__ import annotations
 

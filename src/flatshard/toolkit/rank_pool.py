@@ -1,29 +1,30 @@
 """Ranks kept between runs of ``run_distributed``: one group of ranks per world size, joined
 once, each run's function sent to them.
 
-[Note: reused ranks]
+The reasoning is [Note: reused ranks] below."""
 
-Starting ranks costs ~0.1 s a rank (a fork of a server that holds torch and the hosts'
-libraries, the process's exit, the rendezvous), and the suite makes ~1,500 runs. So the
-ranks of a run stay up for the next run of the same world size, and each run finds them as
-a new process would (``Slate``):
-
-* before a run: the RNG states (torch, Python, numpy) the ranks started with, the run's
-  thread count, and its timeout as the default group's;
-* after it: the environment, working directory, ``sys.argv`` and ``sys.path``, torch's
-  default dtype, grad mode and algorithm flags, dynamo's caches, counters and configs, the
-  warning filters and signal handlers, flatshard's published position, and each attribute of
-  a module (or of a class it defines) that the run rebound: a patch the test did not undo
-  (in torch's modules, functions and classes only: torch keeps counters there).
-
-What cannot be undone retires the ranks after the run (they exit; the next run starts new
-ones): an error or timeout on any rank, a collective whose wait failed (a ``DesyncError``
-caught), the default group destroyed, a Python thread left running, accelerate's
-process-wide state set (the HF Trainer's), a rank past ``MAX_RSS``.
-State changed in place (a cache filled) and process groups a run created stay, as in a long
-training process. ``run_distributed(..., reuse=False)`` or ``FLATSHARD_TEST_REUSE=0`` runs
-in new processes instead; ``FLATSHARD_TEST_REUSE_LOG=<file>`` appends why ranks retired.
-"""
+# [Note: reused ranks]
+#
+# Starting ranks costs ~0.1 s a rank (a fork of a server that holds torch and the hosts'
+# libraries, the process's exit, the rendezvous), and the suite makes ~1,500 runs. So the
+# ranks of a run stay up for the next run of the same world size, and each run finds them as
+# a new process would (``Slate``):
+#
+# * before a run: the RNG states (torch, Python, numpy) the ranks started with, the run's
+#   thread count, and its timeout as the default group's;
+# * after it: the environment, working directory, ``sys.argv`` and ``sys.path``, torch's
+#   default dtype, grad mode and algorithm flags, dynamo's caches, counters and configs, the
+#   warning filters and signal handlers, flatshard's published position, and each attribute of
+#   a module (or of a class it defines) that the run rebound: a patch the test did not undo
+#   (in torch's modules, functions and classes only: torch keeps counters there).
+#
+# What cannot be undone retires the ranks after the run (they exit; the next run starts new
+# ones): an error or timeout on any rank, a collective whose wait failed (a ``DesyncError``
+# caught), the default group destroyed, a Python thread left running, accelerate's
+# process-wide state set (the HF Trainer's), a rank past ``MAX_RSS``.
+# State changed in place (a cache filled) and process groups a run created stay, as in a long
+# training process. ``run_distributed(..., reuse=False)`` or ``FLATSHARD_TEST_REUSE=0`` runs
+# in new processes instead; ``FLATSHARD_TEST_REUSE_LOG=<file>`` appends why ranks retired.
 
 from __future__ import annotations
 

@@ -1,48 +1,49 @@
 """Building stage 3: units, the unsharder, rank 0's initial values and meta-device models.
 
-[Note: meta init]
+The reasoning is in the notes below ([Note: meta init], ...)."""
 
-A model built on the ``meta`` device has no values. ``shard(..., stage=3)`` gives each of its
-trainable params a placeholder on ``device``, lays out and binds the buffers as usual (the
-shards hold nothing yet), then initializes the model *unit by unit*: the unit's buckets are
-allocated full, its params pointed at them, ``param_init_fn(module)`` (default: the
-module's own ``reset_parameters()``, [Note: default init] in ``wrap/init.py``) runs on
-each module that registers params or buffers in it, rank 0's values are broadcast when
-``sync_module_states``, each rank keeps its shards and the buckets are freed. No rank ever
-holds more than one unit in full. Frozen params and buffers on ``meta`` are materialized
-(they are not sharded) and initialized the same way.
-Without ``sync_module_states`` every rank must seed its RNG alike.
-
-[Note: frozen params]
-
-At stage 3 a frozen (``requires_grad=False``) floating param is sharded like a trainable
-one, so that a LoRA-style fine-tune holds its frozen base at (frozen elements x bytes) / N
-per rank, as FSDP does. Invariants:
-
-* Frozen params get a buffer set of their own (``ShardState.frozen``), laid out by unit
-  like the trainable ones, in their own dtype (``MixedPrecision`` casts them), with no grad
-  storage and no reduction: nothing reduces them and no optimizer sees them. Their
-  buckets are parts of their unit, so they are gathered and freed with it, by the same
-  schedule; checkpoints, ``full_state_dict``, ``summon_full_params`` and ``memory_report``
-  read them through ``ShardState.param_sets()``.
-* Freeing in backward. A unit is otherwise freed once each of its params has its grad;
-  that is too early for frozen weights, whose only use in backward may be the grad of the
-  unit's input (``grad_x = grad_y @ W`` of a frozen linear), which autograd can compute
-  after the adapters' grads. So a unit holding frozen params is freed once, in addition,
-  the grads of every forward's floating inputs that require grad are computed (a
-  multi-grad hook on them, counted per forward); with no such input a frozen weight's
-  backward can only lead to the unit's own trainable params, whose grads come last. That
-  fails for a unit whose forward encloses other units (the root: its frozen final norm runs
-  after the blocks, its trainable head after that, so the head's grad comes before the
-  norm's backward; peft's ``modules_to_save`` made every grad NaN): such a unit holding
-  frozen params stays gathered until the end of backward, as FSDP2 keeps its root. A unit
-  whose forward was never followed by a backward is freed at the end of the next one.
-* A model whose params are all frozen (a DPO reference, a distillation teacher) has only
-  this buffer set: forward and ``generate`` gather it unit by unit; no optimizer takes it.
-* Frozen params of ``ignored_modules``, expert params and non-floating ones stay replicated on
-  every rank (as at stages 0-2, where frozen params are never sharded); a meta-device
-  model's sharded frozen params are materialized unit by unit like the trainable ones.
-"""
+# [Note: meta init]
+#
+# A model built on the ``meta`` device has no values. ``shard(..., stage=3)`` gives each of its
+# trainable params a placeholder on ``device``, lays out and binds the buffers as usual (the
+# shards hold nothing yet), then initializes the model *unit by unit*: the unit's buckets are
+# allocated full, its params pointed at them, ``param_init_fn(module)`` (default: the
+# module's own ``reset_parameters()``, [Note: default init] in ``wrap/init.py``) runs on
+# each module that registers params or buffers in it, rank 0's values are broadcast when
+# ``sync_module_states``, each rank keeps its shards and the buckets are freed. No rank ever
+# holds more than one unit in full. Frozen params and buffers on ``meta`` are materialized
+# (they are not sharded) and initialized the same way.
+# Without ``sync_module_states`` every rank must seed its RNG alike.
+#
+# [Note: frozen params]
+#
+# At stage 3 a frozen (``requires_grad=False``) floating param is sharded like a trainable
+# one, so that a LoRA-style fine-tune holds its frozen base at (frozen elements x bytes) / N
+# per rank, as FSDP does. Invariants:
+#
+# * Frozen params get a buffer set of their own (``ShardState.frozen``), laid out by unit
+#   like the trainable ones, in their own dtype (``MixedPrecision`` casts them), with no grad
+#   storage and no reduction: nothing reduces them and no optimizer sees them. Their
+#   buckets are parts of their unit, so they are gathered and freed with it, by the same
+#   schedule; checkpoints, ``full_state_dict``, ``summon_full_params`` and ``memory_report``
+#   read them through ``ShardState.param_sets()``.
+# * Freeing in backward. A unit is otherwise freed once each of its params has its grad;
+#   that is too early for frozen weights, whose only use in backward may be the grad of the
+#   unit's input (``grad_x = grad_y @ W`` of a frozen linear), which autograd can compute
+#   after the adapters' grads. So a unit holding frozen params is freed once, in addition,
+#   the grads of every forward's floating inputs that require grad are computed (a
+#   multi-grad hook on them, counted per forward); with no such input a frozen weight's
+#   backward can only lead to the unit's own trainable params, whose grads come last. That
+#   fails for a unit whose forward encloses other units (the root: its frozen final norm runs
+#   after the blocks, its trainable head after that, so the head's grad comes before the
+#   norm's backward; peft's ``modules_to_save`` made every grad NaN): such a unit holding
+#   frozen params stays gathered until the end of backward, as FSDP2 keeps its root. A unit
+#   whose forward was never followed by a backward is freed at the end of the next one.
+# * A model whose params are all frozen (a DPO reference, a distillation teacher) has only
+#   this buffer set: forward and ``generate`` gather it unit by unit; no optimizer takes it.
+# * Frozen params of ``ignored_modules``, expert params and non-floating ones stay replicated on
+#   every rank (as at stages 0-2, where frozen params are never sharded); a meta-device
+#   model's sharded frozen params are materialized unit by unit like the trainable ones.
 
 from __future__ import annotations
 

@@ -1,21 +1,22 @@
 """Full params of a stage-3 module on demand: summoned, as a state dict, or loaded.
 
-[Note: full params]
+The reasoning is [Note: full params] below."""
 
-* ``summon_full_params(writeback, rank0_only, with_grads)`` gathers every unit and yields
-  with each param a view of its full bucket. On exit, with ``writeback``, each rank copies
-  its own shard of every bucket back (what a user changed in the params is kept; fp32
-  main params take a value only where the 16-bit value changed, so unchanged ones keep
-  their full precision: [Note: main-backed shards] in ``engine/buffer.py``). ``with_grads``
-  gathers the reduced grad shards into ``param.grad`` for the block. ``rank0_only`` frees
-  the units again on every other rank. Below stage 3 the params are full already, and
-  ``with_grads`` gathers the grads the same way (``summon_grads``): at stages 1-2 only this
-  rank's shard of the grad buffer holds reduced values, so a view of the buffer would not do.
-* ``full_state_dict()`` gathers one unit at a time and gives rank 0 a plain CPU state dict
-  (other ranks an empty dict): never more than one unit in full.
-* ``load_full_state_dict`` copies each rank's pieces of every param out of a full state
-  dict (on every rank): no communication.
-"""
+# [Note: full params]
+#
+# * ``summon_full_params(writeback, rank0_only, with_grads)`` gathers every unit and yields
+#   with each param a view of its full bucket. On exit, with ``writeback``, each rank copies
+#   its own shard of every bucket back (what a user changed in the params is kept; fp32
+#   main params take a value only where the 16-bit value changed, so unchanged ones keep
+#   their full precision: [Note: main-backed shards] in ``engine/buffer.py``). ``with_grads``
+#   gathers the reduced grad shards into ``param.grad`` for the block. ``rank0_only`` frees
+#   the units again on every other rank. Below stage 3 the params are full already, and
+#   ``with_grads`` gathers the grads the same way (``summon_grads``): at stages 1-2 only this
+#   rank's shard of the grad buffer holds reduced values, so a view of the buffer would not do.
+# * ``full_state_dict()`` gathers one unit at a time and gives rank 0 a plain CPU state dict
+#   (other ranks an empty dict): never more than one unit in full.
+# * ``load_full_state_dict`` copies each rank's pieces of every param out of a full state
+#   dict (on every rank): no communication.
 
 from __future__ import annotations
 

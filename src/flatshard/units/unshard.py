@@ -1,123 +1,124 @@
 """Stage 3: gathering each unit's params just before it runs and freeing them after.
 
-[Note: unsharding]
+The reasoning is in the notes below ([Note: unsharding], ...)."""
 
-Between uses a rank holds only its shard of every bucket (``FlatBuffer.param_shard_data``,
-or the optimizer's fp32 main params, [Note: main-backed shards] in ``engine/buffer.py``);
-each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *gathering*
-(its buckets' all-gathers are in flight) or *full* (its params are views into full buckets):
-
-* **forward**: the unit's forward pre-hook makes it full, then *prefetches* the next
-  ``forward_prefetch`` units. The forward hook frees it again (a merged unit, [Note:
-  merged units], once each of its modules has run; if one did not, at the end of the
-  forward) unless ``reshard_after_forward=False``, or it is *kept*: the root or the last unit (backward
-  needs both at once), and with ``backward_prefetch="pre"`` the unit before the last, which
-  that prefetch would gather again as soon as backward reaches the last unit (so keeping it
-  saves a gather and never raises the peak: forward had as many units full just before);
-  its outputs get a hook that fires when backward reaches them.
-* **backward**: that hook makes the unit full again and (``backward_prefetch="pre"``)
-  prefetches the unit backward reaches next. Once every param of the unit has its grad
-  (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the unit is freed
-  (``"post"`` prefetches at this point instead); a unit holding frozen params waits for its
-  inputs' grads too ([Note: frozen params] in ``units/build.py``). At the end of backward
-  every unit is freed.
-* **bounded memory**: prefetches start only while fewer than ``limit`` gathers are in
-  flight; a unit's full buckets exist only from its gather to its release, and their storage
-  is resized to zero on release. Saved activations that reference a param's storage see
-  it refilled with the same values before backward uses them.
-* **no grad**: a forward under ``torch.no_grad`` frees every unit after it, the root too.
-* **activation checkpointing**: a forward that autograd recomputes during backward only
-  makes sure its unit is full; the unit's backward follows and frees it as usual.
-
-**The gather schedule.** Gathers are collectives: every rank must issue the same ones in
-the same order, even when ranks take different control flow. So they are issued in a
-fixed *schedule* on a process group of their own (``side_world``: the grad reductions'
-order, which depends on when grads arrive, cannot interleave with them). The forward
-schedule is the order in which the first forward ran the units (registration order until
-then, and kept only if every rank recorded the same one); the backward schedule is its
-reverse without the kept units. A hook that needs a unit issues every entry up
-to it; prefetching issues entries ahead. At the end of a forward a rank issues the entries
-it never reached (units it skipped) and frees them as they land; a backward does the same
-for units that did not run since the last backward. So a rank that skips a block or exits
-early issues exactly the gathers the others do, and the result equals DDP's (tested with
-ranks skipping different blocks). A unit that runs a second time after it was freed is
-gathered again outside the schedule: ranks must agree on such repeats.
-
-[Note: forward entry points]
-
-A forward need not begin at the root. ``generate()`` on a peft model calls the wrapped
-``transformers`` model's forward, not the ``PeftModel``'s; code that wants hidden states calls
-``model.model(...)``; code that builds ``inputs_embeds`` calls the embedding alone. Each reads
-the root unit's params (embeddings, final norm, head), which only the root's pre-hook would
-gather: a forward that began below it computed on NaN placeholders, and ``generate()`` returned
-token 0 on every rank. So the root's hooks sit on every module of the root's own that holds
-params in its subtree (``engine.unit_tree.entry_points``; for our GPT the root, its embeddings,
-its final norm and head). The first of them whose forward begins while no forward is under
-way is the forward's *entry*: its pre-hook does what the root's does (gather the root unit,
-prefetch), and its forward hook ends the forward (free what is done, issue what was skipped,
-hook backward). Inside that forward the others do nothing. Invariants:
-
-* every forward that reads a root-unit param has its root unit full, whichever module it
-  began at, and ends with the same collectives as one that began at the root;
-* a forward that raised leaves its entry set; the entry's next forward starts afresh, and
-  ``settle()`` (after every backward and step) clears it;
-* ``generate()`` must run the same number of forwards on every rank (each gathers): a
-  sharded module with a ``generate`` method passes ``synced_gpus=True`` to it at stage 3 on
-  more than one rank, unless the caller says otherwise (``wrap/module.py``), so ranks that
-  finish early keep running forwards until all have, as ``transformers`` does by itself for
-  DeepSpeed ZeRO-3 and FSDP (it marks FSDP modules with an attribute that also changes how
-  Dynamo traces them, so flatshard does not set it).
-
-Under a whole-model ``torch.compile`` each entry point's hooks are two more graph breaks
-(per-block compile puts none inside a block).
-
-[Note: two process groups]
-
-A stage-3 backward issues collectives on two groups, each in an order every rank shares:
-gathers in the backward schedule, grad reductions in bucket-group order, each launched once
-its grads are complete. Their interleaving is the same on every rank only when the ranks'
-backwards are alike. A rank whose unit (or one param of it) got no grad completes that
-reduction only at the end of its backward, after issuing every gather; a rank that
-blocked on that reduction before issuing its own remaining gathers would wait forever, and
-so would the first rank, on those gathers. So grad sync blocks on a reduction during a
-backward (to bound grad scratch, ``engine.grad_sync``) only where no cycle can form:
-
-* this rank has issued every gather of its backward schedule: a rank blocked on a gather
-  then waits for ranks that are not blocked on a reduction, so the gathers all land;
-* or every rank's forwards since the last backward ran the same units (compared by an
-  all-reduce of a digest, issued at the end of each forward on the gather group, at the
-  same place in its order on every rank, so waiting for it is safe) and
-  ``find_unused_parameters`` is False, which as in DDP promises that every param of a unit
-  that ran gets a grad on every rank. Then every rank's backward issues the same
-  collectives in the same order, and each waits only for what the others issue before.
-  A user can break that promise, so this wait happens on the host with a deadline (where
-  gloo runs the collective, on CPU or CUDA tensors, it blocks on it; on NCCL, where a
-  stream wait alone would only move the cycle into the streams, it polls) and gives up
-  after ``BLOCK_TIMEOUT_S`` with a warning (the grads stay right, as below).
-
-Elsewhere a reduction that has completed is finished, and one that has not is left until
-the end of the backward, whose callback issues the remaining gathers before it waits: the
-scratch bound is given up for that backward. Tested with ranks skipping different blocks
-and different params of one block (with ``find_unused_parameters`` True and False). On
-CUDA both groups' collectives run on their process groups' own NCCL streams, ordered
-against the compute stream by events (at issue and at ``wait()``); since torch 2.8
-ProcessGroupNCCL keeps an async collective's tensors alive until ``wait()`` instead of
-recording streams, and a full bucket or grad scratch is freed or reused only after that
-wait (tested on gloo: ``tests/test_collective_lifetimes.py``), so the caching allocator
-reuses the memory in stream order and does not grow. None of this is verified on a GPU.
-
-[Note: stage-3 memory]
-
-Memory at the peak (tested on a 4-block GPT at 2 ranks): 16Ψ/N of shards during backward and
-step (bf16 + AdamW: fp32 main params 4, fp32 grad shards 4, AdamW 8, as FSDP2 keeps; ZeRO-3
-as the paper describes it keeps a 16-bit shard next to the fp32 one, 2Ψ/N more), 12Ψ/N from
-``zero_grad()`` through the next forward (the grad shards' storage is freed, as FSDP2 drops
-its sharded grads; stage 2 too), plus at most two of the largest unit in full (params and
-grads: the one running and the one prefetched or reducing; merged units hold at most
-``unit_bytes`` of params unless one module's unit alone is larger) plus the root unit's
-params, which stay full for the whole step. A meta-device model is initialized unit by unit
-([Note: meta init] in ``units/build.py``) and never holds more than one unit in full.
-"""
+# [Note: unsharding]
+#
+# Between uses a rank holds only its shard of every bucket (``FlatBuffer.param_shard_data``,
+# or the optimizer's fp32 main params, [Note: main-backed shards] in ``engine/buffer.py``);
+# each param's ``.data`` is a placeholder. A unit ([Note: units]) is *sharded*, *gathering*
+# (its buckets' all-gathers are in flight) or *full* (its params are views into full buckets):
+#
+# * **forward**: the unit's forward pre-hook makes it full, then *prefetches* the next
+#   ``forward_prefetch`` units. The forward hook frees it again (a merged unit, [Note:
+#   merged units], once each of its modules has run; if one did not, at the end of the
+#   forward) unless ``reshard_after_forward=False``, or it is *kept*: the root or the last unit (backward
+#   needs both at once), and with ``backward_prefetch="pre"`` the unit before the last, which
+#   that prefetch would gather again as soon as backward reaches the last unit (so keeping it
+#   saves a gather and never raises the peak: forward had as many units full just before);
+#   its outputs get a hook that fires when backward reaches them.
+# * **backward**: that hook makes the unit full again and (``backward_prefetch="pre"``)
+#   prefetches the unit backward reaches next. Once every param of the unit has its grad
+#   (the grad buckets then reduce-scatter it, see [Note: sharded grads]) the unit is freed
+#   (``"post"`` prefetches at this point instead); a unit holding frozen params waits for its
+#   inputs' grads too ([Note: frozen params] in ``units/build.py``). At the end of backward
+#   every unit is freed.
+# * **bounded memory**: prefetches start only while fewer than ``limit`` gathers are in
+#   flight; a unit's full buckets exist only from its gather to its release, and their storage
+#   is resized to zero on release. Saved activations that reference a param's storage see
+#   it refilled with the same values before backward uses them.
+# * **no grad**: a forward under ``torch.no_grad`` frees every unit after it, the root too.
+# * **activation checkpointing**: a forward that autograd recomputes during backward only
+#   makes sure its unit is full; the unit's backward follows and frees it as usual.
+#
+# **The gather schedule.** Gathers are collectives: every rank must issue the same ones in
+# the same order, even when ranks take different control flow. So they are issued in a
+# fixed *schedule* on a process group of their own (``side_world``: the grad reductions'
+# order, which depends on when grads arrive, cannot interleave with them). The forward
+# schedule is the order in which the first forward ran the units (registration order until
+# then, and kept only if every rank recorded the same one); the backward schedule is its
+# reverse without the kept units. A hook that needs a unit issues every entry up
+# to it; prefetching issues entries ahead. At the end of a forward a rank issues the entries
+# it never reached (units it skipped) and frees them as they land; a backward does the same
+# for units that did not run since the last backward. So a rank that skips a block or exits
+# early issues exactly the gathers the others do, and the result equals DDP's (tested with
+# ranks skipping different blocks). A unit that runs a second time after it was freed is
+# gathered again outside the schedule: ranks must agree on such repeats.
+#
+# [Note: forward entry points]
+#
+# A forward need not begin at the root. ``generate()`` on a peft model calls the wrapped
+# ``transformers`` model's forward, not the ``PeftModel``'s; code that wants hidden states calls
+# ``model.model(...)``; code that builds ``inputs_embeds`` calls the embedding alone. Each reads
+# the root unit's params (embeddings, final norm, head), which only the root's pre-hook would
+# gather: a forward that began below it computed on NaN placeholders, and ``generate()`` returned
+# token 0 on every rank. So the root's hooks sit on every module of the root's own that holds
+# params in its subtree (``engine.unit_tree.entry_points``; for our GPT the root, its embeddings,
+# its final norm and head). The first of them whose forward begins while no forward is under
+# way is the forward's *entry*: its pre-hook does what the root's does (gather the root unit,
+# prefetch), and its forward hook ends the forward (free what is done, issue what was skipped,
+# hook backward). Inside that forward the others do nothing. Invariants:
+#
+# * every forward that reads a root-unit param has its root unit full, whichever module it
+#   began at, and ends with the same collectives as one that began at the root;
+# * a forward that raised leaves its entry set; the entry's next forward starts afresh, and
+#   ``settle()`` (after every backward and step) clears it;
+# * ``generate()`` must run the same number of forwards on every rank (each gathers): a
+#   sharded module with a ``generate`` method passes ``synced_gpus=True`` to it at stage 3 on
+#   more than one rank, unless the caller says otherwise (``wrap/module.py``), so ranks that
+#   finish early keep running forwards until all have, as ``transformers`` does by itself for
+#   DeepSpeed ZeRO-3 and FSDP (it marks FSDP modules with an attribute that also changes how
+#   Dynamo traces them, so flatshard does not set it).
+#
+# Under a whole-model ``torch.compile`` each entry point's hooks are two more graph breaks
+# (per-block compile puts none inside a block).
+#
+# [Note: two process groups]
+#
+# A stage-3 backward issues collectives on two groups, each in an order every rank shares:
+# gathers in the backward schedule, grad reductions in bucket-group order, each launched once
+# its grads are complete. Their interleaving is the same on every rank only when the ranks'
+# backwards are alike. A rank whose unit (or one param of it) got no grad completes that
+# reduction only at the end of its backward, after issuing every gather; a rank that
+# blocked on that reduction before issuing its own remaining gathers would wait forever, and
+# so would the first rank, on those gathers. So grad sync blocks on a reduction during a
+# backward (to bound grad scratch, ``engine.grad_sync``) only where no cycle can form:
+#
+# * this rank has issued every gather of its backward schedule: a rank blocked on a gather
+#   then waits for ranks that are not blocked on a reduction, so the gathers all land;
+# * or every rank's forwards since the last backward ran the same units (compared by an
+#   all-reduce of a digest, issued at the end of each forward on the gather group, at the
+#   same place in its order on every rank, so waiting for it is safe) and
+#   ``find_unused_parameters`` is False, which as in DDP promises that every param of a unit
+#   that ran gets a grad on every rank. Then every rank's backward issues the same
+#   collectives in the same order, and each waits only for what the others issue before.
+#   A user can break that promise, so this wait happens on the host with a deadline (where
+#   gloo runs the collective, on CPU or CUDA tensors, it blocks on it; on NCCL, where a
+#   stream wait alone would only move the cycle into the streams, it polls) and gives up
+#   after ``BLOCK_TIMEOUT_S`` with a warning (the grads stay right, as below).
+#
+# Elsewhere a reduction that has completed is finished, and one that has not is left until
+# the end of the backward, whose callback issues the remaining gathers before it waits: the
+# scratch bound is given up for that backward. Tested with ranks skipping different blocks
+# and different params of one block (with ``find_unused_parameters`` True and False). On
+# CUDA both groups' collectives run on their process groups' own NCCL streams, ordered
+# against the compute stream by events (at issue and at ``wait()``); since torch 2.8
+# ProcessGroupNCCL keeps an async collective's tensors alive until ``wait()`` instead of
+# recording streams, and a full bucket or grad scratch is freed or reused only after that
+# wait (tested on gloo: ``tests/test_collective_lifetimes.py``), so the caching allocator
+# reuses the memory in stream order and does not grow. None of this is verified on a GPU.
+#
+# [Note: stage-3 memory]
+#
+# Memory at the peak (tested on a 4-block GPT at 2 ranks): 16Ψ/N of shards during backward and
+# step (bf16 + AdamW: fp32 main params 4, fp32 grad shards 4, AdamW 8, as FSDP2 keeps; ZeRO-3
+# as the paper describes it keeps a 16-bit shard next to the fp32 one, 2Ψ/N more), 12Ψ/N from
+# ``zero_grad()`` through the next forward (the grad shards' storage is freed, as FSDP2 drops
+# its sharded grads; stage 2 too), plus at most two of the largest unit in full (params and
+# grads: the one running and the one prefetched or reducing; merged units hold at most
+# ``unit_bytes`` of params unless one module's unit alone is larger) plus the root unit's
+# params, which stay full for the whole step. A meta-device model is initialized unit by unit
+# ([Note: meta init] in ``units/build.py``) and never holds more than one unit in full.
 
 from __future__ import annotations
 

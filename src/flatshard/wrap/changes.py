@@ -1,47 +1,50 @@
 """Changes to a module after ``shard()`` are noticed at its next forward ([Note: never
 silent] in ``errors.py``).
 
-``shard`` lays params out once: which are trainable (in flat buffers, reduced, stepped) and
-which frozen, each bound by identity. A param replaced by a new ``nn.Parameter``, a frozen
-param made trainable, or a module or param added after wrapping would then be ignored: the
-new param never trained or synchronised. So each forward first compares the module tree
-with what was wrapped, by identity and a flag per param (a loop of plain attribute reads,
-no tensor work), and raises ``RuntimeError`` naming the param or module before anything runs.
+The reasoning is in [Note: changes after wrapping] and [Note: writes through the params] below."""
 
-A param whose ``.data`` was rebound at stages 0-2 (``vector_to_parameters``, an EMA swap
-``p.data, ema.data = ema.data, p.data``) left its flat buffer: it would never move again.
-The same check finds it (its data pointer is not its buffer view's) and puts it back: the
-values are copied into the view, ``.data`` points at the view again, and an optimizer's
-main params take the values (``rebound``).
+# [Note: changes after wrapping]
+#
+# ``shard`` lays params out once: which are trainable (in flat buffers, reduced, stepped) and
+# which frozen, each bound by identity. A param replaced by a new ``nn.Parameter``, a frozen
+# param made trainable, or a module or param added after wrapping would then be ignored: the
+# new param never trained or synchronised. So each forward first compares the module tree
+# with what was wrapped, by identity and a flag per param (a loop of plain attribute reads,
+# no tensor work), and raises ``RuntimeError`` naming the param or module before anything runs.
+#
+# A param whose ``.data`` was rebound at stages 0-2 (``vector_to_parameters``, an EMA swap
+# ``p.data, ema.data = ema.data, p.data``) left its flat buffer: it would never move again.
+# The same check finds it (its data pointer is not its buffer view's) and puts it back: the
+# values are copied into the view, ``.data`` points at the view again, and an optimizer's
+# main params take the values (``rebound``).
+#
+# A trainable param may be frozen for a while (peft's ``disable_adapter()`` sets its
+# adapters' ``requires_grad`` to False and back; DeepSpeed users train a different part of the
+# model each step): it stays in its buffer, gets no grad from a backward it is frozen in, and
+# that grad counts as zero in the step (DeepSpeed's rule: momentum and weight decay still
+# move it), on every rank alike. At stage 3 pass ``find_unused_parameters=True`` when a
+# backward runs with such params frozen (a unit's backward would otherwise wait for their
+# grads).
 
-A trainable param may be frozen for a while (peft's ``disable_adapter()`` sets its
-adapters' ``requires_grad`` to False and back; DeepSpeed users train a different part of the
-model each step): it stays in its buffer, gets no grad from a backward it is frozen in, and
-that grad counts as zero in the step (DeepSpeed's rule: momentum and weight decay still
-move it), on every rank alike. At stage 3 pass ``find_unused_parameters=True`` when a
-backward runs with such params frozen (a unit's backward would otherwise wait for their
-grads).
-
-[Note: writes through the params]
-
-A 16-bit param stepped from fp32 main params (``MixedPrecision``, stages 0-2) written in
-place through torch (``p.mul_(...)``, ``p.copy_(ema)``, an ``nn.init`` function, a hand-made
-weight decay between backward and step) holds the new values, but the next step would start
-from the main params and overwrite them. Such writes bump the param's own version counter,
-which flatshard's writes never touch (they go through the buffer, whose views count apart
-from the ``nn.Parameter`` bound to them), so each look compares the counters and hands the
-written params' values to ``rebound`` like a rebinding's. The look runs at each forward and
-wherever the values of record are about to be read or stepped (``ShardState.wait_for_params``:
-the step, ``full_state_dict``, a checkpoint): a loop of attribute reads over the 16-bit
-params, no tensor work. A write through ``p.data`` (``p.data.mul_(...)``) bypasses the
-counter and is not seen: write through the param under ``torch.no_grad()``.
-
-Such code reaches the params through ``parameters()`` or ``named_parameters()``, which first
-wait for the param all-gathers a step at stages 1-2 leaves running: the gathers would
-otherwise land after the write, or under a read (an EMA taken right after the step averaged
-half-written buffers). ``zero_grad`` does not wait, so the gathers still overlap the loop's
-own work.
-"""
+# [Note: writes through the params]
+#
+# A 16-bit param stepped from fp32 main params (``MixedPrecision``, stages 0-2) written in
+# place through torch (``p.mul_(...)``, ``p.copy_(ema)``, an ``nn.init`` function, a hand-made
+# weight decay between backward and step) holds the new values, but the next step would start
+# from the main params and overwrite them. Such writes bump the param's own version counter,
+# which flatshard's writes never touch (they go through the buffer, whose views count apart
+# from the ``nn.Parameter`` bound to them), so each look compares the counters and hands the
+# written params' values to ``rebound`` like a rebinding's. The look runs at each forward and
+# wherever the values of record are about to be read or stepped (``ShardState.wait_for_params``:
+# the step, ``full_state_dict``, a checkpoint): a loop of attribute reads over the 16-bit
+# params, no tensor work. A write through ``p.data`` (``p.data.mul_(...)``) bypasses the
+# counter and is not seen: write through the param under ``torch.no_grad()``.
+#
+# Such code reaches the params through ``parameters()`` or ``named_parameters()``, which first
+# wait for the param all-gathers a step at stages 1-2 leaves running: the gathers would
+# otherwise land after the write, or under a read (an EMA taken right after the step averaged
+# half-written buffers). ``zero_grad`` does not wait, so the gathers still overlap the loop's
+# own work.
 
 from __future__ import annotations
 

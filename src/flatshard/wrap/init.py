@@ -1,23 +1,24 @@
 """How a meta-device model's modules are initialized when ``shard()`` is given no
 ``param_init_fn`` ([Note: meta init] in ``units/build.py``).
 
-[Note: default init]
+The reasoning is [Note: default init] below."""
 
-A model built under ``torch.device("meta")`` is materialized unit by unit and each module
-that holds params or buffers is initialized once. By default:
-
-* a LoRA adapter's matrices (a peft ``LoraLayer``'s ``lora_A``/``lora_B`` modules) as peft
-  initializes them by default: A as ``nn.Linear`` (Kaiming uniform), **B zero**, so that a
-  fine-tune starts from exactly the pretrained model (``nn.Linear.reset_parameters`` would
-  make B random, and the loaded model wrong before its first step);
-* inside a Hugging Face model, every other module by the model's own ``_init_weights``
-  (after its ``reset_parameters()``, if it has one): this also computes the rotary
-  embeddings' ``inv_freq``, a buffer no checkpoint holds;
-* anything else by its ``reset_parameters()``; a module with neither is an error naming it.
-
-Weights loaded afterwards (``load_pretrained``) overwrite what they hold; what they do not
-hold (adapters, non-persistent buffers) keeps this initialization.
-"""
+# [Note: default init]
+#
+# A model built under ``torch.device("meta")`` is materialized unit by unit and each module
+# that holds params or buffers is initialized once. By default:
+#
+# * a LoRA adapter's matrices (a peft ``LoraLayer``'s ``lora_A``/``lora_B`` modules) as peft
+#   initializes them by default: A as ``nn.Linear`` (Kaiming uniform), **B zero**, so that a
+#   fine-tune starts from exactly the pretrained model (``nn.Linear.reset_parameters`` would
+#   make B random, and the loaded model wrong before its first step);
+# * inside a Hugging Face model, every other module by the model's own ``_init_weights``
+#   (after its ``reset_parameters()``, if it has one): this also computes the rotary
+#   embeddings' ``inv_freq``, a buffer no checkpoint holds;
+# * anything else by its ``reset_parameters()``; a module with neither is an error naming it.
+#
+# Weights loaded afterwards (``load_pretrained``) overwrite what they hold; what they do not
+# hold (adapters, non-persistent buffers) keeps this initialization.
 
 from __future__ import annotations
 

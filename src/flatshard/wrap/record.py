@@ -1,23 +1,24 @@
 """The values of record: what a full state dict and an export give for each param.
 
-[Note: values of record]
+The reasoning is [Note: values of record] below."""
 
-With ``MixedPrecision(param_dtype=bf16)`` (or a 16-bit model) the model computes with 16-bit
-params while its ``DistributedOptimizer`` updates fp32 *main params*; the 16-bit params are
-those rounded. The fp32 values are the model's values of record: they are what training
-produced, what a resumed run continues from, and what FSDP2 (``reshard`` of fp32 sharded
-params) and DeepSpeed (``zero_to_fp32``) export. So ``full_state_dict()`` gives, for every
-param the optimizer keeps main params for, the main params (fp32), gathered a bucket at a
-time; every other param (fp32 params, which are their own record; params outside every
-param group; buffers) as the model holds it. ``dtype=`` casts the floating-point entries
-(e.g. ``torch.bfloat16`` to ship a half-size export). Invariants:
-
-* an entry is never rounded unless the caller asked for a dtype: a bf16-trained param
-  exported without ``dtype`` equals the optimizer's fp32 value exactly;
-* every rank takes part in the same gathers in the same order (bucket order of each
-  buffer); only rank 0 keeps what it gathers, on the CPU, one bucket in fp32 at a time
-  on the device.
-"""
+# [Note: values of record]
+#
+# With ``MixedPrecision(param_dtype=bf16)`` (or a 16-bit model) the model computes with 16-bit
+# params while its ``DistributedOptimizer`` updates fp32 *main params*; the 16-bit params are
+# those rounded. The fp32 values are the model's values of record: they are what training
+# produced, what a resumed run continues from, and what FSDP2 (``reshard`` of fp32 sharded
+# params) and DeepSpeed (``zero_to_fp32``) export. So ``full_state_dict()`` gives, for every
+# param the optimizer keeps main params for, the main params (fp32), gathered a bucket at a
+# time; every other param (fp32 params, which are their own record; params outside every
+# param group; buffers) as the model holds it. ``dtype=`` casts the floating-point entries
+# (e.g. ``torch.bfloat16`` to ship a half-size export). Invariants:
+#
+# * an entry is never rounded unless the caller asked for a dtype: a bf16-trained param
+#   exported without ``dtype`` equals the optimizer's fp32 value exactly;
+# * every rank takes part in the same gathers in the same order (bucket order of each
+#   buffer); only rank 0 keeps what it gathers, on the CPU, one bucket in fp32 at a time
+#   on the device.
 
 from __future__ import annotations
 
