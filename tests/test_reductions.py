@@ -1,6 +1,6 @@
 """Launches of reductions across dtypes ([Note: grad sync] in engine/grad_sync.py):
 ``Buckets(per_launch=k)`` takes a set's buckets of every buffer (dtype) in backward order,
-k at a time, and a unit's groups (one per buffer) launch together. A GPT whose MLP input
+k at a time, and a launch's reductions (one per buffer) start together. A GPT whose MLP input
 layers are fp64 (two buffers: fp32 and fp64) follows DDP exactly at stages 1-3 on 1-4
 ranks ([Note: parity tolerances] in tests/_parity.py: SGD, 1e-5; fp64 sums only make the
 fp32 comparison tighter)."""
@@ -38,21 +38,21 @@ class TwoDtypeGPT(TiedGPT):
             block.fc = wide
 
 
-def test_a_launch_unit_spans_both_dtypes_in_backward_order():
+def test_a_launch_spans_both_dtypes_in_backward_order():
     model = flatshard.shard(TwoDtypeGPT(), stage=1, buckets=flatshard.Buckets(size=1000, per_launch=3))
-    groups = model.flatshard_state.grad_sync.reductions
-    dtypes = {g.unit: set() for g in groups}
-    for g in groups:
-        dtypes[g.unit].add(g.buffer.layout.dtype)
-    assert any(len(d) == 2 for d in dtypes.values())  # a unit holds buckets of both buffers
-    units = [g.unit for g in groups]
-    assert units == sorted(units)  # a unit's groups follow each other
-    per_unit = {u: sum(len(g.buckets) for g in groups if g.unit == u) for u in units}
-    assert all(n == 3 for n in list(per_unit.values())[:-1])  # k buckets a unit (the last: the rest)
-    # backward order: each unit's params were registered before the previous unit's
+    reductions = model.flatshard_state.grad_sync.reductions
+    dtypes = {g.launch: set() for g in reductions}
+    for g in reductions:
+        dtypes[g.launch].add(g.buffer.layout.dtype)
+    assert any(len(d) == 2 for d in dtypes.values())  # a launch holds buckets of both buffers
+    launches = [g.launch for g in reductions]
+    assert launches == sorted(launches)  # a launch's reductions follow each other
+    sizes = {u: sum(len(g.buckets) for g in reductions if g.launch == u) for u in launches}
+    assert all(n == 3 for n in list(sizes.values())[:-1])  # k buckets a launch (the last: the rest)
+    # backward order: each launch's params were registered before the previous launch's
+    names = model.flatshard_state.sets["main"].names
     last = [
-        max(model.flatshard_state.sets["main"].names.index(n) for g in groups if g.unit == u for n in g.names)
-        for u in sorted(set(units))
+        max(names.index(n) for g in reductions if g.launch == u for n in g.names) for u in sorted(set(launches))
     ]
     assert last == sorted(last, reverse=True)
 
@@ -61,7 +61,7 @@ GROUPED = [(world, stage, 2) for world in (1, 2, 3, 4) for stage in (1, 2, 3)] +
 
 
 @pytest.mark.parametrize(("world_size", "stage", "per_launch"), GROUPED)
-def test_two_dtype_launch_units_follow_ddp(world_size, stage, per_launch):
+def test_two_dtype_launches_follow_ddp(world_size, stage, per_launch):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
@@ -73,20 +73,20 @@ def test_two_dtype_launch_units_follow_ddp(world_size, stage, per_launch):
 
 
 def _launches_case(stage: int) -> list[bool]:
-    """For every group launched in a backward: were all of its unit's groups complete?"""
+    """For every reduction launched in a backward: were all of its launch's reductions complete?"""
     from flatshard.engine import reduction
     from flatshard.toolkit.data import SyntheticCorpus
 
     torch.manual_seed(0)
     model = flatshard.shard(TwoDtypeGPT(), stage=stage, buckets=flatshard.Buckets(size=1000, per_launch=3))
     flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
-    groups = model.flatshard_state.grad_sync.reductions
+    reductions = model.flatshard_state.grad_sync.reductions
     seen: list[bool] = []
     start_sync = reduction.Reduction.start_sync
 
-    def watched(group) -> None:
-        seen.append(all(g.complete for g in groups if g.unit == group.unit))
-        start_sync(group)
+    def watched(started) -> None:
+        seen.append(all(g.complete for g in reductions if g.launch == started.launch))
+        start_sync(started)
 
     reduction.Reduction.start_sync = watched
     corpus = SyntheticCorpus(64, 16)
@@ -96,6 +96,6 @@ def _launches_case(stage: int) -> list[bool]:
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_a_group_launches_only_with_its_whole_unit(stage):
+def test_a_reduction_starts_only_with_its_whole_launch(stage):
     for seen in run_distributed(_launches_case, 2, stage):
         assert seen and all(seen)
