@@ -51,9 +51,9 @@ def test_a_launch_spans_both_dtypes_in_backward_order():
     assert all(n == 3 for n in list(sizes.values())[:-1])  # k buckets a launch (the last: the rest)
     # backward order: each launch's params were registered before the previous launch's
     names = model.flatshard_state.sets["main"].names
-    last = [
-        max(names.index(n) for g in reductions if g.launch == u for n in g.names) for u in sorted(set(launches))
-    ]
+    last = []
+    for u in sorted(set(launches)):
+        last.append(max(names.index(n) for g in reductions if g.launch == u for n in g.names))
     assert last == sorted(last, reverse=True)
 
 
