@@ -100,7 +100,8 @@ class Pool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=5)
-        self.results.close()
+        for q in (*self.inboxes, self.results):
+            q.close()
 
 
 def _log(line: str) -> None:
