@@ -13,6 +13,7 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from flatshard.toolkit.malloc import cpu_malloc_env
+from flatshard.toolkit.ranks import torchrun_env
 
 
 def launched() -> bool:
@@ -104,15 +105,5 @@ def rank_env(
 ) -> dict[str, str]:
     """The environment of local rank ``rank``: ``base`` with torchrun's variables, and
     ``CPU_MALLOC_TUNABLES`` for ranks that train on ``cpu``."""
-    env = {
-        **base,
-        "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(port),
-        "RANK": str(rank),
-        "LOCAL_RANK": str(rank),
-        "WORLD_SIZE": str(nproc),
-        "LOCAL_WORLD_SIZE": str(nproc),
-        "OMP_NUM_THREADS": str(threads),
-        "TORCHELASTIC_USE_AGENT_STORE": "True",
-    }
+    env = {**base, **torchrun_env(rank, nproc, port), "OMP_NUM_THREADS": str(threads)}
     return cpu_malloc_env(env) if cpu else env

@@ -196,13 +196,19 @@ class _Publisher(threading.Thread):
 _PUBLISHER: _Publisher | None = None
 
 
-_JOBS = [0, 0]
-"""Jobs this process ended with ``end_job`` (a job's positions are keyed by its number, so
-one job never reads another's), and how many waits failed in the current job."""
+class _Job:
+    """This process's job: its number (the jobs ended before it with ``end_job``; a job's
+    positions are keyed by it, so one job never reads another's) and its failed waits."""
+
+    def __init__(self) -> None:
+        self.number, self.failed_waits = 0, 0
+
+
+_JOB = _Job()
 
 
 def _key(rank: int) -> str:
-    return f"flatshard/position/{_JOBS[0]}/{rank}"
+    return f"flatshard/position/{_JOB.number}/{rank}"
 
 
 def _default_store() -> dist.Store | None:
@@ -261,8 +267,8 @@ def end_job() -> bool:
         _PUBLISHER.join(timeout=5 * PUBLISH_EVERY)
         _PUBLISHER = None
     Position.__init__(HERE)
-    failed = _JOBS[1] > 0
-    _JOBS[:] = [_JOBS[0] + 1, 0]
+    failed = _JOB.failed_waits > 0
+    _JOB.number, _JOB.failed_waits = _JOB.number + 1, 0
     return failed
 
 
@@ -298,7 +304,7 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
     """The error for the collective ``watched``, waited on from ``since`` (``time.time()``),
     that failed with ``err``, naming every rank's position as it was when the failure came."""
     now = time.time()
-    _JOBS[1] += 1
+    _JOB.failed_waits += 1
     found = positions(dist.get_process_group_ranks(watched.group))
     if _PUBLISHER is not None:  # the others keep reading where this rank failed, not its exit
         _PUBLISHER.stopped.set()

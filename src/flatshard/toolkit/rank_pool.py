@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from flatshard.comm import deadline
-from flatshard.toolkit.ranks import collect, join, rank_env
+from flatshard.toolkit.ranks import collect, join, torchrun_env
 
 MAX_RSS = 3 << 30
 """A rank whose resident memory is past this after a run retires (bytes)."""
@@ -114,7 +114,7 @@ def _log(line: str) -> None:
 def serve(rank: int, world_size: int, port: int, backend: str, inbox: Any, results: Any, parent: int) -> None:
     """A reused rank: join the group at the first run, then run what arrives until a run
     leaves what cannot be undone, or the parent is gone."""
-    rank_env(rank, world_size)
+    os.environ.update(torchrun_env(rank, world_size, port))
     results.put((rank, True, b"", 0, ""))  # (starts the queue's feeder thread before the slate is taken)
     slate = Slate()
     while True:

@@ -3,7 +3,6 @@ environment a rank sees, joining the process group, and collecting the ranks' re
 
 from __future__ import annotations
 
-import os
 import pickle
 import queue
 import time
@@ -23,11 +22,18 @@ class RankError(RuntimeError):
         super().__init__(f"rank {rank} failed{note}:\n{trace}")
 
 
-def rank_env(rank: int, world_size: int) -> None:
-    """The variables torchrun would set for this rank."""
-    os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size)
-    )
+def torchrun_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for local rank ``rank`` of a job whose agent hosts the
+    rendezvous store at ``port`` (the launcher's ranks and the test harness's alike)."""
+    return {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+    }
 
 
 def join(rank: int, world_size: int, port: int, backend: str, timeout: float) -> None:

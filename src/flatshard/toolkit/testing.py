@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from flatshard.toolkit.malloc import cpu_malloc_env
 from flatshard.toolkit.rank_pool import Pool
-from flatshard.toolkit.ranks import RankError, collect, join, rank_env
+from flatshard.toolkit.ranks import RankError, collect, join, torchrun_env
 
 __all__ = ["PRELOAD", "RankError", "run_distributed", "run_script", "warm_up"]
 
@@ -185,9 +185,7 @@ def _script_main(path: str, argv: list[str], cwd: str | None) -> str:
 
 def _rank_main(fn, args, kwargs, rank, world_size, port, backend, threads, timeout, results, init) -> None:
     torch.set_num_threads(threads)
-    rank_env(rank, world_size)
-    if not init:  # (torchrun's agent hosts the store that env:// rendezvous joins; here the parent)
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(torchrun_env(rank, world_size, port))  # (init=False: env:// joins the parent's store)
     try:
         if init:
             join(rank, world_size, port, backend, timeout)
