@@ -18,6 +18,7 @@ import torch.distributed as dist
 import flatshard
 import flatshard.engine.buffer as buffer_module
 import flatshard.engine.reduction as reduction
+import flatshard.units.full_buckets as full_buckets
 import flatshard.units.unshard as unshard
 from _parity import CheckpointedGPT, RankSkippingGPT, SharedBlockGPT
 from flatshard.toolkit.data import SyntheticCorpus
@@ -67,17 +68,17 @@ def _install(watch: _Watch) -> None:
     unshard.all_gather = watch.wrap(unshard.all_gather)
     reduction.reduce_scatter_coalesced = watch.wrap(reduction.reduce_scatter_coalesced)
     reduction.all_reduce = watch.wrap(reduction.all_reduce)
-    release, give = buffer_module._release, reduction.ScratchPool.give
+    release, give = buffer_module.release, reduction.ScratchPool.give
 
     def checked_release(tensor):
         watch.check_free(tensor, "a full bucket or grad shard was freed")
-        release(tensor)
+        return release(tensor)
 
     def checked_give(pool, tensor):
         watch.check_free(tensor, "grad scratch went back to the pool")
         give(pool, tensor)
 
-    buffer_module._release = checked_release
+    buffer_module.release = full_buckets.release = checked_release  # (grad shards, full buckets)
     reduction.ScratchPool.give = checked_give
 
 

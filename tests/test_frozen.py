@@ -8,9 +8,9 @@ from torch import nn
 
 import flatshard
 from _parity import SGD, LoRAGPT, check_parity, train_optimizer_side_by_side
-from flatshard.engine.placeholder import Placeholder
 from flatshard.planner.plan import plan_from_specs
 from flatshard.toolkit.testing import run_distributed
+from flatshard.units.placeholder import Placeholder
 from flatshard.wrap.specs import model_specs
 
 

@@ -12,10 +12,10 @@ from torch import nn
 
 import flatshard
 from _parity import CFG, SGD, check_parity, train_optimizer_side_by_side
-from flatshard.engine.unit_tree import find_units
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import lm_loss, tiny_model
 from flatshard.toolkit.testing import run_distributed
+from flatshard.units.unit_tree import find_units
 
 transformers = pytest.importorskip("transformers")  # (in the dev extras: CI has it)
 

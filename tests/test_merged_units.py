@@ -1,4 +1,4 @@
-"""Merged units ([Note: merged units] in engine/unit_tree.py): which units merge, that a bucket
+"""Merged units ([Note: merged units] in units/unit_tree.py): which units merge, that a bucket
 never mixes merged units, that merging cuts the collectives a step issues, and that stage 3
 with merged units follows torch DDP where ranks run every block, skip some, run one twice
 or recompute them."""
@@ -20,11 +20,11 @@ from _parity import (
     decay_groups,
     train_optimizer_side_by_side,
 )
-from flatshard.engine.unit_tree import assign_params, find_units, merge_units
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.models.gpt import Block
 from flatshard.toolkit.testing import run_distributed
+from flatshard.units.unit_tree import assign_params, find_units, merge_units
 from flatshard.wrap.specs import stage3_units
 
 SIX = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=6, n_heads=2)

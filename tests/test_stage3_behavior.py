@@ -11,11 +11,11 @@ import flatshard
 from _parity import CFG, TiedGPT, full_params, max_rel_diff
 from flatshard import DistributedOptimizer, memory_report
 from flatshard.checkpoint.state import main_pieces
-from flatshard.engine.unit_tree import assign_params, find_units
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.models.gpt import Block
 from flatshard.toolkit.testing import run_distributed
+from flatshard.units.unit_tree import assign_params, find_units
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
 DEEP = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)

@@ -27,10 +27,10 @@ The reasoning is [Note: never silent] below."""
 #   negative ``max_norm`` and, with ``error_if_nonfinite``, a non-finite norm
 #   (``optim/distributed.py``).
 # * **A placeholder never computes.** A module shared by two units belongs to their common
-#   ancestor unit (``engine/unit_tree.py``), so whichever block runs, its params are full. A param
+#   ancestor unit (``units/unit_tree.py``), so whichever block runs, its params are full. A param
 #   read *outside* its unit's forward is a ``Placeholder`` that refuses any operation on its
 #   values with a ``ShardedParamError`` naming the param and its unit ([Note: placeholders] in
-#   ``engine/placeholder.py``).
+#   ``units/placeholder.py``).
 # * **A grad is whole or refused.** Where flatshard holds a param's grad in its buffers, its
 #   ``.grad`` is a ``ShardedGrad``: torch's norms and clipping on it are global, any other use
 #   is a ``ShardedGradError``, and a ``.grad`` assigned by hand is refused at the step
@@ -64,7 +64,7 @@ class ChecksumError(CheckpointError):
 class ShardedParamError(RuntimeError):
     """A stage-3 param's values were read while they are sharded: outside the forward and
     backward of the unit that holds it and outside ``summon_full_params``. The message names
-    the param, its unit and the operation ([Note: placeholders] in ``engine/placeholder.py``)."""
+    the param, its unit and the operation ([Note: placeholders] in ``units/placeholder.py``)."""
 
 
 class ShardedGradError(RuntimeError):

@@ -61,7 +61,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         held = [t for t in held if t is not None]  # (None: the main params hold them)
         held += [p for p in params if id(p) not in in_buffers]
         if state.unsharder is not None:  # stage-3 units full right now (e.g. prefetched)
-            held += [p.buffer.full_bucket(p.bucket) for parts in state.unsharder.parts for p in parts]
+            held += [p.full_tensor() for parts in state.unsharder.parts for p in parts]
     param_bytes = _storage_bytes(held, seen)
     grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
     grads = [g for g in grads if not isinstance(g, ShardedGrad)]  # (no storage: views of the buffers')

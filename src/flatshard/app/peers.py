@@ -30,9 +30,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from flatshard.engine.unit_tree import find_units
 from flatshard.memory import memory_report
 from flatshard.planner.stage import STAGES
+from flatshard.units.unit_tree import find_units
 
 ADAMW: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1}
 

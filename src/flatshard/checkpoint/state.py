@@ -17,9 +17,9 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard.checkpoint.pieces import Piece
-from flatshard.engine.unit_tree import names_by_param
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import ShardedModule
+from flatshard.wrap.specs import names_by_param
 
 MODEL, MAIN, STATE, GROUPS, META = "model/", "main/", "state/", "optimizer/param_groups", "optimizer/meta"
 

@@ -21,12 +21,9 @@ The reasoning is in the notes below ([Note: buffers own storage], ...)."""
 # shards) use that frame.
 #
 # With ``sharded_params=True`` (stage 3) params are kept as shards too: ``param_shard_data``
-# holds this rank's shard of every bucket in the same frame, and each bucket has a full-size
-# tensor whose storage is allocated only while its unit is gathered ([Note: unsharding] in
-# ``units/unshard.py``). Each param's ``.data`` is then either a view into that full tensor or, while
-# sharded, a *placeholder*: a NaN that is expanded to the param's shape (one element of
-# memory, the right shape for ``named_parameters()``), and the param a ``Placeholder`` that refuses
-# to be read ([Note: placeholders] in ``engine/placeholder.py``).
+# holds this rank's shard of every bucket in the same frame. The full buckets a unit is
+# gathered into, and each param's ``.data`` pointing at its view of one or at its
+# placeholder, belong to the stage-3 layer ([Note: full buckets] in ``units/full_buckets.py``).
 #
 # [Note: main-backed shards]
 # At stage 3 a 16-bit buffer whose module has a ``DistributedOptimizer`` keeps no 16-bit
@@ -53,10 +50,8 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import torch
-from torch import nn
 
 from flatshard.comm.world import ONE, World
-from flatshard.engine.placeholder import hide, show
 from flatshard.planner.layout import BucketLayout, BufferLayout, Layout, Range
 
 FlatParam: TypeAlias = Any
@@ -91,18 +86,9 @@ class FlatBuffer:
             offset += bucket.shard_range(rank).size
         self._frame_starts = starts
         self.frame_numel = offset
-        self._full: list[torch.Tensor] = []  # stage 3: one full tensor per bucket
-        # stage 3, per bucket, slot index -> (param, its view into _full, its placeholder)
-        self._pointers: list[dict[int, tuple[nn.Parameter, torch.Tensor, torch.Tensor]]] = [
-            {} for _ in layout.buckets
-        ]
         self.main_frame: torch.Tensor | None = None  # stage 3, 16-bit: fp32 main params hold the shard
         if sharded_params:
             self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
-            # full buckets hold memory only while their unit is gathered: none yet (made and
-            # released one at a time, so wrapping never holds more than one bucket in full)
-            self._full = [torch.empty(b.numel, dtype=layout.dtype, device=device) for b in layout.buckets]
-            self.placeholder = torch.full((1,), float("nan"), dtype=layout.dtype, device=device)
         else:
             self.param_data = torch.zeros(layout.numel, dtype=layout.dtype, device=device)
         if not grads:
@@ -142,26 +128,18 @@ class FlatBuffer:
                 if param.grad is not None:
                     grad_view.copy_(param.grad)
                 param.main_grad = grad_view
-        for full in self._full:  # (stage 3) a full bucket holds memory only while its unit is gathered
-            _release(full)
 
     def _bind_sharded(self, slot, param: FlatParam) -> None:
-        """Stage 3: keep this rank's pieces of ``param`` in the shard frame; ``.data`` becomes
-        the placeholder (a meta param keeps no values: it is initialized unit by unit)."""
-        bucket = self.layout.buckets[slot.bucket]
-        full = self._full[slot.bucket]
-        view = full[slot.start - bucket.start : slot.end - bucket.start].view(param.shape)
-        placeholder = self.placeholder.expand(param.shape)
-        self._pointers[slot.bucket][slot.index] = (param, view, placeholder)
-        if not param.is_meta:
-            self.load_param(slot, param)
+        """Stage 3: keep this rank's pieces of ``param`` in the shard frame (a meta param keeps
+        no values: it is initialized unit by unit). Its ``.data`` stays as it is until the
+        stage-3 layer's ``FullBuckets`` points it at a placeholder."""
         if param.grad is not None:
             raise ValueError(
                 f"param {slot.name!r} has a .grad; call zero_grad(set_to_none=True) before stage 3"
             )
-        param.main_grad = None
         if not param.is_meta:
-            hide(param, placeholder)
+            self.load_param(slot, param)
+        param.main_grad = None
 
     def load_param(self, slot, values: torch.Tensor) -> None:
         """Copy this rank's pieces of a full param's ``values`` into the shard frame (into
@@ -218,27 +196,6 @@ class FlatBuffer:
                 main.copy_(torch.where(changed, mine.to(main.dtype), main))
                 written = True
         return written
-
-    # -- stage 3: full buckets ---------------------------------------------------------------
-    def full_bucket(self, bucket: BucketLayout) -> torch.Tensor:
-        """The bucket's full-size tensor (stage 3; its storage is empty while sharded)."""
-        return self._full[bucket.index]
-
-    def allocate_full(self, bucket: BucketLayout) -> torch.Tensor:
-        return _refill(self._full[bucket.index])
-
-    def free_full(self, bucket: BucketLayout) -> None:
-        _release(self._full[bucket.index])
-
-    def point_params(self, bucket: BucketLayout, *, full: bool) -> None:
-        """Point the bucket's params at their views of the full bucket, or at their
-        placeholders (both made once, at ``bind``: this runs twice per unit and pass)."""
-        if full:
-            for param, view, placeholder in self._pointers[bucket.index].values():
-                show(param, view, placeholder)
-        else:
-            for param, _, placeholder in self._pointers[bucket.index].values():
-                hide(param, placeholder)
 
     def param_storage(self) -> torch.Tensor | None:
         """The tensor that holds this buffer's params between uses (None when the main
@@ -314,39 +271,39 @@ class FlatBuffer:
     def allocate_grad_shard(self, bucket: BucketLayout) -> torch.Tensor:
         """``bucket``'s grad shard with its storage allocated (values undefined if it was
         freed: the caller overwrites them)."""
-        return _refill(self.grad_shards[bucket.index])
+        return refill(self.grad_shards[bucket.index])
 
     def has_grad_shard(self, bucket: BucketLayout) -> bool:
         """Whether ``bucket``'s grads exist (not freed by ``zero_grad`` since)."""
         if self.grad_data is not None:
             return True
-        return self.has_grads and _allocated(self.grad_shards[bucket.index])
+        return self.has_grads and allocated(self.grad_shards[bucket.index])
 
     def zero_grads(self) -> None:
         """Zero every grad this buffer holds (``zero_grad(set_to_none=False)``)."""
         for tensor in self.grad_storage():
-            if _allocated(tensor):
+            if allocated(tensor):
                 tensor.zero_()
 
     def free_grad_shards(self) -> None:
         """Release every grad shard's storage (``zero_grad(set_to_none=True)``)."""
         for shard in self.grad_shards:
-            _release(shard)
+            release(shard)
 
 
-def _allocated(tensor: torch.Tensor) -> bool:
+def allocated(tensor: torch.Tensor) -> bool:
     return tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
 
 
-def _refill(tensor: torch.Tensor) -> torch.Tensor:
+def refill(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` with storage for its elements again (same storage object, so views of it
     stay valid; values undefined after ``_release``)."""
-    if not _allocated(tensor):
+    if not allocated(tensor):
         tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
     return tensor
 
 
-def _release(tensor: torch.Tensor) -> torch.Tensor:
+def release(tensor: torch.Tensor) -> torch.Tensor:
     """Free ``tensor``'s memory, keeping its storage object (and every view's) alive."""
     tensor.untyped_storage().resize_(0)
     return tensor

@@ -9,11 +9,11 @@ The reasoning is [Note: param gather] below."""
 # all-gather per bucket, in the order the next forward needs them (the bucket holding the
 # first-registered param first), and waits for a bucket only where it is needed:
 #
-# * in a forward pre-hook of the outermost *block* (a child of an ``nn.ModuleList``, the
-#   default units of ``engine/unit_tree.py``) around a module that owns (``recurse=False``) one of its
-#   params, or of that module itself when no block holds it. Hooking the block rather than
-#   its layers keeps the waits on its edges, outside a graph that ``block.compile()`` makes
-#   ([Note: hooks and torch.compile]);
+# * in a forward pre-hook of the outermost *block* (a child of an ``nn.ModuleList``: the
+#   default units of ``units/unit_tree.py``, which ``shard()`` passes in) around a module
+#   that owns (``recurse=False``) one of its params, or of that module itself when no block
+#   holds it. Hooking the block rather than its layers keeps the waits on its edges, outside
+#   a graph that ``block.compile()`` makes ([Note: hooks and torch.compile]);
 # * in ``wait_all``: before the next step writes any shard, and before the module's
 #   ``state_dict`` reads params.
 #
@@ -31,7 +31,6 @@ from flatshard.comm.collectives import CommStats, Handle, all_gather
 from flatshard.comm.deadline import HERE
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.dynamo import eager
-from flatshard.engine.unit_tree import find_units
 
 
 class ParamGather:
@@ -42,7 +41,10 @@ class ParamGather:
         module: nn.Module,
         sets: Sequence[BufferSet],
         stats: CommStats,
+        blocks: Sequence[nn.Module] = (),
     ) -> None:
+        """``blocks``: disjoint subtrees of ``module`` whose forward pre-hooks wait for the
+        params inside them (the outermost units of ``units/unit_tree.py``)."""
         self.stats = stats
         order = {id(p): i for i, p in enumerate(module.parameters())}
         units = []  # (first use, buffer, bucket, world, its params)
@@ -59,7 +61,7 @@ class ParamGather:
             for p in params:
                 unit_of.setdefault(id(p), []).append(index)
         self._pending: dict[int, Handle] = {}
-        waiter = _waiters(module)
+        waiter = _waiters(module, blocks)
         needed: dict[int, set[int]] = {}
         for submodule in module.modules():
             for p in submodule.parameters(recurse=False):
@@ -97,14 +99,11 @@ class ParamGather:
             self.wait(units)
 
 
-def _waiters(module: nn.Module) -> dict[int, nn.Module]:
-    """``{id(submodule): the module whose pre-hook waits for its params}``: the outermost
-    block holding it, or itself."""
-    units = find_units(module)
+def _waiters(module: nn.Module, blocks: Sequence[nn.Module]) -> dict[int, nn.Module]:
+    """``{id(submodule): the module whose pre-hook waits for its params}``: the block
+    holding it, or itself."""
     waiter = {id(m): m for m in module.modules()}
-    for unit in units[1:]:  # pre-order: an outer block comes first and keeps its modules
-        if unit.parent is not None and units[unit.parent].parent is None:  # (directly inside the root)
-            (block,) = unit.modules  # (find_units: one module per unit)
-            for m in block.modules():
-                waiter[id(m)] = block
+    for block in blocks:
+        for m in block.modules():
+            waiter[id(m)] = block
     return waiter

@@ -31,7 +31,7 @@ STAGES = (0, 1, 2, 3)
 BACKWARD_PREFETCH = ("pre", "post", None)
 DEFAULT_UNIT_BYTES = 2**20
 """Adjacent small units merge up to this many bytes of params ([Note: merged units] in
-``engine/unit_tree.py``); measured in ``benchmarks/README.md`` (Stage 3: merged units)."""
+``units/unit_tree.py``); measured in ``benchmarks/README.md`` (Stage 3: merged units)."""
 
 
 def _is_int(value: object) -> bool:

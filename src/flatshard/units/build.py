@@ -55,8 +55,9 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, broadcast
 from flatshard.comm.world import World, side_world
 from flatshard.engine.buffer import BufferSet
-from flatshard.engine.unit_tree import Unit, module_units, unsharded_tensors
 from flatshard.planner.stage import Stage3
+from flatshard.units.full_buckets import FullBuckets
+from flatshard.units.unit_tree import Unit, module_units
 from flatshard.units.unshard import Part, Unsharder
 
 COALESCE_NUMEL = 2**22
@@ -75,9 +76,10 @@ def build_unsharder(
     for bset in sets:
         gather_world = side_world(bset.world)
         for buffer in bset.buffers:
+            full = FullBuckets(buffer, bset.params)  # (its params are placeholders from here on)
             for bucket in buffer.layout.buckets:
                 first = bset.params[bucket.params[0].index]
-                parts[unit_of[id(first)]].append(Part(buffer, bucket, gather_world, bset.params))
+                parts[unit_of[id(first)]].append(Part(buffer, bucket, gather_world, bset.params, full))
     return Unsharder(units, parts, stats, options)
 
 
@@ -148,24 +150,20 @@ def initialize_units(
                 _materialize_locals(m, device)
             for part in unsharder.parts[unit.index]:
                 unsharder.allocate(part).zero_()
-                part.buffer.point_params(part.bucket, full=True)
+                part.point(full=True)
             for m in modules:
                 if _holds_state(m):
                     init_fn(m)  # (shard()'s default: [Note: default init] in wrap/init.py)
             if sync_worlds:
-                pairs = [
-                    (part.buffer.full_bucket(part.bucket), w)
-                    for part in unsharder.parts[unit.index]
-                    for w in sync_worlds
-                ]
+                pairs = [(part.full_tensor(), w) for part in unsharder.parts[unit.index] for w in sync_worlds]
                 pairs += [
                     (t, w) for m in modules for t in unsharded_tensors(m, recurse=False) for w in sync_worlds
                 ]
                 broadcast_values(pairs)
             for part in unsharder.parts[unit.index]:
                 buffer, bucket = part.buffer, part.bucket
-                buffer.param_shard(bucket).copy_(buffer.own_part(buffer.full_bucket(bucket), bucket))
-                buffer.point_params(bucket, full=False)
+                buffer.param_shard(bucket).copy_(buffer.own_part(part.full_tensor(), bucket))
+                part.point(full=False)
                 unsharder.free(part)
 
 
@@ -182,3 +180,10 @@ def _holds_state(module: nn.Module) -> bool:
     return any(True for _ in module.parameters(recurse=False)) or any(
         True for _ in module.buffers(recurse=False)
     )
+
+
+def unsharded_tensors(module: nn.Module, *, recurse: bool = True) -> list[torch.Tensor]:
+    """The module's frozen params and buffers (``recurse=False``: its own only): the
+    tensors no flat buffer holds."""
+    frozen = [p for p in module.parameters(recurse=recurse) if not p.requires_grad]
+    return frozen + list(module.buffers(recurse=recurse))

@@ -125,7 +125,7 @@ def _write_back(parts: list[Part]) -> None:
     with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
         for part in parts:
             buffer, bucket = part.buffer, part.bucket
-            full = buffer.full_bucket(bucket)
+            full = part.full_tensor()
             for slot in bucket.params:
                 view, param = (
                     full[slot.start - bucket.start : slot.end - bucket.start],

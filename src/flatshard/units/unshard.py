@@ -53,7 +53,7 @@ The reasoning is in the notes below ([Note: unsharding], ...)."""
 # the root unit's params (embeddings, final norm, head), which only the root's pre-hook would
 # gather: a forward that began below it computed on NaN placeholders, and ``generate()`` returned
 # token 0 on every rank. So the root's hooks sit on every module of the root's own that holds
-# params in its subtree (``engine.unit_tree.entry_points``; for our GPT the root, its embeddings,
+# params in its subtree (``units.unit_tree.entry_points``; for our GPT the root, its embeddings,
 # its final norm and head). The first of them whose forward begins while no forward is under
 # way is the forward's *entry*: its pre-hook does what the root's does (gather the root unit,
 # prefetch), and its forward hook ends the forward (free what is done, issue what was skipped,
@@ -138,11 +138,12 @@ from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager
 from flatshard.engine.lifecycle import Gather, advance
-from flatshard.engine.placeholder import label
-from flatshard.engine.unit_tree import Unit, entry_points
 from flatshard.errors import ShardedParamError
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import Stage3
+from flatshard.units.full_buckets import FullBuckets
+from flatshard.units.placeholder import label
+from flatshard.units.unit_tree import Unit, entry_points
 
 
 @dataclass(frozen=True)
@@ -153,6 +154,26 @@ class Part:
     bucket: BucketLayout
     world: World
     params: Sequence[nn.Parameter]  # indexed by slot.index
+    full: FullBuckets | None = None  # the buffer's full buckets (None: only grads are gathered)
+
+    def full_tensor(self) -> torch.Tensor:
+        """The bucket's full tensor ([Note: full buckets])."""
+        return self._full_buckets().tensor(self.bucket)
+
+    def allocate(self) -> torch.Tensor:
+        return self._full_buckets().allocate(self.bucket)
+
+    def free(self) -> None:
+        self._full_buckets().free(self.bucket)
+
+    def point(self, *, full: bool) -> None:
+        """The bucket's params at their views of the full bucket, or at their placeholders."""
+        self._full_buckets().point(self.bucket, full=full)
+
+    def _full_buckets(self) -> FullBuckets:
+        if self.full is None:
+            raise RuntimeError(f"bucket {self.bucket.index} is not sharded at stage 3: it has no full bucket")
+        return self.full
 
 
 class Unsharder:
@@ -245,7 +266,7 @@ class Unsharder:
             for handle in self._handles.pop(u):
                 handle.wait()
         for part in self.parts[u]:
-            part.buffer.point_params(part.bucket, full=True)
+            part.point(full=True)
         self.state[u] = advance(self.state[u], Gather.FULL, "a unit")
 
     def reshard(self, u: int) -> None:
@@ -257,21 +278,21 @@ class Unsharder:
             for handle in self._handles.pop(u):
                 handle.wait()
         for part in self.parts[u]:
-            part.buffer.point_params(part.bucket, full=False)
+            part.point(full=False)
             self.free(part)
         self.state[u] = advance(self.state[u], Gather.SHARDED, "a unit")
 
     def allocate(self, part: Part) -> torch.Tensor:
         """The part's full bucket with its storage allocated (counted in ``full_bytes``)."""
-        full = part.buffer.allocate_full(part.bucket)
+        full = part.allocate()
         self.full_bytes += full.numel() * full.element_size()
         self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes)
         return full
 
     def free(self, part: Part) -> None:
-        full = part.buffer.full_bucket(part.bucket)
+        full = part.full_tensor()
         self.full_bytes -= full.numel() * full.element_size()
-        part.buffer.free_full(part.bucket)
+        part.free()
 
     def settle(self) -> None:
         """Free every unit (before a step writes shards, and after each backward)."""

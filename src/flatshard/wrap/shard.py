@@ -22,7 +22,6 @@ from flatshard.engine.grad_sync import (
     build_reductions,
 )
 from flatshard.engine.param_gather import ParamGather
-from flatshard.engine.unit_tree import unsharded_tensors
 from flatshard.planner.layout import plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, cast_params, input_cast_hook
 from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
@@ -33,7 +32,9 @@ from flatshard.units.build import (
     initialize_units,
     is_meta_model,
     replace_meta_params,
+    unsharded_tensors,
 )
+from flatshard.units.unit_tree import outer_blocks
 from flatshard.wrap.arguments import (
     bucket_options,
     check_arguments,
@@ -385,7 +386,7 @@ def _assemble(
     groups = build_reductions(list(sets.values()), buckets_per_launch, stats, reduce_dtype)
     gather = unsharder = None
     if policy.gathers_buckets_after_step:
-        gather = ParamGather(module, list(sets.values()), stats)
+        gather = ParamGather(module, list(sets.values()), stats, outer_blocks(module))
     if policy.gathers_units:
         unit_list, unit_of = units
         every = [*sets.values(), *([frozen] if frozen is not None else [])]

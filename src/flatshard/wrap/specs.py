@@ -13,10 +13,10 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
-from flatshard.engine.unit_tree import UnitSpec, assign_params, find_units, merge_units, names_by_param
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision
 from flatshard.planner.stage import DEFAULT_UNIT_BYTES, StagePolicy
+from flatshard.units.unit_tree import UnitSpec, assign_params, find_units, merge_units
 
 WholeParams = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter] | None
 """Params a sharded layout keeps whole: a predicate ``(name, param) -> bool``, or params."""
@@ -117,3 +117,12 @@ def model_specs(
     ]
     unit_of = stage3_units(module, named, units, unit_bytes)[1] if StagePolicy(stage).gathers_units else {}
     return param_specs(named, tied_params(module), unit_of, whole_param_names(module, whole_params))
+
+
+def names_by_param(module: nn.Module) -> dict[int, list[str]]:
+    """``{id(param): every name it is registered under}``, the first name first: a param
+    with several names is tied (e.g. embeddings shared with the output layer)."""
+    names: dict[int, list[str]] = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names

@@ -45,7 +45,6 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import torch
 from torch import nn
 
 UnitSpec = Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
@@ -105,7 +104,7 @@ def module_units(units: list[Unit]) -> dict[int, int]:
     """``{id(module): index of the innermost unit containing it}`` for every module. A module
     reachable along several paths (one shared by two blocks) belongs to the innermost unit
     that contains all of them, which is full whenever any of them runs: otherwise one block
-    would read the other's placeholders ([Note: placeholders] in ``engine/placeholder.py``)."""
+    would read the other's placeholders ([Note: placeholders] in ``units/placeholder.py``)."""
     index_of = {name: unit.index for unit in units for name in unit.names}
     found: dict[int, set[int]] = {}
     for name, sub in units[0].modules[0].named_modules(remove_duplicate=False):
@@ -178,13 +177,12 @@ def assign_params(module: nn.Module, units: list[Unit]) -> dict[int, int]:
     return {key: _common_ancestor(units, found) for key, found in owners.items()}
 
 
-def names_by_param(module: nn.Module) -> dict[int, list[str]]:
-    """``{id(param): every name it is registered under}``, the first name first: a param
-    with several names is tied (e.g. embeddings shared with the output layer)."""
-    names: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return names
+def outer_blocks(module: nn.Module) -> list[nn.Module]:
+    """The default units directly inside the root (the outermost transformer blocks), in
+    pre-order: where a stage-1/2 forward waits for the params gathered after a step
+    ([Note: param gather] in ``engine/param_gather.py``)."""
+    units = find_units(module)
+    return [u.modules[0] for u in units[1:] if u.parent == 0]
 
 
 def entry_points(units: list[Unit]) -> list[nn.Module]:
@@ -204,13 +202,6 @@ def entry_points(units: list[Unit]) -> list[nn.Module]:
         found.append(module)
         stack.extend(reversed([c for c in module.children() if id(c) not in others]))
     return found
-
-
-def unsharded_tensors(module: nn.Module, *, recurse: bool = True) -> list[torch.Tensor]:
-    """The module's frozen params and buffers (``recurse=False``: its own only): the
-    tensors no flat buffer holds."""
-    frozen = [p for p in module.parameters(recurse=recurse) if not p.requires_grad]
-    return frozen + list(module.buffers(recurse=recurse))
 
 
 def _common_ancestor(units: list[Unit], indices: set[int]) -> int:

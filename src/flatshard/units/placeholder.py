@@ -5,7 +5,7 @@ The reasoning is [Note: placeholders] below."""
 # [Note: placeholders]
 #
 # Between uses a stage-3 param's ``.data`` is a placeholder tensor (one NaN expanded to the
-# param's shape, [Note: buffers own storage] in ``engine/buffer.py``), and the param object
+# param's shape, [Note: full buckets] in ``units/full_buckets.py``), and the param object
 # itself is switched to the class ``Placeholder``, a ``nn.Parameter`` whose
 # ``__torch_function__`` refuses every operation that would read or copy its values with a
 # ``ShardedParamError`` naming the param, its unit and the operation. So a param read
@@ -18,7 +18,7 @@ The reasoning is [Note: placeholders] below."""
 # Invariants:
 #
 # * A param is a ``Placeholder`` exactly while its ``.data`` is its placeholder: ``show`` and
-#   ``hide`` (called by ``FlatBuffer.point_params``, the only place that swaps ``.data`` at
+#   ``hide`` (called by ``FullBuckets.point``, the only place that swaps ``.data`` at
 #   stage 3) change both together. A gathered param is a plain ``nn.Parameter`` again, so
 #   inside a unit's forward (eager or compiled) there is no extra dispatch: the cost is one
 #   class assignment per param per gather and free, beside the ``.data`` assignment already
