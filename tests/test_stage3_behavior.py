@@ -16,6 +16,8 @@ from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.models.gpt import Block
 from flatshard.toolkit.testing import run_distributed
 from flatshard.units.unit_tree import assign_params, find_units
+from flatshard.wrap.plan import FROZEN, plan_wrap
+from flatshard.wrap.shard import attach, build_sets
 
 CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
 DEEP = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=4, n_heads=2)
@@ -76,6 +78,37 @@ def test_params_keep_names_and_shapes_and_layout_never_mixes_units():
     with pytest.raises(flatshard.ShardedParamError, match=r"'blocks\.0\.fc\.weight' of unit 1 \(blocks\.0\)"):
         torch.isnan(sharded.blocks[0].fc.weight)  # (a sharded param's values cannot be read)
     assert torch.zeros_like(sharded.blocks[0].fc.weight).shape == shapes["blocks.0.fc.weight"]
+
+
+def test_shard_is_a_plan_then_its_buffers_then_the_module_attached():
+    """``shard()`` = ``plan_wrap`` -> ``build_sets`` -> ``attach``: the plan alone says each
+    part's params, specs and units; the buffers built from it lay out exactly those specs; the
+    attached module computes what the unsharded one does (one rank: exact)."""
+    model = GPT(DEEP)
+    model.wpe.weight.requires_grad_(False)  # (a frozen param: stage 3's third part)
+    reference = copy.deepcopy(model)
+    options = {
+        "group": None, "buckets": None, "grad_scale": None, "expert": None,
+        "find_unused_parameters": False, "sync_module_states": True, "broadcast_buffers": True,
+        "mixed_precision": None, "whole_params": None, "timeout": None,
+        "stage3": flatshard.Stage3(unit_bytes=None),
+    }  # fmt: skip
+    plan = plan_wrap(model, stage=3, **options)
+    assert [part.key for part in plan.parts] == ["main", FROZEN]
+    assert plan.units[0].name == "" and len(plan.units) == 1 + DEEP.n_layers
+    for part in plan.parts:
+        assert [s.name for s in part.specs] == [n for n, _ in part.named]
+        assert [s.unit for s in part.specs] == [str(plan.unit_of[id(p)]) for _, p in part.named]
+    assert not hasattr(model, "flatshard_state")  # (planning attaches nothing)
+    sets = build_sets(model, plan)
+    for part in plan.parts:
+        layout = sets[part.key].layout
+        slots = [slot for buf in layout.buffers for slot in buf.params]
+        assert sorted(slot.index for slot in slots) == list(range(len(part.specs)))
+        assert all(part.specs[slot.index].name == slot.name for slot in slots)
+    sharded = attach(model, plan, sets)
+    x, y = CORPUS.batch(0, 0, 2)
+    torch.testing.assert_close(sharded(x, y), reference(x, y), rtol=0, atol=0)
 
 
 def test_bad_stage3_options_are_refused():

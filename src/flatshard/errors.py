@@ -19,9 +19,10 @@ The reasoning is [Note: never silent] below."""
 #   [Note: checkpoint checksums] in ``checkpoint/``). Nothing a save did not write is deleted
 #   or overwritten ([Note: save destinations] in ``checkpoint/destination.py``).
 # * **Ranks agree or say so.** At wrap time, the model and every option that shapes the
-#   collectives (``wrap/shard.py``); the optimizer's param groups and hyperparameters at
-#   construction, at every step that all-reduces the grad norm (a digest riding on it), else
-#   every ``CHECK_EVERY`` steps, and at every save (``optim/agreement.py``). A disagreement is a
+#   collectives (the plan's lines, ``wrap/plan.py``, checked before anything is built); the
+#   optimizer's param groups and hyperparameters at construction, at every step that
+#   all-reduces the grad norm (a digest riding on it), else every ``CHECK_EVERY`` steps, and
+#   at every save (``optim/agreement.py``). A disagreement is a
 #   ``ValueError`` on every rank naming the setting, the rank and both values.
 # * **Arguments are checked as torch checks its own**: ``clip_grad_norm_`` refuses a NaN or
 #   negative ``max_norm`` and, with ``error_if_nonfinite``, a non-finite norm

@@ -1,7 +1,9 @@
-"""Layer 4, wrapping a module: ``shard()`` (``shard``) checks its arguments (``arguments``),
-tells the planner what the params are (``specs``), builds the buffers, grad sync and gathers
-for the stage's policy, initializes a meta-device model (``init``) and swaps the module's
-class to gain ``ShardedModule``'s methods (``module``, which also holds ``ShardState``:
-everything attached to a wrapped module). After wrapping: changes to the module are noticed
-(``changes``), full values of record are read (``record``) and uneven inputs end together
-(``uneven``). The optimizer attaches itself through the ``ShardState`` seams."""
+"""Layer 4, wrapping a module: ``shard()`` (``shard``) plans, builds and attaches. The plan
+(``plan``) checks the arguments (``arguments``), tells the planner what the params are
+(``specs``) and decides the parts and units; building makes the flat buffers with rank 0's
+values (``sync_states``); attaching adds grad sync and gathers for the stage's policy,
+initializes a meta-device model (``init``) and swaps the module's class to gain
+``ShardedModule``'s methods (``module``, which also holds ``ShardState``: everything attached
+to a wrapped module). After wrapping: changes to the module are noticed (``changes``), full
+values of record are read (``record``) and uneven inputs end together (``uneven``). The
+optimizer attaches itself through the ``ShardState`` seams."""

@@ -1,0 +1,308 @@
+"""What ``shard()`` decides before it builds anything: the ``WrapPlan``.
+
+Planning checks the arguments, resolves the worlds, casts the params to the mixed-precision
+dtype (a meta model gets placeholders on its device), finds the stage-3 units and splits
+the params into the parts that become buffer sets, each with what the layout planner is
+told of its params. It runs no collective: the ranks check that their plans agree as the
+first step of building (``wrap/shard.py``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from functools import partial
+
+import torch
+from torch import nn
+
+from flatshard.comm.deadline import HERE, Phase, as_timeout, publish_positions
+from flatshard.comm.world import ONE, World, resolve_world, resolve_worlds
+from flatshard.planner.layout import ParamSpec
+from flatshard.planner.mixed_precision import MixedPrecision, cast_params
+from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
+from flatshard.units.build import is_meta_model, replace_meta_params
+from flatshard.units.unit_tree import Unit
+from flatshard.wrap.arguments import bucket_options, check_arguments, check_devices, check_flags
+from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
+
+FROZEN = "frozen"
+"""The key of stage 3's frozen params' ``ParamPart`` (a buffer set without grads)."""
+
+
+@dataclass(frozen=True)
+class Experts:
+    """Params that are data-parallel over another group (e.g. mixture-of-experts experts).
+
+    ``match(name, param)`` selects them; they get their own buffers, reduce over ``group``
+    and scale their grads by ``grad_scale`` (None: ``1 / size of group``).
+    """
+
+    group: object
+    match: Callable[[str, nn.Parameter], bool]
+    grad_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if not callable(self.match):
+            raise TypeError(f"Experts.match must be a predicate (name, param) -> bool, got {self.match!r}")
+
+
+@dataclass(frozen=True)
+class ParamPart:
+    """Trainable params that share a world: they become one ``BufferSet``."""
+
+    key: str  # "main" or "expert"
+    world: World  # the shard world
+    replicate: World  # replicated sharding's replicate world (ONE otherwise)
+    named: list[tuple[str, nn.Parameter]]
+    grad_scale: float | None  # None: 1 / (world size x replicate size)
+    specs: tuple[ParamSpec, ...] = ()  # what the layout planner is told of ``named``, in order
+
+
+@dataclass(frozen=True)
+class WrapPlan:
+    """Everything ``shard()`` builds from, decided on this rank."""
+
+    policy: StagePolicy  # the stage, with its Stage3 options
+    buckets: Buckets
+    mixed_precision: MixedPrecision
+    world: World  # the shard world
+    replicate: World  # replicated sharding's replicate world (ONE otherwise)
+    parts: tuple[ParamPart, ...]  # the trainable parts ("main", "expert"), then stage 3's FROZEN
+    units: tuple[Unit, ...]  # stage 3's units in pre-order (none below stage 3)
+    unit_of: dict[int, int]  # stage 3: id(param) -> its unit's index
+    meta: bool  # the model was on the meta device: initialized unit by unit after building
+    device: torch.device | None  # where a meta model is materialized
+    originals: dict[str, torch.Tensor]  # fp32 values before a MixedPrecision cast (by name)
+    agreement: tuple[str, ...]  # what every rank must agree on, one line per option
+    grad_scale: float | None
+    find_unused_parameters: bool
+    sync_module_states: bool
+    broadcast_buffers: bool
+    worlds: tuple[World, World] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "worlds", (self.world, self.replicate))
+
+
+def plan_wrap(
+    module: nn.Module,
+    *,
+    stage: int,
+    group: object,
+    buckets: Buckets | None,
+    grad_scale: float | None,
+    expert: Experts | None,
+    find_unused_parameters: bool,
+    sync_module_states: bool,
+    broadcast_buffers: bool,
+    mixed_precision: MixedPrecision | None,
+    whole_params: WholeParams,
+    timeout: float | timedelta | None,
+    stage3: Stage3 | None,
+) -> WrapPlan:
+    """``shard()``'s arguments checked and its decisions made (see ``shard`` for each)."""
+    buckets = bucket_options(buckets)
+    policy = StagePolicy.build(stage, stage3)
+    check_arguments(module, grad_scale)
+    check_flags(
+        find_unused_parameters=find_unused_parameters,
+        sync_module_states=sync_module_states,
+        broadcast_buffers=broadcast_buffers,
+    )
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"mixed_precision must be a flatshard.MixedPrecision or None, got {mixed_precision!r}"
+        )
+    mp = mixed_precision or MixedPrecision()
+    world, replicate = _worlds(group, policy, timeout)
+    s3 = policy.stage3
+    replicated = _frozen_replicated(module, policy, expert, s3.ignored_modules)
+    kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
+    named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, replicated)
+    units, unit_of = (
+        stage3_units(module, named, s3.units, s3.unit_bytes) if policy.gathers_units else ([], {})
+    )
+    specs_of = partial(
+        param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole, mixed_precision=mp
+    )
+    parts = _split_worlds(named, world, replicate, grad_scale, expert)
+    parts += _frozen_part(module, replicated, unit_of, world, replicate) if policy.shards_params else []
+    parts = [replace(part, specs=tuple(specs_of(part.named))) for part in parts]
+    options = {
+        "bucket_size": buckets.size,
+        "buckets_per_launch": buckets.per_launch,
+        "grad_scale": grad_scale,
+        "find_unused_parameters": find_unused_parameters,
+        "sync_module_states": sync_module_states,
+        "broadcast_buffers": broadcast_buffers,
+        "pad_for_high_busbw": buckets.pad_for_high_busbw,
+    }
+    agreement = _agreement_lines(
+        module, policy, mp, [u.name for u in units], replicated, meta=meta, **options
+    )
+    return WrapPlan(
+        policy,
+        buckets,
+        mp,
+        world,
+        replicate,
+        tuple(parts),
+        tuple(units),
+        unit_of,
+        meta,
+        device,
+        originals,
+        tuple(agreement),
+        grad_scale,
+        find_unused_parameters,
+        sync_module_states,
+        broadcast_buffers,
+    )
+
+
+def agreement_lines(plan: WrapPlan, part: ParamPart) -> list[str]:
+    """What every rank of ``part``'s worlds must have planned alike: the options and each
+    param of the part with its spec."""
+    described = (_describe(part.key, p, s) for (_, p), s in zip(part.named, part.specs, strict=True))
+    return [*plan.agreement, *described]
+
+
+def _worlds(group: object, policy: StagePolicy, timeout: float | timedelta | None) -> tuple[World, World]:
+    """(shard world, replicate world) of ``group`` with the collectives' deadline; this rank
+    starts publishing its position ([Note: deadlines])."""
+    world, replicate = resolve_worlds(group, as_timeout(timeout))
+    if replicate.size > 1 and not policy.allows_replicated_mesh:
+        raise ValueError(
+            f"group: a 2-D (replicate x shard) mesh is replicated sharding, which needs stage >= 1; "
+            f"got {policy} (pass the flattened group for plain data parallelism)"
+        )
+    if world.group is not None:
+        publish_positions()
+        HERE.enter(Phase.WRAP)
+    return world, replicate
+
+
+def _frozen_replicated(module: nn.Module, policy: StagePolicy, expert, ignored_modules) -> set[int]:
+    """Ids of the frozen params replicated on every rank (not sharded): all of them below stage 3;
+    at stage 3 those of ``ignored_modules``, expert params and non-floating ones."""
+    frozen = {id(p): (n, p) for n, p in module.named_parameters() if not p.requires_grad}
+    if not policy.shards_params:
+        return set(frozen)
+    ignored = {id(p) for m in (ignored_modules or ()) for p in _checked_ignored(module, m).parameters()}
+    return {
+        key
+        for key, (n, p) in frozen.items()
+        if key in ignored
+        or not p.is_floating_point()
+        or p.numel() == 0  # (nothing to shard)
+        or (expert is not None and expert.match(n, p))
+    }
+
+
+def _checked_ignored(module: nn.Module, sub: object) -> nn.Module:
+    if not isinstance(sub, nn.Module) or not any(sub is m for m in module.modules()):
+        raise ValueError(f"ignored_modules: {_short_repr(sub)} is not a submodule of the model")
+    return sub
+
+
+def _short_repr(value: object) -> str:
+    text = repr(value).splitlines()[0]
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _prepare_params(module: nn.Module, policy: StagePolicy, mp: MixedPrecision, device, replicated: set[int]):
+    """(trainable named params, whether the model is on meta, the device, fp32 originals):
+    a meta model gets placeholders on ``device`` (its frozen params too, unless
+    ``replicated``); params are cast to ``mp.param_dtype``."""
+    named = _trainable(module)
+    if not named and not policy.shards_params:
+        raise ValueError(
+            f"{type(module).__name__} has no parameter that requires grad: below stage 3 frozen params "
+            "stay replicated on every rank, so there is nothing to shard (stage 3 shards them: a reference "
+            "model or a teacher)"
+        )
+    meta = is_meta_model(named)
+    if meta and not policy.gathers_units:
+        raise ValueError(f"a model on the meta device is materialized unit by unit at stage 3; got {policy}")
+    originals = cast_params(module, mp.param_dtype) if mp.param_dtype is not None else {}
+    if meta:  # placeholders on the device (cast first: meta tensors cost nothing)
+        originals = {}  # the main params start from the initialized values
+        device = _default_device() if device is None else torch.device(device)
+        replace_meta_params(module, device, replicated)
+    named = _trainable(module)
+    check_devices(named)
+    return named, meta, device, originals
+
+
+def _trainable(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The params the flat buffers hold. A param of no elements has nothing to reduce, shard
+    or step: it stays a plain param on every rank, as under DDP and FSDP2."""
+    return [(n, p) for n, p in module.named_parameters() if p.requires_grad and p.numel() > 0]
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _split_worlds(
+    named, world: World, replicate: World, grad_scale, expert: Experts | None
+) -> list[ParamPart]:
+    """The main params and the expert params, each with its worlds and grad scale."""
+    parts: list[ParamPart] = []
+    if expert is not None:
+        is_expert = [bool(expert.match(n, p)) for n, p in named]
+        chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
+        named = [np for np, e in zip(named, is_expert, strict=True) if not e]
+        if chosen:
+            parts.append(
+                ParamPart(
+                    "expert", resolve_world(expert.group, world.timeout), ONE, chosen, expert.grad_scale
+                )
+            )
+    if named:
+        parts.insert(0, ParamPart("main", world, replicate, named, grad_scale))
+    return parts
+
+
+def _frozen_part(
+    module: nn.Module, replicated: set[int], unit_of, world: World, replicate: World
+) -> list[ParamPart]:
+    """Stage 3: the frozen params not ``replicated``, sorted by unit as the trainable ones."""
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad and id(p) not in replicated]
+    frozen.sort(key=lambda item: unit_of[id(item[1])])
+    return [ParamPart(FROZEN, world, replicate, frozen, None)] if frozen else []
+
+
+def _agreement_lines(
+    module: nn.Module,
+    policy: StagePolicy,
+    mp: MixedPrecision,
+    units: list[str],
+    replicated: set[int],
+    **options,
+):
+    """What every rank must agree on before wrapping, one option per line so that a
+    difference is named: everything that changes the sequence of collectives (the stage, the
+    unit schedule, bucketing, syncing, padding, mixed precision, units) and the frozen params,
+    with which of them stay replicated at stage 3 (``ignored_modules``)."""
+    kept = " replicated" if policy.shards_params else ""
+    return [
+        f"stage={policy.stage}",
+        *(f"{k}={getattr(policy.stage3, k)}" for k in SCHEDULE),
+        *(f"{k}={v}" for k, v in options.items()),
+        f"mixed_precision={mp}",
+        f"units={units}",
+        *(
+            f"frozen {n} {tuple(p.shape)} {p.dtype}{kept if id(p) in replicated else ''}"
+            for n, p in module.named_parameters()
+            if not p.requires_grad
+        ),
+    ]
+
+
+def _describe(key: str, param: nn.Parameter, spec) -> str:
+    whole = " whole" if spec.whole else ""
+    return f"{key} {spec.name} {tuple(param.shape)} {param.dtype} unit={spec.unit}{whole}"
