@@ -1,7 +1,7 @@
 """A LoRA fine-tune of a Hugging Face causal LM at stage 3, end to end: load pretrained
 weights into a model built on the meta device, train with checkpoints, generate, export the
 adapter and the merged model, and reload both with plain ``transformers``/``peft``.
-``docs/finetune.md`` walks through it; ``tests/test_examples.py`` runs it.
+``docs/finetune.md`` walks through it; ``tests/app/test_examples.py`` runs it.
 
     python examples/finetune_lora.py --make-tiny pretrained      # a tiny Llama (no download here)
     torchrun --nproc-per-node 2 examples/finetune_lora.py --pretrained pretrained --out run

@@ -1,9 +1,15 @@
-"""What the tests of flatshard under a host's trainer share (``test_hosts_hf.py``,
-``test_hosts_trl.py``): the run both sides make, and what they compare."""
+"""What the tests of flatshard under a host's trainer share (``hosts/test_hosts_*.py``): the
+model and data both sides train, the run they make, and what they compare."""
 
 from __future__ import annotations
 
 from typing import Any
+
+import torch
+
+from flatshard.toolkit.models import tiny_model
+
+SEQ = 16
 
 SETTINGS: dict[str, Any] = dict(
     use_cpu=True,
@@ -28,3 +34,22 @@ SETTINGS: dict[str, Any] = dict(
 def logged_steps(trainer: Any) -> list[tuple[float, float]]:
     """Each logged step's (loss, grad norm)."""
     return [(e["loss"], e["grad_norm"]) for e in trainer.state.log_history if "loss" in e]
+
+
+class Tokens(torch.utils.data.Dataset):
+    """32 fixed sequences of random tokens (labels = inputs: the model shifts them)."""
+
+    def __init__(self) -> None:
+        self.ids = torch.randint(1, 256, (32, SEQ), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def tiny_llama() -> torch.nn.Module:
+    """A tiny Llama from its config, the same on every rank and side (seed 0)."""
+    torch.manual_seed(0)
+    return tiny_model("llama", seq_len=SEQ)

@@ -17,6 +17,7 @@ sweep) runs once in a fixture and counts against the first test that uses it.
 from __future__ import annotations
 
 import os
+import sys
 from collections import defaultdict
 from pathlib import Path
 
@@ -24,6 +25,15 @@ import pytest
 
 import _early
 from flatshard.toolkit import testing
+
+# The tests live in one folder per feature (``planning/``, ``stages/``, ``optim/``, ...) and the
+# helpers they share (``_parity``, ``_hosted``, ...) here. pytest puts a test file's folder on
+# ``sys.path`` when it collects the file, but the ranks' forkserver copies ``sys.path`` once,
+# when it starts (at configure, before collection): every folder goes on it now, so a rank
+# can import the test module whose function it runs.
+for _folder in sorted(Path(__file__).parent.iterdir()):
+    if _folder.is_dir() and any(_folder.glob("test_*.py")) and str(_folder) not in sys.path:
+        sys.path.insert(0, str(_folder))
 
 # The suite's ranks fork with these already imported: each rank used to import them for
 # ~2.5 s (test_hf.py: 79 s -> 32 s); one import in the forkserver instead. The Trainer and
@@ -35,7 +45,7 @@ testing.PRELOAD.extend(["torch._inductor.compile_fx", "transformers.modeling_uti
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 testing.PRELOAD.extend(["transformers.trainer", "trl", "lightning.pytorch", "_inductor_probes"])
 
-pytest_plugins = ["pytester"]  # (tests/test_harness.py runs the budget on suites of its own)
+pytest_plugins = ["pytester"]  # (tests/repo/test_harness.py runs the budget on suites of its own)
 
 BUDGET_SHARE = 0.08
 BUDGET_MIN_TESTS = 500
@@ -54,6 +64,11 @@ def pytest_configure(config: pytest.Config) -> None:
     xdist controller, which runs no test)."""
     if hasattr(config, "workerinput") or not config.getoption("numprocesses", None):
         testing.warm_up()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that wait for an early job run last ([Note: early starts] in _early.py)."""
+    items[:] = _early.last(items)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

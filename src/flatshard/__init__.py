@@ -5,7 +5,7 @@ The reasoning is [Note: package layers] below."""
 # [Note: package layers]
 #
 # The package is cut into layers; a module imports only from its own layer and the layers
-# listed before it (``tests/test_repo.py`` checks every import):
+# listed before it (``tests/repo/test_repo.py`` checks every import):
 #
 # 0. ``planner/``, pure planning with no process group and no wrapped module: ``layout``
 #    (the flat layout planner), ``stage`` (``StagePolicy``: what each stage keeps sharded),

@@ -1,3 +1,3 @@
 """Layer 8, the application on top of the library: the ``flatshard`` CLI (``cli``), its
-training loop and report (``train``, ``train_report``), the local launcher (``launch``), the
+training loop and report (``train``, ``train_report``), the local launcher (``launcher``), the
 benchmark and its peers (``bench``, ``peers``) and layout drawings (``draw``)."""

@@ -7,7 +7,7 @@ import math
 import os
 import sys
 
-from flatshard.app import launch
+from flatshard.app import launcher
 from flatshard.planner.stage import DEFAULT_BUCKET_SIZE, DEFAULT_UNIT_BYTES, STAGES, StagePolicy
 
 MODEL_HELP = (
@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
 def _train(args: argparse.Namespace, argv: list[str]) -> int:
     from flatshard.app.train import TrainConfig, resolve_device, run
 
-    if launch.launched():
+    if launcher.launched():
         world = int(os.environ["WORLD_SIZE"])
         explicit = any(a in ("--world-size", "-n") or a.startswith("--world-size=") for a in argv)
         if explicit and args.world_size != world:
@@ -326,7 +326,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
                 file=sys.stderr,
             )
             return 2
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launch.launched() else args.world_size
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1")) if launcher.launched() else args.world_size
     try:
         device = resolve_device(args.device, local_ranks)
     except ValueError as e:
@@ -336,8 +336,8 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
     if reason is not None:
         print(f"flatshard train: {reason}", file=sys.stderr)
         return 2
-    if not launch.launched() and args.world_size > 1:
-        return launch.launch_local(argv, args.world_size, cpu=device == "cpu")
+    if not launcher.launched() and args.world_size > 1:
+        return launcher.launch_local(argv, args.world_size, cpu=device == "cpu")
     cfg = TrainConfig(
         model=args.model,
         stage=args.stage,

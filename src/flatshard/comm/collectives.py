@@ -21,11 +21,11 @@ The reasoning is in the notes below ([Note: comm bytes], ...)."""
 # [Note: comm bytes]
 #
 # Stage 0 moves one all-reduce of the whole grad buffer (padding included) per optimizer step
-# and nothing under ``no_sync``; ``tests/test_stage0_behavior.py`` checks both against the
+# and nothing under ``no_sync``; ``tests/stages/test_wrap_behavior.py`` checks both against the
 # layout. Stages 1 and 2 move, per step, one reduce-scatter of every grad bucket, one all-
 # gather of every param bucket and one 8-byte all-reduce (the grad norm); wire bytes follow
 # the formula of the implementation that ran (``CommStats.impls``):
-# ``tests/test_optimizer_behavior.py``.
+# ``tests/optim/test_optimizer_behavior.py``.
 #
 # [Note: collective choice]
 #

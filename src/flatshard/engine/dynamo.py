@@ -11,7 +11,7 @@ The reasoning is [Note: hooks and torch.compile] below."""
 # and runs it as Python between graphs (FSDP2 does the same with its hooks). The block's
 # forward between its pre- and post-hooks stays one graph; with per-block compile the breaks
 # fall on the block's edges, where the hooks stand, and none inside it (counted by
-# ``tests/test_compile.py``).
+# ``tests/stages/test_compile.py``).
 #
 # Hooks on tensors and params (``register_hook``, ``register_post_accumulate_grad_hook``)
 # fire during backward, which Dynamo does not trace, so they need no wrapper.

@@ -22,7 +22,7 @@ The reasoning is in the notes below ([Note: layout], ...)."""
 #   2**16)`` with ``pad_for_high_busbw``), so each bucket splits into ``world_size`` equal
 #   shards and each shard starts on a 128-element (256-byte for 16-bit) boundary.
 #
-# Invariants (tested property-based in ``tests/test_layout.py``):
+# Invariants (tested property-based in ``tests/planning/test_layout.py``):
 #
 # 1. params of one buffer never overlap, and each lies inside exactly one bucket;
 # 2. buckets tile their buffer: ``buckets[0].start == 0``, ``buckets[j].end ==

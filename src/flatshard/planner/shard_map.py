@@ -18,7 +18,7 @@ The reasoning is [Note: optimizer runs] below."""
 # instead, one per param, shaped as the param (it must lie whole in the shard: [Note:
 # whole-param buckets] in ``layout.py``), so the inner optimizer sees real matrices.
 #
-# Rules (``plan_runs``, tested in ``tests/test_shard_map.py``):
+# Rules (``plan_runs``, tested in ``tests/planning/test_shard_map.py``):
 #
 # 1. runs of one bucket are disjoint, in order, and inside the bucket's shard;
 # 2. every element of an optimized param in the shard lies in exactly one run, the run of

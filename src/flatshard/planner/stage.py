@@ -4,7 +4,7 @@ The reasoning is [Note: stage policy] below."""
 
 # [Note: stage policy]
 # A stage is four answers, and every part of flatshard asks the policy instead of comparing
-# the stage number (``tests/test_repo.py`` holds that to this module):
+# the stage number (``tests/repo/test_repo.py`` holds that to this module):
 #
 # | stage | params | grads kept | optimizer state | grads reduced by | params return by      |
 # | ----- | ------ | ---------- | --------------- | ---------------- | --------------------- |

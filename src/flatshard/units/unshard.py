@@ -105,7 +105,7 @@ The reasoning is in the notes below ([Note: unsharding], ...)."""
 # against the compute stream by events (at issue and at ``wait()``); since torch 2.8
 # ProcessGroupNCCL keeps an async collective's tensors alive until ``wait()`` instead of
 # recording streams, and a full bucket or grad scratch is freed or reused only after that
-# wait (tested on gloo: ``tests/test_collective_lifetimes.py``), so the caching allocator
+# wait (tested on gloo: ``tests/comm/test_collective_lifetimes.py``), so the caching allocator
 # reuses the memory in stream order and does not grow. None of this is verified on a GPU.
 #
 # [Note: stage-3 memory]

@@ -8,13 +8,13 @@ import torch
 import torch.distributed as dist
 
 import flatshard
+from _cli import cli
 from flatshard import DistributedOptimizer, memory_report
 from flatshard.planner.plan import plan_from_count, plan_from_specs
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.testing import run_distributed
 from flatshard.wrap.specs import model_specs
-from test_cli import _main
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, tie_embeddings=True)
 
@@ -99,7 +99,7 @@ def test_the_plan_of_low_precision_state_equals_what_a_run_measures(stage, main)
 
 
 def test_plan_cli_json_and_table():
-    out = _main(
+    out = cli(
         "plan",
         "--params",
         "7.5e9",
@@ -115,25 +115,23 @@ def test_plan_cli_json_and_table():
     stages = json.loads(out.stdout)["stages"]
     assert round(stages["1"]["bytes_per_rank"] / 1e9, 1) == 31.4
     assert set(stages["0"]) >= {"bytes_per_rank", "comm_bytes_per_step"}
-    out = _main("plan", "--model", "tiny", "-n", "2", "--optimizer", "sgd-momentum")
+    out = cli("plan", "--model", "tiny", "-n", "2", "--optimizer", "sgd-momentum")
     assert out.returncode == 0, out.stderr
     table, units = out.stdout.split("stage-3 units")
     assert "tiny (28,544 params), rank 0, 2 ranks" in table and len(table.splitlines()) == 6
     assert units.startswith(" (adjacent ones merged up to 1,048,576 bytes): 2 units of 3 modules"), units
     assert "blocks.0..blocks.1 (2)" in units
-    low = _main(
-        "plan", "--params", "7e9", "-n", "8", "--main-dtype", "bf16", "--state-dtype", "bf16", "--json"
-    )
+    low = cli("plan", "--params", "7e9", "-n", "8", "--main-dtype", "bf16", "--state-dtype", "bf16", "--json")
     stages = json.loads(low.stdout)[
         "stages"
     ]  # (the 7B on 8 ranks: 10.5 GB of state at stage 1, now 3.5)
     assert (stages["1"]["main_params"], stages["1"]["optimizer_state"]) == (0, 3.5e9), stages["1"]
-    out = _main("plan", "--model", "tiny", "-n", "2", "--unit-bytes", "none")
+    out = cli("plan", "--model", "tiny", "-n", "2", "--unit-bytes", "none")
     assert "stage-3 units (one per module): 3 units of 3 modules" in out.stdout, out.stdout
 
 
 def test_plan_help_lists_every_option():
-    out = _main("plan", "--help")
+    out = cli("plan", "--help")
     assert out.returncode == 0
     for option in (
         "--params",

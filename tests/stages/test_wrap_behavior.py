@@ -1,4 +1,5 @@
-"""Stage-0 semantics beyond the DDP grid: control flow, dtypes, groups, errors, accounting."""
+"""Wrapping beyond the DDP grid, at every stage: control flow, dtypes, groups, ranks that
+disagree at wrap time, errors, accounting."""
 
 import copy
 
@@ -9,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
+from _parity import TinyMoE
 from flatshard.engine.grad_view import ShardedGrad
 from flatshard.toolkit.testing import RankError, run_distributed
 
@@ -96,16 +98,6 @@ def _bf16_grads_accumulate_in_fp32(world_size):
 @pytest.mark.parametrize("world_size", [1, 3])
 def test_bf16_params_accumulate_fp32_main_grads(world_size):
     run_distributed(_bf16_grads_accumulate_in_fp32, world_size, world_size, timeout=60)
-
-
-class TinyMoE(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.router = nn.Linear(6, 6)
-        self.expert = nn.Linear(6, 6)
-
-    def forward(self, x):
-        return (self.expert(torch.relu(self.router(x))) ** 2).mean()
 
 
 def _expert_params_reduce_over_their_group():

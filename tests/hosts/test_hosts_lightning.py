@@ -18,8 +18,8 @@ import os
 import pytest
 import torch
 
+from _hosted import Tokens, tiny_llama
 from flatshard.toolkit.testing import run_distributed
-from test_hosts_hf import _model, _Tokens
 
 pl = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
@@ -80,14 +80,14 @@ def _trainer(strategy, out: str, world_size: int, **more) -> pl.Trainer:
 
 
 def _loader() -> torch.utils.data.DataLoader:
-    return torch.utils.data.DataLoader(_Tokens(), batch_size=2, shuffle=False)
+    return torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
 
 
 def _against_ddp(stages: list[int], out: str, **more) -> dict:
     """Lightning's DDP on the plain module, then flatshard's strategy at each stage."""
     import flatshard.hosts.lightning  # noqa: F401  (registers "flatshard_stage_N")
 
-    model, world_size = _model(), int(os.environ["WORLD_SIZE"])  # (Lightning's teardown unsets it)
+    model, world_size = tiny_llama(), int(os.environ["WORLD_SIZE"])  # (Lightning's teardown unsets it)
     logged = {}
     for stage in ["ddp", *stages]:
         module = _Module(copy.deepcopy(model))
@@ -166,7 +166,7 @@ def _two_epochs(out: str, stage: int, ckpt_path: str | None = None) -> dict:
     import flatshard.hosts.lightning as fl
 
     world_size = int(os.environ["WORLD_SIZE"])
-    module, params = _Module(_model()), _Params()
+    module, params = _Module(tiny_llama()), _Params()
     saves = pl.callbacks.ModelCheckpoint(dirpath=f"{out}/ckpt", save_top_k=-1, every_n_epochs=1)
     trainer = _trainer(
         fl.Strategy(stage=stage),
@@ -246,7 +246,7 @@ def _refusals(out: str) -> list[str]:
     import flatshard.hosts.lightning as fl
 
     said = []
-    for module, ckpt in [(_TwoOptimizers(_model()), None), (_Module(_model()), f"{out}/plain.ckpt")]:
+    for module, ckpt in [(_TwoOptimizers(tiny_llama()), None), (_Module(tiny_llama()), f"{out}/plain.ckpt")]:
         torch.save({}, f"{out}/plain.ckpt")
         trainer = _trainer(fl.Strategy(stage=1), out, 1, gradient_clip_val=None, accumulate_grad_batches=1)
         try:
@@ -313,7 +313,7 @@ def _fabric_run(
 def _fabric_against_ddp(stages: list[int], out: str, fp16: bool) -> dict:
     import flatshard.hosts.lightning  # noqa: F401  (registers "flatshard_stage_N" for Fabric)
 
-    model = _model()
+    model = tiny_llama()
     runs = {"ddp": _fabric_run("ddp", copy.deepcopy(model), out, fp16=fp16)}
     for stage in stages:
         runs[stage] = _fabric_run(f"flatshard_stage_{stage}", copy.deepcopy(model), out, fp16=fp16)
@@ -336,7 +336,7 @@ def test_fabric_follows_its_ddp(tmp_path, world_size, stages, fp16):
 def _fabric_saves_and_resumes(out: str, stage: int, load: str | None) -> dict:
     import flatshard.hosts.lightning as fl
 
-    return _fabric_run(fl.FabricStrategy(stage=stage), _model(), out, save_at=0 if load else 2, load=load)
+    return _fabric_run(fl.FabricStrategy(stage=stage), tiny_llama(), out, save_at=0 if load else 2, load=load)
 
 
 def test_fabric_checkpoints_resume_exactly_and_at_another_world_size_and_stage(tmp_path):
@@ -360,7 +360,7 @@ def _compiled_against_ddp(stages: list[int], out: str) -> dict:
     flatshard's strategy, against Lightning's DDP on the module uncompiled (the same ops)."""
     import flatshard.hosts.lightning  # noqa: F401
 
-    model, world_size = _model(), int(os.environ["WORLD_SIZE"])
+    model, world_size = tiny_llama(), int(os.environ["WORLD_SIZE"])
     logged = {}
     for stage in ["ddp", *stages]:
         module = _Module(copy.deepcopy(model))

@@ -1,29 +1,13 @@
 """The flatshard command line, end to end (real processes)."""
 
-import contextlib
-import io
 import os
 import subprocess
 import sys
 
 import pytest
 
+from _cli import cli
 from flatshard.toolkit.testing import run_distributed
-
-
-def _main(*args) -> subprocess.CompletedProcess:
-    """``python -m flatshard ARGS`` in this process, for commands that start no ranks (plan,
-    layout, export, verify, --help): what a process would return, without its interpreter
-    start and torch import (~3 s each)."""
-    from flatshard.app.cli import main
-
-    out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = main([str(a) for a in args])
-        except SystemExit as e:  # (argparse's errors and --help)
-            code = e.code if isinstance(e.code, int) else 1
-    return subprocess.CompletedProcess(["flatshard", *args], code, out.getvalue(), err.getvalue())
 
 
 def _flatshard(*args, timeout=240):
@@ -42,7 +26,7 @@ def _ranks(world_size: int, *args, timeout: float = 240) -> subprocess.Completed
     result, once every rank has returned the same status. The launcher that starts ranks
     itself (``-n N`` outside torchrun) is tested through real processes by the tests that
     call ``_flatshard``."""
-    outs = run_distributed(_main, world_size, *args, init=False, timeout=timeout)
+    outs = run_distributed(cli, world_size, *args, init=False, timeout=timeout)
     assert len({out.returncode for out in outs}) == 1, outs
     return outs[0]
 
@@ -165,7 +149,7 @@ def test_device_auto_is_cuda_only_with_a_gpu_per_local_rank(monkeypatch, device,
 
 
 def test_help_lists_every_train_option():
-    out = _main("train", "--help")
+    out = cli("train", "--help")
     assert out.returncode == 0
     for option in (
         "--world-size",
@@ -192,24 +176,24 @@ def test_help_lists_every_train_option():
 
 def test_layout_prints_every_ranks_shards_and_draws_a_png(tmp_path):
     png = tmp_path / "layout.png"
-    out = _main("layout", "--model", "tiny", "-n", "3", "--stage", "3", "--out", str(png))
+    out = cli("layout", "--model", "tiny", "-n", "3", "--stage", "3", "--out", str(png))
     assert out.returncode == 0, out.stderr
     assert "sharded over 3 ranks" in out.stdout and "wte.weight" in out.stdout
     shard_lines = [line for line in out.stdout.splitlines() if line.strip().startswith("buffer 0 bucket")]
     assert shard_lines and all("rank 2:" in line for line in shard_lines)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    help_text = _main("layout", "--help").stdout
+    help_text = cli("layout", "--help").stdout
     for option in ("--model", "--world-size", "--stage", "--param-dtype", "--bucket-size", "--out"):
         assert option in help_text
 
 
 def test_layout_shows_whole_param_buckets():
-    out = _main("layout", "--model", "tiny", "-n", "2", "--whole-params", r"blocks\.")
+    out = cli("layout", "--model", "tiny", "-n", "2", "--whole-params", r"blocks\.")
     assert out.returncode == 0, out.stderr
     owned = [line for line in out.stdout.splitlines() if "attn.qkv.weight" in line]
     assert owned and all("(rank " in line for line in owned)
     assert "(whole params)" in out.stdout
-    bad = _main("layout", "--model", "tiny", "--whole-params", "(")
+    bad = cli("layout", "--model", "tiny", "--whole-params", "(")
     assert bad.returncode == 2 and "--whole-params '(' is not a regular expression" in bad.stderr
 
 
@@ -222,14 +206,14 @@ def test_export_writes_a_state_dict_the_plain_model_loads(tmp_path):
     torch.manual_seed(3)
     model = flatshard.shard(TiedGPT(), stage=0)
     flatshard.save_checkpoint(str(tmp_path / "ckpt"), model)
-    out = _main("export", str(tmp_path / "ckpt"), str(tmp_path / "m.pt"), "--dtype", "bf16")
+    out = cli("export", str(tmp_path / "ckpt"), str(tmp_path / "m.pt"), "--dtype", "bf16")
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith(f"wrote {tmp_path / 'm.pt'}: ")
     plain = TiedGPT()
     plain.load_state_dict(torch.load(str(tmp_path / "m.pt"), weights_only=True))
     for p, q in zip(plain.parameters(), model.parameters(), strict=True):
         assert torch.equal(p, q.bfloat16().float())
-    help_text = _main("export", "--help").stdout
+    help_text = cli("export", "--help").stdout
     for option in ("checkpoint", "out", "--weights", "--dtype", "--chunk-mib"):
         assert option in help_text
 
@@ -238,7 +222,7 @@ def test_bench_compares_ddp_and_flatshard_and_counts_the_bytes_sent(tmp_path):
     import json
 
     out_json = tmp_path / "bench.json"
-    out = _main(  # (in this process: its ranks fork from the suite's forkserver)
+    out = cli(  # (in this process: its ranks fork from the suite's forkserver)
         "bench",
         "-n",
         "2",
@@ -340,7 +324,7 @@ def test_train_starts_from_plain_weights(tmp_path):
     out = _ranks(2, *base, "--steps", "60", "--stage", "3", "--metrics", str(tmp_path / "a.jsonl"))
     _check_the_loss_fell(out, "3")
     weights = tmp_path / "w.safetensors"
-    out = _main("export", str(ckpt / "step-60"), str(weights))
+    out = cli("export", str(ckpt / "step-60"), str(weights))
     assert out.returncode == 0, out.stderr
     out = _ranks(
         2,
@@ -371,7 +355,7 @@ def test_bench_runs_a_hugging_face_model_with_every_torch_peer_and_shows_progres
 
     out_json = tmp_path / "bench.json"
     args = ["bench", "-n", "2", "--model", "hf:llama", "--peers", "ddp", "fsdp2-zero3", "flatshard-3"]
-    out = _main(*args, "--steps", "2", "--rounds", "1", "--batch", "2", "--out", str(out_json))
+    out = cli(*args, "--steps", "2", "--rounds", "1", "--batch", "2", "--out", str(out_json))
     assert out.returncode == 0, out.stderr
     assert out.stdout.startswith("hf:llama ("), out.stdout
     rounds = [line for line in out.stderr.splitlines() if line.startswith("round ")]

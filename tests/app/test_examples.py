@@ -16,7 +16,7 @@ import pytest
 
 from flatshard.toolkit.testing import run_script
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "finetune_lora.py"
 GUIDES = {
     "docs/finetune.md": ("examples/finetune_lora.py", 5),

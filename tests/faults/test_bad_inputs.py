@@ -2,7 +2,7 @@
 message names the bad value (the option, the file, the param), before anything is written
 or stepped. Single-process cases run in a world of one; the ones that need ranks out of step
 are in ``test_desync.py``, the ones about ranks that disagree at wrap time in
-``test_stage0_behavior.py``."""
+``stages/test_wrap_behavior.py``."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import pytest
 
 from _early import Early
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _mypy(*args: str) -> subprocess.CompletedProcess | None:

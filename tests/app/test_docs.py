@@ -3,7 +3,7 @@
 A page's ``python`` blocks are run in order as one script on 2 gloo ranks, in a fresh
 directory, as torchrun runs it (each rank runs it as ``__main__`` and joins the process group
 through torchrun's environment), but in ranks forked with torch already imported; a page that says
-``<!-- docs-test: verbatim FILE -->`` shows parts of FILE instead: ``tests/test_examples.py``
+``<!-- docs-test: verbatim FILE -->`` shows parts of FILE instead: ``tests/app/test_examples.py``
 checks its blocks are in FILE word for word and runs FILE. Blocks in any
 other language are output or shell: ``text`` and ``bash`` only, and every ``python -m
 flatshard`` line of a ``bash`` block must parse with the CLI's own parser.
@@ -20,7 +20,7 @@ import pytest
 from flatshard.app.cli import build_parser
 from flatshard.toolkit.testing import RankError, run_script
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = [*sorted((ROOT / "docs").rglob("*.md")), ROOT / "README.md"]
 FENCE = re.compile(r"^```(\w*)\n(.*?)^```\n", re.M | re.S)
 VERBATIM = re.compile(r"<!-- docs-test: verbatim (\S+) -->")

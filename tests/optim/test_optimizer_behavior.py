@@ -480,7 +480,7 @@ def test_step_without_backward_changes_nothing_and_lr_schedulers_drive_the_inner
 
 # -- expert params ---------------------------------------------------------------------------------
 def _expert_case(stage: int) -> list[float]:
-    from test_stage0_behavior import TinyMoE
+    from _parity import TinyMoE
 
     rank = dist.get_rank()
     pair = [dist.new_group([0, 1]), dist.new_group([2, 3])][rank // 2]

@@ -16,30 +16,30 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from _checkpoints import ADAMW, build, load_step_case, save_case, train
 from flatshard import CheckpointError, ChecksumError, load_checkpoint, save_checkpoint, verify_checkpoint
 from flatshard.checkpoint.destination import save_lock
 from flatshard.toolkit.testing import run_distributed
-from test_checkpoint import ADAMW, _build, _load_step_case, _save_case, _train
 
 
 def test_a_save_while_another_holds_the_path_is_refused_and_the_first_survives(tmp_path):
     path = str(tmp_path / "ckpt")
-    _save_case(path, 0, ADAMW)
+    save_case(path, 0, ADAMW)
     with save_lock(path, True) as problem:  # another save is under way
         assert problem is None
-        model, opt, _ = _build(0, ADAMW)
+        model, opt, _ = build(0, ADAMW)
         with pytest.raises(FileExistsError, match=f"another save to {path} is in progress"):
             save_checkpoint(path, model, opt)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # the lock is gone with its holder
     assert verify_checkpoint(path)["checked"] > 0
-    assert _load_step_case(path) == 3
+    assert load_step_case(path) == 3
     save_checkpoint(path, model, opt, extra={"step": 7})  # free again
-    assert _load_step_case(path) == 7
+    assert load_step_case(path) == 7
 
 
 def _race(path: str, seed: int, rounds: int) -> list[str]:
     """One job (of 2 ranks) saving its model to ``path`` again and again."""
-    model, opt, _ = _build(1, ADAMW, seed=seed)
+    model, opt, _ = build(1, ADAMW, seed=seed)
     outcomes = []
     for step in range(rounds):
         try:
@@ -68,27 +68,27 @@ def test_two_jobs_saving_to_one_path_never_mix_their_files(tmp_path):
     assert any(o == "saved" for job in results for o in job[0])
     verify_checkpoint(path)
     extra = _load_extra(path)
-    model, _, _ = _build(1, ADAMW, seed=extra["seed"])
+    model, _, _ = build(1, ADAMW, seed=extra["seed"])
     reference = [p.clone() for p in model.parameters()]
-    loaded, opt, _ = _build(1, ADAMW, seed=99)
+    loaded, opt, _ = build(1, ADAMW, seed=99)
     load_checkpoint(path, loaded, opt)
     assert all(torch.equal(p, q) for p, q in zip(loaded.parameters(), reference, strict=True))
 
 
 def _load_extra(path: str) -> dict:
-    model, opt, _ = _build(1, ADAMW)
+    model, opt, _ = build(1, ADAMW)
     return load_checkpoint(path, model, opt)
 
 
 def _two_saves(tmp_path, world_size: int) -> tuple[str, str]:
     first, second = str(tmp_path / "first"), str(tmp_path / "second")
-    run_distributed(_save_case, world_size, first, 1, ADAMW)
-    run_distributed(_save_case, world_size, second, 1, ADAMW)  # the same model, the same values
+    run_distributed(save_case, world_size, first, 1, ADAMW)
+    run_distributed(save_case, world_size, second, 1, ADAMW)  # the same model, the same values
     return first, second
 
 
 def _load_error(path: str) -> str:
-    model, opt, _ = _build(1, ADAMW)
+    model, opt, _ = build(1, ADAMW)
     try:
         load_checkpoint(path, model, opt)
     except ValueError as e:  # (CheckpointError and ChecksumError are ValueErrors)
@@ -124,7 +124,7 @@ def test_two_piece_files_of_one_save_swapped_are_refused(tmp_path):
     """Files swapped, with the manifest's sizes made to fit (as two files of equal size would):
     every item's checksum is bound to its key and offset, so none reads as another."""
     path = str(tmp_path / "ckpt")
-    run_distributed(_save_case, 2, path, 1, ADAMW)
+    run_distributed(save_case, 2, path, 1, ADAMW)
     a, b = (os.path.join(path, f"__{rank}_0.distcp") for rank in (0, 1))
     os.rename(a, a + ".tmp")
     os.rename(b, a)
@@ -137,7 +137,7 @@ def test_two_piece_files_of_one_save_swapped_are_refused(tmp_path):
 
 
 def _save_to_own_path(root: str) -> str:
-    model, opt, _ = _build(1, ADAMW)
+    model, opt, _ = build(1, ADAMW)
     try:
         save_checkpoint(os.path.join(root, f"rank{dist.get_rank()}"), model, opt)
     except ValueError as e:
@@ -163,10 +163,10 @@ def test_ranks_given_different_checkpoints_to_load_are_refused(tmp_path):
 
 
 def _per_rank_extra(path: str, save: bool) -> dict:
-    model, opt, sched = _build(1, ADAMW)
+    model, opt, sched = build(1, ADAMW)
     rank = dist.get_rank()
     if save:
-        _train(model, opt, sched, range(2))
+        train(model, opt, sched, range(2))
         save_checkpoint(path, model, opt, extra={"position": 100 + rank, "step": 2, "sched": sched})
         return {}
     try:
@@ -187,7 +187,7 @@ def test_per_rank_extra_values_come_back_to_their_own_rank(tmp_path):
 
 
 def _shared_extra(path: str, save: bool):
-    model, opt, sched = _build(1, ADAMW)
+    model, opt, sched = build(1, ADAMW)
     if save:
         save_checkpoint(path, model, opt, extra={"step": 5, "sched": sched, "t": torch.arange(3)})
         return None
@@ -205,7 +205,7 @@ def test_a_user_file_named_like_the_lock_refuses_the_save_and_stays(tmp_path):
     path = str(tmp_path / "ckpt")
     with open(path + ".lock", "w") as f:
         f.write("my notes")
-    model, opt, _ = _build(0, ADAMW)
+    model, opt, _ = build(0, ADAMW)
     with pytest.raises(FileExistsError, match=f"{path}.lock exists and is not a flatshard save lock"):
         save_checkpoint(path, model, opt)
     with open(path + ".lock") as f:
@@ -219,10 +219,10 @@ def _disk_fills_on_rank_1(path: str) -> dict:
 
     from torch.distributed.checkpoint import filesystem
 
-    model, opt, sched = _build(1, ADAMW)
-    _train(model, opt, sched, range(2))
+    model, opt, sched = build(1, ADAMW)
+    train(model, opt, sched, range(2))
     save_checkpoint(path, model, opt, extra={"step": 2})
-    _train(model, opt, sched, range(2, 3))
+    train(model, opt, sched, range(2, 3))
     if dist.get_rank() == 1:
 
         def full(*args, **kwargs):
@@ -243,17 +243,17 @@ def test_a_disk_full_mid_save_is_named_and_the_previous_checkpoint_stays(tmp_pat
         assert "saving" in result["error"] and "rank(s) [1]" in result["error"], result
         assert "No space left on device" in result["error"], result
     assert verify_checkpoint(path)["checked"] > 0
-    assert _load_step_case(path) == 2  # the previous checkpoint, whole
+    assert load_step_case(path) == 2  # the previous checkpoint, whole
 
 
 def test_a_save_over_a_link_to_a_checkpoint_replaces_the_link_and_keeps_its_target(tmp_path):
     """The link is what this library replaces; the checkpoint it points to was written
     elsewhere and stays (the save used to succeed and then raise, leaving ``PATH.old``)."""
     target, path = str(tmp_path / "elsewhere"), str(tmp_path / "ckpt")
-    _save_case(target, 0, ADAMW)
+    save_case(target, 0, ADAMW)
     os.symlink(target, path, target_is_directory=True)
-    model, opt, _ = _build(0, ADAMW)
+    model, opt, _ = build(0, ADAMW)
     save_checkpoint(path, model, opt, extra={"step": 7})
     assert sorted(os.listdir(tmp_path)) == ["ckpt", "elsewhere"]
     assert not os.path.islink(path)
-    assert _load_step_case(path) == 7 and _load_step_case(target) == 3
+    assert load_step_case(path) == 7 and load_step_case(target) == 3

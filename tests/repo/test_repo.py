@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _readme_commands():
@@ -83,7 +83,7 @@ def _imports(path: pathlib.Path) -> list[tuple[int, str]]:
         if isinstance(node, ast.Import):
             out += [(node.lineno, a.name) for a in node.names if a.name.split(".")[0] == "flatshard"]
         elif isinstance(node, ast.ImportFrom) and node.module and node.module.split(".")[0] == "flatshard":
-            for a in node.names:  # "from flatshard.app import launch" imports flatshard.app.launch
+            for a in node.names:  # "from flatshard.app import launcher" imports flatshard.app.launcher
                 sub = f"{node.module}.{a.name}"
                 out.append((node.lineno, sub if _is_module(sub) else node.module))
     return out
@@ -118,6 +118,7 @@ RETIRED_WORDS = {
     r"\bUnitOptions\b|\bunit_options\b": "Stage3",
     r"\bflatshard\.stage3\b|(?<![\w.])stage3/": "the stage-3 layer, flatshard/units/",
     r"\bwhole on every rank": "replicated",
+    r"\bapp/launch\.py|\bapp\.launch\b|\bapp import launch$": "the launcher, app/launcher.py",
 }
 
 
@@ -126,7 +127,7 @@ def test_each_concept_has_one_name(retired):
     """The glossary of docs/concepts.md ("One word, one meaning"): each of these once named a
     second concept, or the same concept under a second name."""
     paths = [*(ROOT / "src").rglob("*.py"), *(ROOT / "docs").rglob("*.md"), ROOT / "README.md"]
-    paths += [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_repo.py"]
+    paths += [p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_repo.py"]
     found = [
         f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
         for p in paths
@@ -318,7 +319,7 @@ NOTE = re.compile(r"\[Note: ([^\]]+)\]")
 def test_design_notes_are_defined_once_and_indexed():
     """A note is defined where a line starts with it (not followed by " in"), exactly once,
     in the code; every note named anywhere exists; docs/design.md lists each one."""
-    tests = [p for p in (ROOT / "tests").glob("*.py") if p.name != "test_repo.py"]
+    tests = [p for p in (ROOT / "tests").rglob("*.py") if p.name != "test_repo.py"]
     files = [*(ROOT / "src").rglob("*.py"), *tests, ROOT / "README.md", *(ROOT / "docs").rglob("*.md")]
     defined: dict[str, list[str]] = {}
     named: set[str] = set()
@@ -340,10 +341,31 @@ def test_each_row_of_the_torch_utilities_table_names_tests_that_exist():
     the tests it names in its last column: each row names at least one, and each exists."""
     lines = (ROOT / "docs" / "torch-utilities.md").read_text().splitlines()
     rows = [r for r in lines if r.startswith("| ") and not r.startswith(("| what", "| ---"))]
-    tests = (ROOT / "tests").glob("test_*.py")
+    tests = (ROOT / "tests").rglob("test_*.py")
     defined = {m for p in tests for m in re.findall(r"^def (test_\w+)", p.read_text(), re.M)}
     for row in rows:
         named = re.findall(r"`(test_\w+)`", row.rstrip(" |").rsplit("|", 1)[-1])
         assert named, f"a row names no test: {row[:80]}"
         assert set(named) <= defined, f"named but not defined: {set(named) - defined}"
     assert len(rows) >= 10
+
+
+def test_tests_live_in_feature_folders_and_import_only_shared_helpers():
+    """docs/design.md's "Tests": every test file in a feature folder, names unique across them
+    (pytest imports each by its bare name), and no test file importing another (what several
+    share is a ``tests/_*.py`` helper)."""
+    tests = ROOT / "tests"
+    assert sorted(p.name for p in tests.glob("test_*.py")) == [], "a test file outside a feature folder"
+    files = sorted(tests.rglob("test_*.py"))
+    names = [p.name for p in files]
+    assert sorted({n for n in names if names.count(n) > 1}) == [], "two test files of one name"
+    imports = [
+        f"{p.relative_to(ROOT)}:{i}: {line.strip()}"
+        for p in files
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.match(r"\s*(from|import) test_\w+", line)
+    ]
+    assert imports == [], "a test file imports another; move what they share to a tests/_*.py helper"
+    folders = {p.parent.name for p in files}
+    text = (ROOT / "docs" / "design.md").read_text()
+    assert {f for f in folders if f"`{f}/`" not in text} == set(), "a folder docs/design.md does not name"

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from flatshard.app.launch import rank_env
+from flatshard.app.launcher import rank_env
 from flatshard.toolkit.malloc import cpu_malloc_env
 from flatshard.toolkit.testing import RankError, run_distributed
 
@@ -91,7 +91,7 @@ def test_launched_cpu_ranks_get_the_tunables_and_cuda_ranks_do_not():
 def test_a_test_over_its_share_of_the_suite_fails_the_run(pytester):
     """[Note: test budget] in conftest.py, on a suite of its own: three tests, one of which
     takes nearly all the time; the budget's floor on the number of tests lowered to 3."""
-    conftest = (Path(__file__).parent / "conftest.py").read_text()
+    conftest = (Path(__file__).parents[1] / "conftest.py").read_text()
     pytester.makeconftest(conftest.replace("BUDGET_MIN_TESTS = 500", "BUDGET_MIN_TESTS = 3"))
     pytester.makepyfile(
         "import time\ndef test_quick(): pass\ndef test_also_quick(): pass\ndef test_slow(): time.sleep(0.3)\n"
@@ -103,7 +103,7 @@ def test_a_test_over_its_share_of_the_suite_fails_the_run(pytester):
 
 
 def test_a_run_within_budget_passes(pytester):
-    conftest = (Path(__file__).parent / "conftest.py").read_text()
+    conftest = (Path(__file__).parents[1] / "conftest.py").read_text()
     pytester.makeconftest(conftest.replace("BUDGET_MIN_TESTS = 500", "BUDGET_MIN_TESTS = 3"))
     # 40 equal tests: each 2.5% of the run, far from 8% even if one pays a start-up cost
     pytester.makepyfile("import time\n" + "".join(f"def test_{i}(): time.sleep(0.05)\n" for i in range(40)))

@@ -11,13 +11,13 @@ import torch
 from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
 import flatshard
+from _checkpoints import ADAMW, build, load_step_case, save_case
+from _cli import cli
 from _parity import TiedGPT
 from flatshard import CheckpointError, ChecksumError, export_checkpoint, load_weights, verify_checkpoint
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint.pieces import Crc32Trailer
 from flatshard.toolkit.testing import run_distributed
-from test_checkpoint import ADAMW, _build, _load_step_case, _save_case
-from test_cli import _main
 
 
 def _flip(path: str, at: int) -> None:
@@ -29,7 +29,7 @@ def _flip(path: str, at: int) -> None:
 
 
 def _load_error(path: str) -> str:
-    model, opt, _ = _build(2, ADAMW)
+    model, opt, _ = build(2, ADAMW)
     try:
         flatshard.load_checkpoint(path, model, opt)
     except ChecksumError as e:
@@ -40,7 +40,7 @@ def _load_error(path: str) -> str:
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> str:
     path = str(tmp_path_factory.mktemp("saved") / "ckpt")
-    run_distributed(_save_case, 2, path, 2, ADAMW)
+    run_distributed(save_case, 2, path, 2, ADAMW)
     return path
 
 
@@ -67,23 +67,23 @@ def test_the_index_and_the_manifest_are_checked_too(saved, tmp_path):
     shutil.copytree(saved, copy)
     _flip(os.path.join(copy, ".metadata"), os.path.getsize(os.path.join(copy, ".metadata")) // 2)
     with pytest.raises(ChecksumError, match=r"\.metadata does not match its checksum"):
-        _load_step_case(copy)
+        load_step_case(copy)
     with open(os.path.join(copy, "flatshard.json"), "w") as f:
         f.write("{not json")
     with pytest.raises(CheckpointError, match=r"flatshard\.json is not JSON"):
-        _load_step_case(copy)
+        load_step_case(copy)
 
 
 def test_verify_counts_what_it_checked_and_the_cli_exits_1_on_a_bad_file(saved, tmp_path):
     counts = verify_checkpoint(saved)
     assert counts["checked"] > 50 and counts["unchecked"] == 0
-    good = _main("verify", saved)
+    good = cli("verify", saved)
     assert good.returncode == 0 and "match their checksums" in good.stdout
     copy = str(tmp_path / "bad")
     shutil.copytree(saved, copy)
     name = next(n for n in os.listdir(copy) if n.endswith(".distcp"))
     _flip(os.path.join(copy, name), 700)
-    bad = _main("verify", copy)
+    bad = cli("verify", copy)
     assert bad.returncode == 1 and f"{copy}/{name}" in bad.stderr
 
 
@@ -93,11 +93,11 @@ def test_a_checkpoint_of_an_older_flatshard_still_loads(tmp_path, monkeypatch, t
     were bound to their save carry unbound ones: both load as before."""
     monkeypatch.setattr(pieces, "_BindingTransforms", lambda save_id: _StorageWriterTransforms(trailers))
     path = str(tmp_path / "old")
-    _save_case(path, 1, ADAMW)
+    save_case(path, 1, ADAMW)
     monkeypatch.undo()
     counts = verify_checkpoint(path)
     assert (counts["checked"] > 100, counts["unchecked"] == 0) == (bool(trailers), bool(trailers))
-    assert _load_step_case(path) == 3
+    assert load_step_case(path) == 3
 
 
 @pytest.mark.parametrize("suffix", [".safetensors", ".pt"])

@@ -20,25 +20,10 @@ import os
 import pytest
 import torch
 
-from _hosted import SETTINGS, logged_steps
-from flatshard.toolkit.models import tiny_model
+from _hosted import SETTINGS, Tokens, logged_steps, tiny_llama
 from flatshard.toolkit.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
-SEQ = 16
-
-
-class _Tokens(torch.utils.data.Dataset):
-    """32 fixed sequences of random tokens (labels = inputs: the model shifts them)."""
-
-    def __init__(self) -> None:
-        self.ids = torch.randint(1, 256, (32, SEQ), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
 
 
 def _args(out: str, **overrides) -> transformers.TrainingArguments:
@@ -48,17 +33,12 @@ def _args(out: str, **overrides) -> transformers.TrainingArguments:
 _logged = logged_steps
 
 
-def _model() -> torch.nn.Module:
-    torch.manual_seed(0)
-    return tiny_model("llama", seq_len=SEQ)
-
-
 def _against_ddp(stages: list[int], out: str, optim: str, prepare=None, **more) -> dict:
     """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage; each
     side's copy of the model through ``prepare`` first, if given."""
     from flatshard.hosts import hf
 
-    model, data = _model(), _Tokens()
+    model, data = tiny_llama(), Tokens()
     fresh = (lambda: prepare(copy.deepcopy(model))) if prepare else (lambda: copy.deepcopy(model))
     logged = {}
     reference = transformers.Trainer(
@@ -111,15 +91,15 @@ def _save_resume_export(out: str, stage: int) -> dict:
     save_model of the resumed run, loaded by from_pretrained on rank 0."""
     from flatshard.hosts import hf
 
-    data = _Tokens()
+    data = Tokens()
     first = hf.Trainer(
-        model=_model(),
+        model=tiny_llama(),
         args=_args(f"{out}/a", save_strategy="steps", save_steps=2),
         train_dataset=data,
         shard=stage,
     )
     first.train()
-    again = hf.Trainer(model=_model(), args=_args(f"{out}/b"), train_dataset=data, shard=stage)
+    again = hf.Trainer(model=tiny_llama(), args=_args(f"{out}/b"), train_dataset=data, shard=stage)
     again.train(resume_from_checkpoint=f"{out}/a/checkpoint-2")
     again.save_model(f"{out}/saved")
     state = again.model.full_state_dict()
@@ -161,7 +141,9 @@ def _resume_elsewhere(out: str, stage: int) -> dict:
 
     start = _AtTrainBegin()
     args = _args(f"{out}/c")
-    trainer = hf.Trainer(model=_model(), args=args, train_dataset=_Tokens(), shard=stage, callbacks=[start])
+    trainer = hf.Trainer(
+        model=tiny_llama(), args=args, train_dataset=Tokens(), shard=stage, callbacks=[start]
+    )
     trainer.train(resume_from_checkpoint=f"{out}/a/checkpoint-2")
     same = True
     if torch.distributed.get_rank() == 0:
@@ -182,7 +164,7 @@ def test_a_checkpoint_of_2_ranks_resumes_on_3_at_another_stage(tmp_path):
 def _lora() -> torch.nn.Module:
     from peft import LoraConfig, get_peft_model
 
-    return get_peft_model(_model(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    return get_peft_model(tiny_llama(), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
 
 
 def _peft_against_ddp(stages: list[int], out: str) -> dict:
@@ -192,7 +174,7 @@ def _peft_against_ddp(stages: list[int], out: str) -> dict:
 
     from flatshard.hosts import hf
 
-    model, data = _lora(), _Tokens()
+    model, data = _lora(), Tokens()
     args = {"learning_rate": 1e-2, "max_grad_norm": 0.1}  # (LoRA B starts at zero; its grads are small)
     reference = transformers.Trainer(
         model=copy.deepcopy(model), args=_args(f"{out}/ddp", **args), train_dataset=data
@@ -228,19 +210,19 @@ def _refusals(out: str) -> dict:
     from flatshard.hosts import hf
 
     attempts = {
-        "no use_cpu": lambda: hf.Trainer(model=_model(), args=_args(out, use_cpu=False), shard=2),
+        "no use_cpu": lambda: hf.Trainer(model=tiny_llama(), args=_args(out, use_cpu=False), shard=2),
         "a torch optimizer": lambda: hf.Trainer(
-            model=_model(),
+            model=tiny_llama(),
             args=_args(out),
             shard=2,
-            optimizers=(torch.optim.SGD(_model().parameters()), None),
+            optimizers=(torch.optim.SGD(tiny_llama().parameters()), None),
         ),
         "best model": lambda: hf.Trainer(
-            model=_model(),
+            model=tiny_llama(),
             args=_args(out, load_best_model_at_end=True, eval_strategy="steps", save_strategy="steps"),
             shard=2,
         ),
-        "not sharded": lambda: hf.Trainer(model=_model(), args=_args(out)),
+        "not sharded": lambda: hf.Trainer(model=tiny_llama(), args=_args(out)),
     }
     refused = {}
     for name, attempt in attempts.items():

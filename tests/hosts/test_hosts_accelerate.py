@@ -15,8 +15,8 @@ import os
 import pytest
 import torch
 
+from _hosted import Tokens, tiny_llama
 from flatshard.toolkit.testing import run_distributed
-from test_hosts_hf import _model, _Tokens
 
 accelerate = pytest.importorskip("accelerate")
 load_file = pytest.importorskip("safetensors.torch").load_file
@@ -45,7 +45,7 @@ def _side(model, flat_stage: int | None):
     from flatshard.hosts.accelerate import prepare
 
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
-    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
     if flat_stage is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
         prepared = accelerator.prepare(model, optimizer, loader)
@@ -59,7 +59,7 @@ def _side(model, flat_stage: int | None):
 
 
 def _against_ddp(stages: list[int]) -> dict:
-    model = _model()
+    model = tiny_llama()
     logged = {"ddp": _side(copy.deepcopy(model), None)}
     for stage in stages:
         logged[stage] = _side(copy.deepcopy(model), stage)
@@ -87,9 +87,9 @@ def _steps(out: str, stage: int, save: bool) -> dict:
     from flatshard.hosts.accelerate import prepare
 
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
-    model = flatshard.shard(_model(), stage=stage)
+    model = flatshard.shard(tiny_llama(), stage=stage)
     optimizer = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
-    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=2, shuffle=False)
+    loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
     model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
     schedule = accelerator.prepare(torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4))
     if not save:

@@ -8,9 +8,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from _layouts import layouts
 from flatshard import ParamSpec, plan_layout
 from flatshard.planner.shard_map import plan_runs
-from test_layout import layouts
 
 
 @st.composite

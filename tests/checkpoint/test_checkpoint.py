@@ -8,84 +8,21 @@ import shutil
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from _parity import CFG, NormalizedSGD, TiedGPT, decay_groups, full_params, is_matrix
-from flatshard import DistributedOptimizer, load_checkpoint, save_checkpoint
-from flatshard.toolkit.data import SyntheticCorpus
-from flatshard.toolkit.models import GPTConfig
+from _checkpoints import ADAMW, SGD, build, load_step_case, params_of, save_case, train
+from _parity import NormalizedSGD, TiedGPT, decay_groups
+from flatshard import load_checkpoint, save_checkpoint
 from flatshard.toolkit.testing import RankError, run_distributed
-
-CORPUS = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
-GLOBAL_BATCH = 12  # split evenly at world sizes 1-4, so every world size takes the same steps
-SGD = (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.01})
-ADAMW = (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1})
-
-
-def _batch(step: int):
-    rank, size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-    x, y = CORPUS.batch(step, 0, GLOBAL_BATCH)
-    k = GLOBAL_BATCH // size
-    return x[rank * k : (rank + 1) * k], y[rank * k : (rank + 1) * k]
-
-
-def _build(
-    stage: int, optimizer=SGD, seed: int = 0, bucket_size=3000, dtype=None, whole=False, matrices=None
-):
-    """``whole``: the blocks' matrices kept whole ([Note: whole-param buckets]); ``matrices``:
-    (class, hyperparameters) of a param group of those matrices, e.g. Muon."""
-    torch.manual_seed(seed)
-    kwargs = {} if dtype is None else {"mixed_precision": flatshard.MixedPrecision(param_dtype=dtype)}
-    if whole:
-        kwargs["whole_params"] = is_matrix
-    model = flatshard.shard(TiedGPT(), stage=stage, **kwargs, buckets=flatshard.Buckets(size=bucket_size))
-    cls, hyper = optimizer
-    groups = decay_groups(model)
-    if matrices is not None:
-        mats = [p for n, p in model.named_parameters() if is_matrix(n, p)]
-        rest = [p for n, p in model.named_parameters() if p.requires_grad and not is_matrix(n, p)]
-        groups = [{"params": mats, "optimizer_class": matrices[0], **matrices[1]}, {"params": rest}]
-    opt = DistributedOptimizer(model, cls, params=groups, **hyper)
-    return model, opt, torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
-
-
-def _train(model, opt, sched, steps) -> list[float]:
-    losses = []
-    for step in steps:
-        x, y = _batch(step)
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        sched.step()
-        mean = loss.detach().clone()  # over the global batch: comparable across world sizes
-        if dist.is_initialized():
-            dist.all_reduce(mean, op=dist.ReduceOp.AVG)
-        losses.append(mean.item())
-    return losses
-
-
-def _params(model):
-    return [p.float().clone() for p in full_params(model)]
-
-
-def _save_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None, steps: int = 3, **whole):
-    model, opt, sched = _build(stage, optimizer, bucket_size=bucket_size, dtype=dtype, **whole)
-    _train(model, opt, sched, range(steps))
-    save_checkpoint(path, model, opt, extra={"step": steps, "sched": sched})
-    after_save = torch.rand(3)  # what the next draw would be
-    losses = _train(model, opt, sched, range(steps, steps + 3))
-    return {"params": _params(model), "losses": losses, "rng": after_save}
 
 
 def _load_case(path: str, stage: int, optimizer=SGD, bucket_size=3000, dtype=None, **whole):
-    model, opt, sched = _build(stage, optimizer, seed=1, bucket_size=bucket_size, dtype=dtype, **whole)
+    model, opt, sched = build(stage, optimizer, seed=1, bucket_size=bucket_size, dtype=dtype, **whole)
     extra = load_checkpoint(path, model, opt, extra={"sched": sched})
     rng = torch.rand(3)
-    losses = _train(model, opt, sched, range(extra["step"], extra["step"] + 3))
-    return {"params": _params(model), "losses": losses, "rng": rng}
+    losses = train(model, opt, sched, range(extra["step"], extra["step"] + 3))
+    return {"params": params_of(model), "losses": losses, "rng": rng}
 
 
 def _max_diff(a, b) -> float:
@@ -100,7 +37,7 @@ def test_any_world_size_and_stage_continues_the_trajectory(tmp_path, saved, load
     """SGD + momentum, two param groups and a StepLR schedule: saved at (N, s) after 3
     steps, loaded at (M, t) and trained 3 more, the params equal the uninterrupted run's."""
     path = str(tmp_path / "ckpt")
-    reference = run_distributed(_save_case, saved[0], path, saved[1])[0]
+    reference = run_distributed(save_case, saved[0], path, saved[1])[0]
     resumed = run_distributed(_load_case, loaded[0], path, loaded[1], bucket_size=None)[0]
     assert _max_diff(resumed["params"], reference["params"]) < 1e-5
     assert max(abs(a - b) / b for a, b in zip(resumed["losses"], reference["losses"], strict=True)) < 1e-5
@@ -128,7 +65,7 @@ def test_whole_param_runs_continue_the_trajectory_at_any_layout(tmp_path, saved,
     the matrices, SGD on the rest: its state moves to the params' new owners."""
     path = str(tmp_path / "ckpt")
     kw = {"matrices": MOMENTUM_NORMALIZED}
-    reference = run_distributed(_save_case, saved[0], path, saved[1], whole=saved[2], **kw)[0]
+    reference = run_distributed(save_case, saved[0], path, saved[1], whole=saved[2], **kw)[0]
     resumed = run_distributed(
         _load_case, loaded[0], path, loaded[1], bucket_size=None, whole=loaded[2], **kw
     )[0]
@@ -139,7 +76,7 @@ def test_whole_param_runs_continue_the_trajectory_at_any_layout(tmp_path, saved,
 @pytest.mark.parametrize(("saved", "loaded"), SWAP_CROSS, ids=[f"{a}to{b}" for a, b in SWAP_CROSS])
 def test_whole_param_layouts_and_flat_layouts_load_each_other(tmp_path, saved, loaded):
     path = str(tmp_path / "ckpt")
-    reference = run_distributed(_save_case, saved[0], path, saved[1], whole=saved[2])[0]
+    reference = run_distributed(save_case, saved[0], path, saved[1], whole=saved[2])[0]
     resumed = run_distributed(_load_case, loaded[0], path, loaded[1], bucket_size=None, whole=loaded[2])[0]
     assert _max_diff(resumed["params"], reference["params"]) < 1e-5
 
@@ -151,7 +88,7 @@ def test_same_layout_resumes_bit_for_bit(tmp_path, world_size, stage, dtype):
     """AdamW (bf16 params with fp32 main params at stage 3): the same params, losses and
     RNG draws as the run that was never interrupted, on every rank."""
     path = str(tmp_path / "ckpt")
-    reference = run_distributed(_save_case, world_size, path, stage, ADAMW, dtype=dtype)
+    reference = run_distributed(save_case, world_size, path, stage, ADAMW, dtype=dtype)
     resumed = run_distributed(_load_case, world_size, path, stage, ADAMW, dtype=dtype)
     for ref, res in zip(reference, resumed, strict=True):
         assert res["losses"] == ref["losses"]
@@ -162,7 +99,7 @@ def test_same_layout_resumes_bit_for_bit(tmp_path, world_size, stage, dtype):
 def test_muon_resumes_bit_for_bit_at_the_same_layout(tmp_path):
     path = str(tmp_path / "ckpt")
     muon = {"whole": True, "matrices": (torch.optim.Muon, {"lr": 0.02, "momentum": 0.95})}
-    reference = run_distributed(_save_case, 3, path, 3, ADAMW, **muon)
+    reference = run_distributed(save_case, 3, path, 3, ADAMW, **muon)
     resumed = run_distributed(_load_case, 3, path, 3, ADAMW, **muon)
     for ref, res in zip(reference, resumed, strict=True):
         assert res["losses"] == ref["losses"]
@@ -171,7 +108,7 @@ def test_muon_resumes_bit_for_bit_at_the_same_layout(tmp_path):
 
 def test_bf16_with_main_params_loads_at_another_layout(tmp_path):
     path = str(tmp_path / "ckpt")
-    reference = run_distributed(_save_case, 2, path, 3, ADAMW, dtype=torch.bfloat16)[0]
+    reference = run_distributed(save_case, 2, path, 3, ADAMW, dtype=torch.bfloat16)[0]
     resumed = run_distributed(_load_case, 3, path, 1, ADAMW, dtype=torch.bfloat16)[0]
     assert max(abs(a - b) / b for a, b in zip(resumed["losses"], reference["losses"], strict=True)) < 2e-3
 
@@ -192,11 +129,11 @@ def _ddp_case(path: str, kind: str, mode: str, steps: int = 3):
         opt = cls(groups, **hyper)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     if mode == "save":
-        _train(model, opt, sched, range(steps))
+        train(model, opt, sched, range(steps))
         save_checkpoint(path, model, opt, extra={"step": steps, "sched": sched})
     else:
         steps = load_checkpoint(path, model, opt, extra={"sched": sched})["step"]
-    losses = _train(model, opt, sched, range(steps, steps + 3))
+    losses = train(model, opt, sched, range(steps, steps + 3))
     return {"params": [p.detach().clone() for p in model.module.parameters()], "losses": losses}
 
 
@@ -218,7 +155,7 @@ def test_optimizers_load_each_others_checkpoints(tmp_path, saver, loader):
     between world sizes, hence 1e-4)."""
     path = str(tmp_path / "ckpt")
     if saver[0] == "distributed":
-        reference = run_distributed(_save_case, saver[1], path, 2, ADAMW)[0]
+        reference = run_distributed(save_case, saver[1], path, 2, ADAMW)[0]
     else:
         reference = run_distributed(_ddp_case, saver[1], path, saver[0], "save")[0]
     if loader[0] == "distributed":
@@ -230,42 +167,31 @@ def test_optimizers_load_each_others_checkpoints(tmp_path, saver, loader):
 
 # -- safety ------------------------------------------------------------------------------------------
 def _save_twice_case(path: str) -> None:
-    model, opt, sched = _build(2)
-    _train(model, opt, sched, range(1))
+    model, opt, sched = build(2)
+    train(model, opt, sched, range(1))
     save_checkpoint(path, model, opt, extra={"step": 1})
-    _train(model, opt, sched, range(1, 2))
+    train(model, opt, sched, range(1, 2))
     save_checkpoint(path, model, opt, extra={"step": 2})
-
-
-def _load_step_case(path: str, tiny: bool = False):
-    if tiny:
-        torch.manual_seed(0)
-        model = flatshard.shard(
-            TiedGPT(GPTConfig(vocab_size=64, seq_len=16, d_model=16, n_layers=2, n_heads=2))
-        )
-        return load_checkpoint(path, model)["step"]
-    model, opt, _ = _build(1)
-    return load_checkpoint(path, model, opt)["step"]
 
 
 def test_a_checkpoint_is_replaced_only_when_the_new_one_is_complete(tmp_path):
     path = str(tmp_path / "ckpt")
     run_distributed(_save_twice_case, 2, path)
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]  # no partial or old copy left behind
-    assert run_distributed(_load_step_case, 2, path) == [2, 2]
+    assert run_distributed(load_step_case, 2, path) == [2, 2]
     # a save cut off between its two renames leaves only PATH.old: it is what loads
     os.rename(path, path + ".old")
     with pytest.warns(UserWarning, match="left complete by a save that was cut off"):
-        assert _load_step_case(path) == 2
+        assert load_step_case(path) == 2
 
 
 def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
     path = str(tmp_path / "ckpt")
-    run_distributed(_save_case, 2, path, 2)
+    run_distributed(save_case, 2, path, 2)
     with pytest.raises(
         RankError, match=r"'wte\.weight' has shape \(64, 32\) in checkpoint .*, \(64, 16\) in the model"
     ):
-        run_distributed(_load_step_case, 1, path, True)
+        run_distributed(load_step_case, 1, path, True)
     bigger = TiedGPT()
     bigger.add_module("head2", torch.nn.Linear(2, 2))
     with pytest.raises(KeyError, match=r"has no 'head2\.weight' \(2 of the model's tensors missing\)"):
@@ -276,16 +202,16 @@ def test_bad_checkpoints_are_refused_with_the_reason(tmp_path):
     with open(os.path.join(broken, data), "r+b") as f:
         f.truncate(100)
     with pytest.raises(ValueError, match=f"checkpoint {broken} is corrupted: {data} has 100 bytes"):
-        _load_step_case(broken)
+        load_step_case(broken)
     os.remove(os.path.join(broken, "flatshard.json"))
     with pytest.raises(ValueError, match=r"is incomplete: it has no flatshard\.json"):
-        _load_step_case(broken)
+        load_step_case(broken)
     with pytest.raises(FileNotFoundError, match="no checkpoint at"):
-        _load_step_case(str(tmp_path / "nothing"))
+        load_step_case(str(tmp_path / "nothing"))
 
 
 def _save_into(path: str) -> str:
-    model, opt, _ = _build(1)
+    model, opt, _ = build(1)
     try:
         save_checkpoint(path, model, opt, extra={"step": 7})
     except FileExistsError as e:
@@ -329,4 +255,4 @@ def test_a_save_replaces_its_own_checkpoint_and_an_unfinished_save(tmp_path):
         open(os.path.join(path + ".partial", name), "w").close()
     assert _save_into(path) == "saved"
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
-    assert _load_step_case(path) == 7
+    assert load_step_case(path) == 7

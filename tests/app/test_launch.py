@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from flatshard.app.launch import run_ranks
+from flatshard.app.launcher import run_ranks
 
 RANK_1_FAILS = """
 import os, signal, sys, time

@@ -10,19 +10,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import flatshard
+from _checkpoints import ADAMW, SGD, build, train
 from _parity import CFG, TiedGPT, full_params
 from flatshard import export_checkpoint, load_weights, save_checkpoint
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
-from test_checkpoint import ADAMW, SGD, _build, _train
 
 X, Y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(99, 0, 4)
 
 
 def _trained_case(path: str, stage: int, optimizer=SGD, dtype=None):
     """Train 3 steps, save, and return the full params and the model's output on X."""
-    model, opt, sched = _build(stage, optimizer, dtype=dtype)
-    _train(model, opt, sched, range(3))
+    model, opt, sched = build(stage, optimizer, dtype=dtype)
+    train(model, opt, sched, range(3))
     save_checkpoint(path, model, opt)
     with torch.no_grad():
         logits = model(X)
@@ -90,11 +90,11 @@ def _reference_weights() -> dict[str, torch.Tensor]:
 
 
 def _seeded_case(source: str, stage: int, dtype=None, path: str | None = None):
-    model, opt, sched = _build(stage, ADAMW, seed=7, dtype=dtype)  # other initial values
+    model, opt, sched = build(stage, ADAMW, seed=7, dtype=dtype)  # other initial values
     missing, unexpected = load_weights(model, source)
     if path is not None:
         save_checkpoint(path, model, opt)
-    return {"losses": _train(model, opt, sched, range(3)), "loaded": (missing, unexpected)}
+    return {"losses": train(model, opt, sched, range(3)), "loaded": (missing, unexpected)}
 
 
 @pytest.mark.parametrize(("world_size", "stage"), [(3, 3), (2, 1), (1, 0)])
@@ -110,9 +110,9 @@ def test_a_plain_state_dict_seeds_a_sharded_run(tmp_path, world_size, stage):
 
 
 def _plain_case(weights):
-    model, opt, sched = _build(0, ADAMW, seed=7)
+    model, opt, sched = build(0, ADAMW, seed=7)
     model.load_state_dict({**weights, "lm_head.weight": weights["wte.weight"]})
-    return _train(model, opt, sched, range(3))
+    return train(model, opt, sched, range(3))
 
 
 def test_seeding_16_bit_params_keeps_the_source_precision_in_the_main_params(tmp_path):
