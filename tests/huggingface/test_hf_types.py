@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flatshard
-from _early import Early
+from _early import Early, lower_priority
 from flatshard.toolkit.models import lm_loss, model_factory, tiny_model
 from flatshard.toolkit.testing import run_distributed
 
@@ -115,6 +115,7 @@ def _sweep(kinds: list[str]) -> dict:
     only then, so a type that trains is built twice, not three times)."""
     import warnings
 
+    lower_priority()  # (an early job's ranks, as the job: new processes, dropped after)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     out = {}
@@ -139,7 +140,8 @@ def _both_halves() -> dict:
     kinds = _every_type()
     with ThreadPoolExecutor(2) as pool:
         halves = pool.map(
-            lambda part: run_distributed(_sweep, 1, part, timeout=900)[0], (kinds[::2], kinds[1::2])
+            lambda part: run_distributed(_sweep, 1, part, timeout=900, reuse=False)[0],
+            (kinds[::2], kinds[1::2]),
         )
         return {k: v for half in halves for k, v in half.items()}
 
