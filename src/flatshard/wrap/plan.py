@@ -49,9 +49,9 @@ class Experts:
 
 @dataclass(frozen=True)
 class ParamPart:
-    """Trainable params that share a world: they become one ``BufferSet``."""
+    """Params that share a world and a role: they become one ``BufferSet``."""
 
-    key: str  # "main" or "expert"
+    key: str  # "main", "expert" or FROZEN (stage 3's frozen params: no grads)
     world: World  # the shard world
     replicate: World  # replicated sharding's replicate world (ONE otherwise)
     named: list[tuple[str, nn.Parameter]]
