@@ -154,26 +154,26 @@ class Part:
     bucket: BucketLayout
     world: World
     params: Sequence[nn.Parameter]  # indexed by slot.index
-    full: FullBuckets | None = None  # the buffer's full buckets (None: only grads are gathered)
+    full_buckets: FullBuckets | None = None  # the buffer's (None: only grads are gathered)
 
     def full_tensor(self) -> torch.Tensor:
         """The bucket's full tensor ([Note: full buckets])."""
-        return self._full_buckets().tensor(self.bucket)
+        return self._buckets().tensor(self.bucket)
 
     def allocate(self) -> torch.Tensor:
-        return self._full_buckets().allocate(self.bucket)
+        return self._buckets().allocate(self.bucket)
 
     def free(self) -> None:
-        self._full_buckets().free(self.bucket)
+        self._buckets().free(self.bucket)
 
     def point(self, *, full: bool) -> None:
         """The bucket's params at their views of the full bucket, or at their placeholders."""
-        self._full_buckets().point(self.bucket, full=full)
+        self._buckets().point(self.bucket, full=full)
 
-    def _full_buckets(self) -> FullBuckets:
-        if self.full is None:
+    def _buckets(self) -> FullBuckets:
+        if self.full_buckets is None:
             raise RuntimeError(f"bucket {self.bucket.index} is not sharded at stage 3: it has no full bucket")
-        return self.full
+        return self.full_buckets
 
 
 class Unsharder:

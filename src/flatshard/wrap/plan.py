@@ -9,7 +9,7 @@ first step of building (``wrap/shard.py``)."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from datetime import timedelta
 from functools import partial
 
@@ -75,14 +75,13 @@ class WrapPlan:
     device: torch.device | None  # where a meta model is materialized
     originals: dict[str, torch.Tensor]  # fp32 values before a MixedPrecision cast (by name)
     agreement: tuple[str, ...]  # what every rank must agree on, one line per option
-    grad_scale: float | None
     find_unused_parameters: bool
     sync_module_states: bool
     broadcast_buffers: bool
-    worlds: tuple[World, World] = field(init=False)
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "worlds", (self.world, self.replicate))
+    @property
+    def worlds(self) -> tuple[World, World]:
+        return self.world, self.replicate
 
 
 def plan_wrap(
@@ -154,7 +153,6 @@ def plan_wrap(
         device,
         originals,
         tuple(agreement),
-        grad_scale,
         find_unused_parameters,
         sync_module_states,
         broadcast_buffers,
