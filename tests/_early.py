@@ -50,11 +50,15 @@ class Early:
     def result(self) -> Any:
         """The job's result (an exception it raised is raised here), started now if it was not
         (on another xdist worker than the first: read from the first worker's file)."""
-        if _WORKER not in (None, "gw0"):
-            return self._read()
-        self.start()
-        assert self.future is not None
-        return self.future.result()
+        started = time.monotonic()
+        try:
+            if _WORKER not in (None, "gw0"):
+                return self._read()
+            self.start()
+            assert self.future is not None
+            return self.future.result()
+        finally:
+            _WAITED[0] += time.monotonic() - started
 
     def _file(self) -> Path:
         return Path(tempfile.gettempdir()) / f"flatshard-early-{_RUN}" / f"{self.path.stem}.pickle"
@@ -87,6 +91,13 @@ class Early:
         return value
 
 
+def take_waited() -> float:
+    """Seconds this process waited for jobs since the last call (the test budget leaves them
+    out: idle time beside a job at a lower priority, not the test's own work)."""
+    waited, _WAITED[0] = _WAITED[0], 0.0
+    return waited
+
+
 def lower_priority() -> None:
     """This thread (and the processes it starts) at ``NICE``: a job takes the cores the tests
     leave idle, not a share of theirs (at the same priority a compile test beside both jobs
@@ -97,6 +108,7 @@ def lower_priority() -> None:
 
 JOBS: list[Early] = []
 NICE = 10
+_WAITED = [0.0]
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 _RUN = os.environ.get("PYTEST_XDIST_TESTRUNUID")
 WAIT_S = 1200

@@ -11,7 +11,8 @@ not seconds, so that a machine three times slower, or busy beside other work, gi
 same verdict. It is checked at the end of a run of at least ``BUDGET_MIN_TESTS`` tests (a
 few selected tests are each a large share of their own run); a test over its share fails
 the run, naming it and its time. Heavy work shared by many tests (the Hugging Face type
-sweep) runs once in a fixture and counts against the first test that uses it.
+sweep) runs once, beside the tests at a lower priority ([Note: early starts] in
+_early.py); the seconds a test waits for it are idle time and do not count against it.
 """
 
 from __future__ import annotations
@@ -76,8 +77,16 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     _early.start_selected({Path(item.path).resolve() for item in session.items})
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """Each phase's report carries the seconds it waited for an early job (on the worker)."""
+    outcome = yield
+    outcome.get_result().user_properties.append(("early_wait", _early.take_waited()))
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
-    _seconds[report.nodeid] += report.duration
+    waited = sum(v for k, v in report.user_properties if k == "early_wait")
+    _seconds[report.nodeid] += report.duration - waited
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
