@@ -13,7 +13,8 @@ The reasoning is [Note: package layers] below."""
 #    bytes per rank before running anything), ``mixed_precision``; beside it ``errors`` and
 #    ``toolkit.malloc`` (glibc malloc settings for ranks on CPU, a leaf);
 # 1. ``comm/``: worlds, collectives, deadlines;
-# 2. ``engine/``: flat buffers, reductions, grad sync, param gathers, hook wrappers;
+# 2. ``engine/``: flat buffers, reductions, grad sync, param gathers, hook wrappers,
+#    tensor-parallel params;
 # 3. ``units/``: stage 3: the unit tree, full buckets, placeholders, unsharding units, meta
 #    init, full params;
 # 4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;

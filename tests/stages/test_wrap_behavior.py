@@ -349,30 +349,6 @@ def test_a_module_already_under_ddp_or_fsdp_is_refused():
         flatshard.shard(outer)
 
 
-def _tensor_parallel_case(stage: int) -> str:
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
-
-    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
-    model = parallelize_module(nn.Sequential(nn.Linear(4, 4)), mesh["tp"], {"0": ColwiseParallel()})
-    try:
-        flatshard.shard(model, group=mesh["dp"], stage=stage)
-    except ValueError as e:
-        return str(e)
-    return "wrapped"
-
-
-@pytest.mark.parametrize("stage", [0, 3])
-def test_a_tensor_parallel_model_is_refused_naming_the_param_and_its_mesh(stage):
-    """A DTensor param's global size is not what a flat buffer holds: before the refusal it
-    failed deep in binding (or, with a matching size, would have reduced over the wrong ranks)."""
-    for message in run_distributed(_tensor_parallel_case, 2, stage, timeout=60):
-        assert message.startswith(
-            "param '0.weight' is a DTensor (mesh dims ('tp',), placements (Shard(dim=0),))"
-        )
-        assert "fully_shard" in message
-
-
 class ReusedUnderCheckpoint(nn.Module):
     """``shared`` is used inside a reentrant checkpoint and outside it, so its grad arrives
     twice in one backward (once per autograd graph task)."""

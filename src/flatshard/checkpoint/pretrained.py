@@ -40,9 +40,10 @@ import torch
 from torch import nn
 
 from flatshard.checkpoint.files import Source, open_source
-from flatshard.checkpoint.weights import PEFT_PREFIX, load_source
+from flatshard.checkpoint.weights import PEFT_PREFIX, PRETRAINED_INSTEAD, load_source
 from flatshard.comm.world import all_gather_bytes
 from flatshard.engine.dynamo import uncompiled
+from flatshard.engine.tensor_parallel import refuse_tensor_parallel
 from flatshard.errors import CheckpointError
 from flatshard.wrap.module import ShardedModule, job_world, sharded_root
 from flatshard.wrap.record import cast, check_dtype
@@ -61,6 +62,7 @@ def load_pretrained(
     reading only what it holds ([Note: pretrained directories]). Every rank calls it.
     Returns ``(missing, unexpected)`` names; adapters' params are never counted missing."""
     model = uncompiled(model)
+    refuse_tensor_parallel(model, "flatshard.load_pretrained", PRETRAINED_INSTEAD)
     src = open_source(directory)
     renamed = _renamed(src, _base_names(model, src))
     missing, unexpected = load_source(model, renamed, optimizer, strict=False)
@@ -119,6 +121,7 @@ def save_pretrained(
     ``transformers``' ``"5GB"``) splits the weights into files of at most that size with an
     index, as ``transformers``' own ``save_pretrained`` does (an adapter is one file)."""
     model = uncompiled(model)
+    refuse_tensor_parallel(model, "flatshard.save_pretrained", PRETRAINED_INSTEAD)
     check_dtype(dtype)
     if not isinstance(merged, bool):
         raise TypeError(f"merged must be a bool, got {merged!r}")

@@ -26,9 +26,14 @@ from flatshard.checkpoint.directory import read_manifest, resolve_checkpoint
 from flatshard.checkpoint.files import Entry, Source, open_source, write_state_file
 from flatshard.checkpoint.pieces import Piece
 from flatshard.engine.dynamo import uncompiled
+from flatshard.engine.tensor_parallel import refuse_tensor_parallel
 from flatshard.optim.distributed import DistributedOptimizer
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
+PRETRAINED_INSTEAD = (
+    "whole tensors would land in tp-sharded params. Load into the model before parallelize_module, "
+    "or save {name: p.full_tensor()} of model.state_dict()"
+)
 WEIGHTS = ("main", "model")
 
 
@@ -158,6 +163,7 @@ def load_weights(
     rounded through 16-bit params. Returns ``(missing, unexpected)`` names; with
     ``strict`` either is an error. Names of tied params may appear or not.
     """
+    refuse_tensor_parallel(model, "flatshard.load_weights", PRETRAINED_INSTEAD)
     return load_source(model, open_source(source), optimizer, strict=strict)
 
 

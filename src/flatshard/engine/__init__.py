@@ -2,6 +2,7 @@
 (``buffer``), the reductions of their buckets (``reduction``), the backward's grad-sync
 state machine (``grad_sync``), a param's ``.grad`` where the grads live in buffers
 (``grad_view``), the named states of all of these (``lifecycle``), the param all-gathers
-after a step at stages 1-2 (``param_gather``) and the hook wrappers that keep flatshard out
-of Dynamo's graphs (``dynamo``). Uses ``flatshard.comm``; knows no
+after a step at stages 1-2 (``param_gather``), the hook wrappers that keep flatshard out
+of Dynamo's graphs (``dynamo``) and a tensor-parallel model's DTensor params held by their
+local shards (``tensor_parallel``). Uses ``flatshard.comm``; knows no
 optimizer."""

@@ -52,6 +52,7 @@ from typing import Any, TypeAlias
 import torch
 
 from flatshard.comm.world import ONE, World
+from flatshard.engine.tensor_parallel import local, local_grad, local_shape, rebind
 from flatshard.planner.layout import BucketLayout, BufferLayout, Layout, Range
 
 FlatParam: TypeAlias = Any
@@ -109,24 +110,26 @@ class FlatBuffer:
         with torch.no_grad():
             for slot in self.layout.params:
                 param = params[slot.index]
-                if param.numel() != slot.numel or param.dtype != self.layout.dtype:
+                numel = local_shape(param).numel()  # ([Note: tensor-parallel params])
+                if numel != slot.numel or param.dtype != self.layout.dtype:
                     raise ValueError(
-                        f"param {slot.name!r} ({param.numel()} elements, {param.dtype}) does not match "
+                        f"param {slot.name!r} ({numel} elements, {param.dtype}) does not match "
                         f"its layout slot ({slot.numel} elements, {self.layout.dtype})"
                     )
                 if self.param_shard_data is not None:
                     self._bind_sharded(slot, param)
                     continue
                 assert self.param_data is not None  # (stages 0-2: the whole buffer)
-                view = self.param_data[slot.start : slot.end].view(param.shape)
-                view.copy_(param.data)
-                param.data = view
+                values = local(param)
+                view = self.param_data[slot.start : slot.end].view(values.shape)
+                view.copy_(values)
+                rebind(param, view)
                 if self.grad_data is None:
                     param.main_grad = None
                     continue
-                grad_view = self.grad_data[slot.start : slot.end].view(param.shape)
+                grad_view = self.grad_data[slot.start : slot.end].view(values.shape)
                 if param.grad is not None:
-                    grad_view.copy_(param.grad)
+                    grad_view.copy_(local_grad(param, param.grad))
                 param.main_grad = grad_view
 
     def _bind_sharded(self, slot, param: FlatParam) -> None:

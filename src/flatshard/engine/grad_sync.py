@@ -55,6 +55,7 @@ from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
 from flatshard.engine.grad_view import GradViews, Piece, ShardedGrad
 from flatshard.engine.lifecycle import Backward, Grads, advance
 from flatshard.engine.reduction import Reduction, ScratchPool
+from flatshard.engine.tensor_parallel import TensorParallel, local_grad
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import StagePolicy
 
@@ -156,16 +157,20 @@ class GradSync:
         find_unused_parameters: bool,
         stats: CommStats,
         gathers: BackwardGathers | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """``gathers``: at stage 3, the unsharder whose param gathers backward issues (one
-        hook per param serves both). Until ``attach_optimizer``, a synced backward ends a
-        step ([Note: deadlines]) and, where ``policy`` shards the optimizer, raises: its
-        grads would exist only as shards no torch optimizer sees."""
+        hook per param serves both); ``tensor_parallel``: the tp dimension of a model with
+        DTensor params, whose grads are all hidden ([Note: tensor-parallel params]). Until
+        ``attach_optimizer``, a synced backward ends a step ([Note: deadlines]) and, where
+        ``policy`` shards the optimizer, raises: its grads would exist only as shards no torch
+        optimizer sees."""
         self.sets = list(sets)
         self.policy = policy
         self.scratch_in_flight = STAGE3_SCRATCH_IN_FLIGHT if policy.gathers_units else MAX_SCRATCH_IN_FLIGHT
         self.reductions = list(reductions)
         self.find_unused_parameters = find_unused_parameters
+        self.tensor_parallel = tensor_parallel
         self.stats = stats
         self.sync_enabled = True
         self.grads = Grads.EMPTY  # since the last zero_grad ([Note: lifecycles])
@@ -178,7 +183,7 @@ class GradSync:
         self._name: dict[int, str] = {}
         for reduction in self.reductions:
             layout = reduction.buffer.layout
-            exposed = layout.dtype == layout.grad_dtype and not reduction.sharded
+            exposed = layout.dtype == layout.grad_dtype and not reduction.sharded and tensor_parallel is None
             for name, p in zip(reduction.names, reduction.params, strict=True):
                 self._reduction_of[id(p)] = reduction
                 self._name[id(p)] = name
@@ -224,6 +229,7 @@ class GradSync:
             stage=self.policy.stage,
             gathers_units=self.policy.gathers_units,
             exposed=exposed,
+            tensor_parallel=self.tensor_parallel,
         )
 
     def _grads_written(self) -> None:
@@ -252,8 +258,10 @@ class GradSync:
     def _on_grad(self, param: nn.Parameter) -> None:
         self.on_backward_start()
         grad = param.grad
-        if type(grad) is ShardedGrad:  # (no zero_grad since the last backward: autograd added to it)
-            param.grad = grad.take_pending()
+        if isinstance(grad, ShardedGrad):  # (no zero_grad since the last backward: autograd added to it)
+            grad = grad.take_pending()
+        assert grad is not None  # (the hook runs once autograd has accumulated a grad)
+        grad = local_grad(param, grad)  # (a DTensor's: [Note: tensor-parallel params])
         key = id(param)
         reduction = self._reduction_of[key]
         if reduction.launched:
@@ -266,21 +274,21 @@ class GradSync:
             self._set_grads(Grads.UNREDUCED)
         reduction.begin()
         if reduction.sharded:
-            self._accumulate_prescaled(param, reduction)
+            self._accumulate_prescaled(param, reduction, grad)
         elif self.sync_enabled:
-            self._accumulate_scaled(param, reduction)
+            self._accumulate_scaled(param, reduction, grad)
         else:
-            self._accumulate(param)
+            self._accumulate(param, grad)
         self._written.add(key)
         if reduction.mark_ready(param) and self.sync_enabled:
             self._launch_ready()
         if self.gathers is not None:  # (one hook per param serves both: they cost per call)
             self.gathers.grad_ready(param)
 
-    def _accumulate(self, param: FlatParam) -> None:
-        """Add the new grad into ``main_grad`` unscaled (a backward that does not sync)."""
+    def _accumulate(self, param: FlatParam, grad: torch.Tensor) -> None:
+        """Add the new ``grad`` into ``main_grad`` unscaled (a backward that does not sync)."""
         key = id(param)
-        grad, main_grad = param.grad, param.main_grad
+        main_grad = param.main_grad
         if grad is main_grad:  # autograd already added in place
             return
         if key in self._exposed or key not in self._written:
@@ -289,7 +297,7 @@ class GradSync:
             main_grad.add_(grad)
         param.grad = main_grad if key in self._exposed else None
 
-    def _accumulate_scaled(self, param: FlatParam, reduction: Reduction) -> None:
+    def _accumulate_scaled(self, param: FlatParam, reduction: Reduction, grad: torch.Tensor) -> None:
         """Fold the new grad into ``main_grad`` and apply the reduction's scale in the same pass.
 
         From a param's first grad in a syncing backward until the sync finishes,
@@ -297,7 +305,7 @@ class GradSync:
         the same backward arrives fresh and is added with the scale too.
         """
         key = id(param)
-        grad, main_grad, scale = param.grad, param.main_grad, reduction.scale
+        main_grad, scale = param.main_grad, reduction.scale
         if reduction.is_ready(param):  # second grad in this backward
             main_grad.add_(grad, alpha=scale)
         else:
@@ -313,10 +321,10 @@ class GradSync:
                 self._fired.append(param)
         param.grad = None
 
-    def _accumulate_prescaled(self, param: FlatParam, reduction: Reduction) -> None:
+    def _accumulate_prescaled(self, param: FlatParam, reduction: Reduction, grad: torch.Tensor) -> None:
         """``main_grad += scale * grad`` (stages 1 and 2, synced or not): what a shard holds is
         then always a scaled sum, ready to be reduced as it is."""
-        grad, main_grad = param.grad, param.main_grad
+        main_grad = param.main_grad
         if id(param) in self._written:
             main_grad.add_(grad, alpha=reduction.scale)
         elif grad.dtype == main_grad.dtype:

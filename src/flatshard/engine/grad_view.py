@@ -51,6 +51,7 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, all_reduce
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
+from flatshard.engine.tensor_parallel import TensorParallel, is_distributed
 from flatshard.errors import ShardedGradError
 
 
@@ -88,6 +89,23 @@ class ShardedGrad(torch.Tensor):
         return f"ShardedGrad({name!r}, shape={tuple(self.shape)}, dtype={self.dtype})"
 
 
+class DistributedShardedGrad(ShardedGrad):
+    """The ``ShardedGrad`` of a DTensor param ([Note: tensor-parallel params]). An operation
+    that mixes it with a DTensor (a torch optimizer stepping the param) is refused naming the
+    param, before DTensor's dispatch would fail without naming it (DTensor leaves
+    ``__torch_function__`` to the other operands)."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        operands = [*_flat(args), *_flat(kwargs.values())]
+        if any(is_distributed(a) for a in operands):
+            first = next(a for a in operands if isinstance(a, ShardedGrad))
+            raise first._views.refusal(first._key, func)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
 Piece = tuple[FlatBuffer, Any, slice]  # (buffer, bucket, the param's elements in its grad shard)
 
 
@@ -106,24 +124,31 @@ class GradViews:
         stage: int,
         gathers_units: bool,
         exposed: Sequence[tuple[str, FlatParam]] = (),
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         """``params``: (name, param, its world, whether its grads are sharded over the
         world, the dtype its grad is held in); ``gathers_units``: stage 3's policy (params
         exist only inside the model's forward and backward); ``exposed``: the params whose ``.grad`` is
         ``main_grad`` itself; ``reduced``: whether the grads are reduced now; ``changed``:
-        called after a write (the optimizer's cached norm is stale)."""
+        called after a write (the optimizer's cached norm is stale); ``tensor_parallel``: the
+        tp dimension over which the norms of params it splits are summed too ([Note:
+        tensor-parallel params])."""
         self.names = {id(p): name for name, p, *_ in params}
         self.stage = stage
         self._gathers_units = gathers_units
         self._params = [p for _, p, *_ in params]
         self._held = {id(p): dtype for _, p, _, _, dtype in params}
         self._exposed = list(exposed)
+        self._tensor_parallel = tensor_parallel
         self._world = {id(p): (world, sharded) for _, p, world, sharded, _ in params}
         self._pieces = pieces
         self._stats = stats
         self._reduced = reduced
         self._changed = changed
-        self._grads = {id(p): ShardedGrad(p, self) for p in self._params}
+        self._grads = {
+            id(p): (DistributedShardedGrad if is_distributed(p) else ShardedGrad)(p, self)
+            for p in self._params
+        }
         self._norms: dict[float, dict[int, torch.Tensor]] = {}
 
     # -- lifecycle ------------------------------------------------------------------------------
@@ -188,20 +213,28 @@ class GradViews:
         return torch.promote_types(grad.dtype, self._held[grad._key])
 
     def _global_norms(self, ord: float) -> dict[int, torch.Tensor]:
-        """Every param's norm, from one all-reduce of the partial norms per world."""
+        """Every param's norm, from one all-reduce of the partial norms per world (and one
+        over tp of those of the params tp splits)."""
         by_world: dict[int, tuple[World, bool, list[nn.Parameter]]] = {}
         for p in self._params:
             world, sharded = self._world[id(p)]
             by_world.setdefault(id(world), (world, sharded, []))[2].append(p)
-        out: dict[int, torch.Tensor] = {}
+        op = "max" if math.isinf(ord) else "sum"
+        sums: dict[int, torch.Tensor] = {}
         for world, sharded, params in by_world.values():
             partial = torch.stack([_partial(self.pieces(id(p)), ord, p) for p in params])
             if sharded and world.size > 1:
-                op = "max" if math.isinf(ord) else "sum"
                 all_reduce(partial, world, stats=self._stats, op=op).wait()
-            total = partial if math.isinf(ord) or ord in (0.0, 1.0) else partial.pow(1.0 / ord)
-            out.update(zip((id(p) for p in params), total.unbind(), strict=True))
-        return out
+            sums.update(zip((id(p) for p in params), partial.unbind(), strict=True))
+        tp = self._tensor_parallel
+        split = [key for key in sums if tp is not None and key in tp.split]
+        if tp is not None and split and tp.world.size > 1:  # (the same params, in order, on every tp rank)
+            joined = torch.stack([sums[key] for key in split])
+            all_reduce(joined, tp.world, stats=self._stats, op=op).wait()
+            sums.update(zip(split, joined.unbind(), strict=True))
+        if math.isinf(ord) or ord in (0.0, 1.0):
+            return sums
+        return {key: total.pow(1.0 / ord) for key, total in sums.items()}
 
     def write(self, key: int, op: str, apply: Callable[[torch.Tensor], Any]) -> None:
         """``apply`` to each of this rank's pieces of the param's grad."""

@@ -54,6 +54,7 @@ from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_sca
 from flatshard.comm.world import ONE, World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import ReductionState, advance
+from flatshard.engine.tensor_parallel import local_shape
 from flatshard.planner.layout import BucketLayout, Range
 from flatshard.planner.mixed_precision import split_scale
 
@@ -198,7 +199,8 @@ class Reduction:
             for lo, hi in self._gaps:
                 self.grad[lo:hi].zero_()
             for slot, param in zip(self._slots, self.params, strict=True):
-                param.main_grad = self.grad[slot.start - self.start : slot.end - self.start].view(param.shape)
+                shape = local_shape(param)  # ([Note: tensor-parallel params])
+                param.main_grad = self.grad[slot.start - self.start : slot.end - self.start].view(shape)
             return True
         if self._stale:
             for bucket in self.buckets:

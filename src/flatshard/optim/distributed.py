@@ -45,16 +45,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatshard.comm.collectives import all_reduce
 from flatshard.comm.deadline import HERE, Phase
 from flatshard.comm.trace import span
-from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
 from flatshard.errors import NonFiniteGradError, ShardedGradError
 from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
+from flatshard.optim.grad_norm import check_max_norm, global_norm_sq
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
@@ -312,7 +311,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         generation = self._sharded.grad_sync.generation
         if self._prepared_at == generation:
             return
-        norm_sq, riding = _global_norm_sq(self._sharded, self._buffer_shards, self._settings, self.inner)
+        norm_sq, riding = global_norm_sq(self._sharded, self._buffer_shards, self._settings, self.inner)
         if riding is not None:
             self._settings.after_riding(self.inner, *riding)
             # (with replicated sharding the norm spans one row: the rows still need the full check)
@@ -337,7 +336,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         ``error_if_nonfinite`` makes a ``RuntimeError``, as in torch's ``clip_grad_norm_``)."""
         if float(norm_type) != 2.0:
             raise ValueError(f"clip_grad_norm_ supports norm_type=2.0, got {norm_type!r}")
-        _check_max_norm(max_norm)
+        check_max_norm(max_norm)
         self._check_grads_synced()
         if self._sharded.grad_sync.grads is Grads.EMPTY:
             return torch.zeros(())  # no grads since zero_grad, as torch reports for no grads
@@ -559,42 +558,3 @@ def _sharded_state(model: nn.Module) -> ShardState:
             f"DistributedOptimizer takes a module returned by flatshard.shard(), got {type(model).__name__}"
         )
     return model.flatshard_state
-
-
-def _check_max_norm(max_norm: object) -> None:
-    """A number >= 0 (inf: no clipping), as torch's own optimizers check their arguments: a
-    NaN would make every param NaN, a negative one reverse the update."""
-    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
-        max_norm = max_norm.item()
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
-        raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping), got {max_norm!r}")
-
-
-def _global_norm_sq(
-    state: ShardState, shards: list[BufferShards], settings: SettingsCheck, inner: torch.optim.Optimizer
-) -> tuple[torch.Tensor, tuple[torch.Tensor, World] | None]:
-    """Squared 2-norm of every grad element of the model, counted once (fp64, 0-d), and the
-    settings digests that rode on its all-reduce with its world (None without one).
-
-    Shards are unique within their world; a replicated (stage 0) buffer is held whole by
-    each of its world's ranks, so its share is divided by that world's size before the sum
-    over the main world. A model whose only world is replicated needs no communication.
-    """
-    worlds = [bset.world for bset in state.sets.values()]
-    world = worlds[0]
-    device = shards[0].buffer.device if shards else torch.device("cpu")
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    local_only = len(worlds) == 1 and not state.policy.shards_optimizer
-    for s in shards:
-        grads = s.grad_shards()
-        if not grads:
-            continue
-        wide = torch.promote_types(grads[0].dtype, torch.float32)  # (fp64 grads stay fp64)
-        sq = torch.stack(torch._foreach_norm(grads, 2, dtype=wide)).double().square().sum()
-        replicas = 1 if (local_only or state.policy.shards_optimizer) else s.world.size
-        total += sq / replicas
-    if local_only:
-        return total, None
-    carried = torch.cat([total.reshape(1), settings.riding(inner, device)])
-    all_reduce(carried, world, stats=state.stats).wait()
-    return carried[0], (carried[1:], world)

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from flatshard.engine.tensor_parallel import refuse_distributed_params
 from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
 from flatshard.planner.mixed_precision import HALF_DTYPES
 
@@ -115,6 +116,9 @@ class HybridDeviceOptimizer(CompositeOptimizer):
             raise ValueError(f"offload_threshold must be an int >= 0 (elements), got {offload_threshold!r}")
         device_optimizer_class = device_optimizer_class or cpu_optimizer_class
         super().__init__(params, [cpu_optimizer_class, device_optimizer_class], defaults)
+        refuse_distributed_params(
+            [p for g in self.param_groups for p in g["params"]], "HybridDeviceOptimizer"
+        )
         self.offload_fraction = float(offload_fraction)
         self.offload_threshold = offload_threshold
         self.overlap = overlap

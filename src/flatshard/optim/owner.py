@@ -32,6 +32,7 @@ import torch.distributed as dist
 from flatshard.comm.collectives import CommStats, Handle, broadcast
 from flatshard.comm.deadline import DEFAULT_TIMEOUT, HERE, Phase, publish_positions
 from flatshard.comm.world import World, check_ranks_agree, resolve_world
+from flatshard.engine.tensor_parallel import refuse_distributed_params
 from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
 from flatshard.planner.layout import balance
 
@@ -137,6 +138,7 @@ class OwnerShardedOptimizer(CompositeOptimizer):
 
     def _place(self, new: list[tuple[int, torch.Tensor]]) -> None:
         """Assign owners to ``new`` params, bucket them, and build this rank's sub-optimizers."""
+        refuse_distributed_params([p for _, p in new], "OwnerShardedOptimizer")
         check_ranks_agree(
             self.world,
             [f"{g} {tuple(p.shape)} {p.dtype} {p.device.type}" for g, p in new],

@@ -33,7 +33,6 @@ def check_arguments(module, grad_scale) -> None:
     ):
         raise ValueError(f"grad_scale must be a positive finite number or None, got {grad_scale!r}")
     _check_not_wrapped(module)
-    _check_no_dtensor(module)
 
 
 def check_flags(**flags: object) -> None:
@@ -89,23 +88,4 @@ def check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
                 f"param {name!r} is complex ({p.dtype}): flat buffers hold real dtypes. Keep it as "
                 "a real param with a last dimension of 2 and view it with torch.view_as_complex "
                 "in forward"
-            )
-
-
-def _check_no_dtensor(module: nn.Module) -> None:
-    """A param that is a DTensor (``parallelize_module``'s tensor parallelism) holds a local
-    shard under global metadata: its global size is not what a flat buffer can hold, and its
-    grads would be reduced over every rank rather than the data-parallel ones. Until flatshard
-    composes with a device mesh, it is refused, naming the param, its mesh and placements."""
-    from torch.distributed.tensor import DTensor
-
-    for name, p in module.named_parameters():
-        if isinstance(p, DTensor):
-            dims = p.device_mesh.mesh_dim_names or tuple(str(d) for d in range(p.device_mesh.ndim))
-            raise ValueError(
-                f"param {name!r} is a DTensor (mesh dims {dims}, placements {tuple(p.placements)}): "
-                "flatshard does not yet shard a model that is tensor-parallel or sharded by another "
-                "library. Shard the plain model over every rank with flatshard.shard (data "
-                "parallelism, stage 3 for the largest models), or keep the tensor-parallel model "
-                "under torch's fully_shard"
             )

@@ -53,6 +53,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from flatshard.engine.tensor_parallel import local, rebind
 from flatshard.planner.mixed_precision import HALF_DTYPES
 
 Rebound = Callable[[dict[str, torch.Tensor]], None]
@@ -76,7 +77,9 @@ class WrappedTree:
         self.rebound = rebound
         # (name, param, its buffer view, that view's data pointer) of the params in flat buffers
         in_buffers = [] if rebound is None else [e for e in self.params if hasattr(e[3], "main_grad")]
-        self.bound = [(_qualified(n, attr), p, p.data, p.data_ptr()) for n, _, attr, p, _ in in_buffers]
+        self.bound = [
+            (_qualified(n, attr), p, local(p), local(p).data_ptr()) for n, _, attr, p, _ in in_buffers
+        ]  # (a DTensor's local shard: [Note: tensor-parallel params])
         # the 16-bit ones, with their version counters ([Note: writes through the params])
         self.watched = [(name, p) for name, p, _, _ in self.bound if p.dtype in HALF_DTYPES]
         self.forget_writes()
@@ -108,16 +111,16 @@ class WrappedTree:
         ``rebound`` ([Note: writes through the params])."""
         if self.rebound is None:
             return
-        moved = {name: p.data for name, p, _, ptr in self.bound if p.data_ptr() != ptr}
+        moved = {name: local(p) for name, p, _, ptr in self.bound if local(p).data_ptr() != ptr}
         versions = zip(self.watched, self.versions, strict=True)
-        written = {name: p.data for (name, p), seen in versions if p._version != seen}
+        written = {name: local(p) for (name, p), seen in versions if p._version != seen}
         if not (moved or written):
             return
         with torch.no_grad():
             for name, p, view, _ in self.bound:
                 if name in moved:
                     view.copy_(moved[name])
-                    p.data = view
+                    rebind(p, view)
         self.forget_writes()  # (before rebound, which may look again)
         self.rebound({**written, **moved})
 

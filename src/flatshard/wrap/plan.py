@@ -18,6 +18,7 @@ from torch import nn
 
 from flatshard.comm.deadline import HERE, Phase, as_timeout, publish_positions
 from flatshard.comm.world import ONE, World, resolve_world, resolve_worlds
+from flatshard.engine.tensor_parallel import TensorParallel, describe, is_distributed, mesh_of, refuse
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision, cast_params
 from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
@@ -78,6 +79,7 @@ class WrapPlan:
     find_unused_parameters: bool
     sync_module_states: bool
     broadcast_buffers: bool
+    tensor_parallel: TensorParallel | None = None  # DTensor params' tp dimension
 
     @property
     def worlds(self) -> tuple[World, World]:
@@ -118,6 +120,7 @@ def plan_wrap(
     s3 = policy.stage3
     replicated = _frozen_replicated(module, policy, expert, s3.ignored_modules)
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
+    _check_tensor_parallel(module, policy, mp, kept_whole)
     named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, replicated)
     units, unit_of = (
         stage3_units(module, named, s3.units, s3.unit_bytes) if policy.gathers_units else ([], {})
@@ -128,6 +131,7 @@ def plan_wrap(
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     parts += _frozen_part(module, replicated, unit_of, world, replicate) if policy.shards_params else []
     parts = [replace(part, specs=tuple(specs_of(part.named))) for part in parts]
+    tp = mesh_of(named, [w for part in parts for w in (part.world, part.replicate)])
     options = {
         "bucket_size": buckets.size,
         "buckets_per_launch": buckets.per_launch,
@@ -156,6 +160,7 @@ def plan_wrap(
         find_unused_parameters,
         sync_module_states,
         broadcast_buffers,
+        tp,
     )
 
 
@@ -164,6 +169,27 @@ def agreement_lines(plan: WrapPlan, part: ParamPart) -> list[str]:
     param of the part with its spec."""
     described = (_describe(part.key, p, s) for (_, p), s in zip(part.named, part.specs, strict=True))
     return [*plan.agreement, *described]
+
+
+def _check_tensor_parallel(
+    module: nn.Module, policy: StagePolicy, mp: MixedPrecision, kept_whole: frozenset[str]
+) -> None:
+    """What does not yet compose with a DTensor param, refused naming it
+    ([Note: tensor-parallel params])."""
+    name = next((n for n, p in module.named_parameters() if is_distributed(p)), None)
+    if name is None:
+        return
+    if policy.gathers_units:
+        raise refuse("stage 3", name, "shard a tensor-parallel model at stage 0, 1 or 2")
+    if mp.param_dtype is not None:
+        raise refuse(
+            "MixedPrecision(param_dtype=...)",
+            name,
+            "cast the model (model.to(dtype)) before parallelize_module",
+        )
+    whole = [n for n, p in module.named_parameters() if n in kept_whole and is_distributed(p)]
+    if whole:
+        raise refuse("whole_params", whole[0], "leave tensor-parallel params out of whole_params")
 
 
 def _worlds(group: object, policy: StagePolicy, timeout: float | timedelta | None) -> tuple[World, World]:
@@ -303,4 +329,5 @@ def _agreement_lines(
 
 def _describe(key: str, param: nn.Parameter, spec) -> str:
     whole = " whole" if spec.whole else ""
-    return f"{key} {spec.name} {tuple(param.shape)} {param.dtype} unit={spec.unit}{whole}"
+    shape = f"{tuple(param.shape)}{describe(param)}"
+    return f"{key} {spec.name} {shape} {param.dtype} unit={spec.unit}{whole}"

@@ -165,6 +165,7 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
         find_unused_parameters=plan.find_unused_parameters,
         stats=stats,
         gathers=unsharder,
+        tensor_parallel=plan.tensor_parallel,
     )
     originals = plan.originals or None
     state = ShardState(

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterable
 import torch
 from torch import nn
 
+from flatshard.engine.tensor_parallel import local_shape
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision
 from flatshard.planner.stage import DEFAULT_UNIT_BYTES, StagePolicy
@@ -65,7 +66,7 @@ def param_specs(
     return [
         ParamSpec(
             n,
-            p.numel(),
+            local_shape(p).numel(),  # (a DTensor's local shard: [Note: tensor-parallel params])
             p.dtype,
             mp.grads_of(p.dtype),
             id(p) in tied and not unit_of,  # at stage 3 a unit's buckets are what is gathered

@@ -13,6 +13,7 @@ from torch import nn
 from flatshard.comm.collectives import broadcast
 from flatshard.comm.world import World
 from flatshard.engine.buffer import BufferSet
+from flatshard.engine.tensor_parallel import local
 from flatshard.units.build import broadcast_values, unsharded_tensors
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.plan import ParamPart
@@ -44,8 +45,8 @@ def broadcast_states(
         pairs = [(b.param_data, world) for s in sets if s.replicate is world for b in s.buffers]
     else:
         pairs = [(b.param_data, s.world) for s in sets for b in s.buffers]
-    pairs += [(p.data, world) for p in module.parameters() if id(p) not in in_buffers]
-    pairs += [(t, world) for t in module.buffers()]
+    pairs += [(local(p), world) for p in module.parameters() if id(p) not in in_buffers]
+    pairs += [(local(t), world) for t in module.buffers()]  # (a DTensor's local shard)
     handles = [broadcast(t, w) for t, w in pairs if t is not None]  # (stages 0-2: every buffer has its data)
     for h in handles:
         h.wait()

@@ -9,6 +9,8 @@ corpus's targets are already shifted, so ``labels=`` would shift them twice).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -164,6 +166,34 @@ def pretrained_model(path: str) -> nn.Module:
     except (OSError, ValueError, KeyError) as e:
         what = "a transformers config or save_pretrained directory"
         raise ValueError(f"--model {path}: not {what} ({e})") from None
+
+
+def apply_tensor_parallel_plan(model: nn.Module, tp_mesh: Any) -> nn.Module:
+    """Make a ``transformers`` model built from its config tensor-parallel over the 1-D
+    ``tp_mesh`` by its own plan (``base_model_tp_plan``: column-wise q/k/v and gate/up,
+    row-wise o and down, the embeddings split by vocabulary, the head gathered), as
+    ``from_pretrained(..., distributed_config=DistributedConfig(tp_size=...))`` does on a
+    mesh of its own; then ``flatshard.shard(model, group=mesh["dp"])`` makes it
+    data-parallel. Each rank keeps its slice of its own values, so every rank must have
+    built the model from the same seed. Returns ``model``."""
+    try:
+        from transformers.distributed import DistributedConfig
+        from transformers.distributed.tensor_parallel import apply_tensor_parallelism
+    except ImportError as e:
+        raise ValueError(
+            f"apply_tensor_parallel_plan needs transformers >= 5 with its tensor-parallel plans ({e})"
+        ) from None
+    resolve = getattr(model, "_resolve_parallel_plans", None)
+    if not is_hf_model(model) or resolve is None:
+        raise ValueError(f"apply_tensor_parallel_plan takes a transformers model, got {type(model).__name__}")
+    if getattr(tp_mesh, "ndim", None) != 1:
+        raise ValueError(f'tp_mesh must be a 1-D DeviceMesh (mesh["tp"]), got {tp_mesh!r}')
+    plan = resolve(DistributedConfig(tp_size=tp_mesh.size()))[0]
+    if not plan:
+        raise ValueError(
+            f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan)"
+        )
+    return apply_tensor_parallelism(model, tp_mesh, plan)
 
 
 def is_hf_model(module: nn.Module) -> bool:

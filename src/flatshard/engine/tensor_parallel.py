@@ -1,0 +1,200 @@
+"""Tensor-parallel params: a DTensor param held in flat buffers by its local shard.
+
+The reasoning is [Note: tensor-parallel params] below."""
+
+# [Note: tensor-parallel params]
+#
+# A model made tensor-parallel first (``parallelize_module`` over the ``tp`` dimension of a
+# device mesh, or transformers' tensor-parallel plan) and then sharded with
+# ``shard(model, group=mesh["dp"])`` has params that are DTensors: each holds a local shard
+# (``_local_tensor``) under global metadata (shape, placements). flatshard is the model's
+# data-parallel dimension and sees only the local shards:
+#
+# * **The buffers hold local shards.** A param's layout spec is its local tensor's size and
+#   dtype. Binding points ``_local_tensor`` at the buffer view (``rebind``; assigning
+#   ``.data`` does not reach a DTensor's local tensor), so the Parameter object, its hooks,
+#   its tied names and references to it stay. ``local`` is the one accessor of a param's
+#   values; a DTensor's ``shape`` and ``numel()`` are global and never size a buffer.
+# * **Collectives run over dp only.** Every rank of a dp group holds the same tp coordinate,
+#   so its local shards have the same shapes (the agreement lines name each param's local
+#   shape and placements). ``mesh_of`` refuses a dp world that shares a rank other than this
+#   one with the params' tp mesh (it would average different shards), params on two meshes
+#   or on a mesh of several dimensions, and a ``Partial`` or strided placement (a param
+#   already sharded by another library).
+# * **A grad is made whole over tp before it is reduced over dp.** Autograd hands a DTensor
+#   grad whose placements may differ from the param's: a ``Replicate`` param used on
+#   sequence-sharded activations (a ``SequenceParallel`` norm) gets a ``Partial`` grad.
+#   ``local_grad`` redistributes it to the param's placements (an all-reduce over tp that
+#   every tp rank reaches in the same order, since they run the same graph) and gives its
+#   local tensor, which grad sync accumulates and reduces as any grad, scaled by 1 / dp.
+# * **Every param's ``.grad`` is a ``ShardedGrad``** ([Note: grads seen by torch]) in a
+#   tensor-parallel model, at every stage: a torch optimizer stepping DTensors the buffers
+#   do not back is refused, and ``DistributedOptimizer`` steps the local shards (an
+#   elementwise update is the same on a shard as on the whole param).
+# * **Norms cover the whole mesh, each element once.** A param sharded over tp (some
+#   ``Shard`` placement) has its ``|g|**p`` summed over dp, then over tp. A param
+#   replicated over tp (every placement ``Replicate``, or a plain param beside DTensors)
+#   holds the same reduced grad on every tp rank: it is summed over dp only. So torch's
+#   ``clip_grad_norm_``, ``DistributedOptimizer.clip_grad_norm_`` and the overflow check
+#   give the norm one process computes on the whole model.
+# * **Refused for now, by name** (``refuse``): stage 3 (its gathers and placeholders are of
+#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), mixed precision
+#   (a DTensor's dtype is fixed in its metadata), flatshard checkpoints and weight exports
+#   (keyed by offsets in the whole param, which a local shard does not know), the hybrid
+#   and owner optimizers (they size params by their global shape).
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from flatshard.comm.world import World, resolve_world
+
+
+def is_distributed(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a DTensor (tensor-parallel, or sharded by another library)."""
+    return isinstance(param, DTensor)
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """The values this rank holds of ``param``: a DTensor's local shard, else ``.data``."""
+    return param._local_tensor if isinstance(param, DTensor) else param.data
+
+
+def local_shape(param: torch.Tensor) -> torch.Size:
+    """The shape of ``local(param)``, read from metadata only (a stage-3 param not gathered
+    refuses reads of its values, not of its shape)."""
+    return param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+
+
+def rebind(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Make ``values`` (the local shape and dtype) the tensor ``param`` reads and writes."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            param._local_tensor = values
+        else:
+            param.data = values
+
+
+def local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """``param``'s new ``grad`` as a plain tensor of its local shape: a DTensor grad whose
+    placements differ from the param's (``Partial`` on a replicated norm) redistributed
+    to them first."""
+    if not isinstance(grad, DTensor) or not isinstance(param, DTensor):
+        return grad
+    if tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    values = grad._local_tensor
+    wait = getattr(values, "wait", None)  # (an AsyncCollectiveTensor of the redistribution)
+    return wait() if callable(wait) else values
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    """The tp dimension of a model whose params include DTensors: its world, and which
+    params are sharded over it (the others hold the same values on every tp rank)."""
+
+    world: World
+    mesh_dims: tuple[str, ...]
+    split: frozenset[int]  # ids of the params with a Shard placement
+
+    def splits(self, param: nn.Parameter) -> bool:
+        return id(param) in self.split
+
+
+def mesh_of(named: Sequence[tuple[str, nn.Parameter]], worlds: Sequence[World]) -> TensorParallel | None:
+    """The tp dimension of ``named``'s DTensor params (None without any), checked against
+    the data-parallel ``worlds`` (see the note)."""
+    dist_named = [(n, p) for n, p in named if isinstance(p, DTensor)]
+    if not dist_named:
+        return None
+    first_name, first = dist_named[0]
+    mesh = first.device_mesh
+    dims = mesh.mesh_dim_names or tuple(str(d) for d in range(mesh.ndim))
+    for name, p in dist_named:
+        _check_param(name, p)
+        if p.device_mesh != mesh:
+            raise ValueError(
+                f"param {name!r} is a DTensor on mesh {_ranks(p.device_mesh)} and {first_name!r} on "
+                f"{_ranks(mesh)}: flatshard composes with one tensor-parallel mesh dimension"
+            )
+    tp_ranks = set(_ranks(mesh))
+    for world in worlds:
+        if world.group is None:
+            continue
+        dp_ranks = set(dist.get_process_group_ranks(world.group))
+        shared = sorted(dp_ranks & tp_ranks - {dist.get_rank()})
+        if shared:
+            raise ValueError(
+                f"group: the data-parallel ranks {sorted(dp_ranks)} include ranks {shared} of the "
+                f"tensor-parallel mesh {dims} {sorted(tp_ranks)} of param {first_name!r}: they hold "
+                "different shards, which a data-parallel reduction would average. Pass the mesh's "
+                'data-parallel dimension (mesh["dp"], or Lightning\'s self.device_mesh["data_parallel"])'
+            )
+    timeout = next((w.timeout for w in worlds if w.group is not None), None)
+    world = resolve_world(mesh.get_group(), timeout)
+    split = frozenset(id(p) for _, p in dist_named if any(isinstance(s, Shard) for s in p.placements))
+    return TensorParallel(world, tuple(dims), split)
+
+
+def _check_param(name: str, p: DTensor) -> None:
+    mesh = p.device_mesh
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"param {name!r} is a DTensor on a {mesh.ndim}-D mesh {mesh.mesh_dim_names}: flatshard is "
+            "the data-parallel dimension of a tensor-parallel model whose params live on the 1-D tp "
+            "mesh (a param already sharded by fully_shard or another library cannot be sharded again)"
+        )
+    for placement in p.placements:
+        if type(placement) not in (Shard, Replicate):
+            raise ValueError(
+                f"param {name!r} has placement {placement} on mesh {mesh.mesh_dim_names}: flatshard "
+                "shards tensor-parallel params placed Shard(dim) or Replicate()"
+            )
+    if not p._local_tensor.is_contiguous():
+        raise ValueError(f"param {name!r}'s local shard is not contiguous: call .contiguous() on it first")
+
+
+def _ranks(mesh) -> list[int]:
+    return [int(r) for r in mesh.mesh.flatten().tolist()]
+
+
+def describe(param: nn.Parameter) -> str:
+    """A DTensor param's local shape and placements, for the agreement lines."""
+    if not isinstance(param, DTensor):
+        return ""
+    return f" local={tuple(param._local_tensor.shape)} placements={tuple(map(str, param.placements))}"
+
+
+def refuse(what: str, name: str, instead: str) -> ValueError:
+    """The error for a feature that does not yet work on a tensor-parallel param."""
+    return ValueError(
+        f"{what} is not supported with tensor parallelism yet (param {name!r} is a DTensor): "
+        f"{instead} ([Note: tensor-parallel params])"
+    )
+
+
+def refuse_tensor_parallel(module: nn.Module, what: str, instead: str) -> None:
+    """Raise ``refuse`` naming ``module``'s first DTensor param, if it has one."""
+    name = next((n for n, p in module.named_parameters() if isinstance(p, DTensor)), None)
+    if name is not None:
+        raise refuse(what, name, instead)
+
+
+def refuse_distributed_params(params, what: str) -> None:
+    """An optimizer that sizes its params by their shape refuses a DTensor among ``params``
+    (its global shape is not what this rank holds)."""
+    for i, p in enumerate(params):
+        if isinstance(p, DTensor):
+            raise ValueError(
+                f"{what} was given a DTensor param (number {i}, shape {tuple(p.shape)}, placements "
+                f"{tuple(map(str, p.placements))}): it sizes params by their global shape, which a "
+                "tensor-parallel rank does not hold. Shard the model with flatshard.shard(model, "
+                'group=mesh["dp"]) and step it with flatshard.DistributedOptimizer '
+                "([Note: tensor-parallel params])"
+            )

@@ -1,0 +1,90 @@
+"""The ``DistributedOptimizer``'s global grad norm: every grad element of the model counted
+once, over the data-parallel worlds and, in a tensor-parallel model, the tp dimension
+([Note: tensor-parallel params] in ``engine/tensor_parallel.py``)."""
+
+from __future__ import annotations
+
+import torch
+
+from flatshard.comm.collectives import all_reduce
+from flatshard.comm.world import World
+from flatshard.engine.tensor_parallel import TensorParallel
+from flatshard.optim.agreement import SettingsCheck
+from flatshard.optim.shards import BufferShards
+from flatshard.wrap.module import ShardState
+
+
+def check_max_norm(max_norm: object) -> None:
+    """A number >= 0 (inf: no clipping), as torch's own optimizers check their arguments: a
+    NaN would make every param NaN, a negative one reverse the update."""
+    if isinstance(max_norm, torch.Tensor) and max_norm.numel() == 1:
+        max_norm = max_norm.item()
+    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm >= 0:
+        raise ValueError(f"max_norm must be a number >= 0 (inf: no clipping), got {max_norm!r}")
+
+
+def global_norm_sq(
+    state: ShardState, shards: list[BufferShards], settings: SettingsCheck, inner: torch.optim.Optimizer
+) -> tuple[torch.Tensor, tuple[torch.Tensor, World] | None]:
+    """Squared 2-norm of every grad element of the model, counted once (fp64, 0-d), and the
+    settings digests that rode on its all-reduce with its world (None without one).
+
+    Shards are unique within their world; a replicated (stage 0) buffer is held whole by
+    each of its world's ranks, so its share is divided by that world's size before the sum
+    over the main world. A model whose only world is replicated needs no communication over
+    it. In a tensor-parallel model the squares of the params tp splits are summed over tp
+    too; the others are alike on every tp rank and counted once.
+    """
+    worlds = [bset.world for bset in state.sets.values()]
+    world = worlds[0]
+    device = shards[0].buffer.device if shards else torch.device("cpu")
+    local_only = len(worlds) == 1 and not state.policy.shards_optimizer
+    tp = state.grad_sync.tensor_parallel
+    split_names = _split_names(state, tp)
+    kinds = 1 if tp is None else 2  # (not split over tp[, split])
+    sums = torch.zeros(kinds, dtype=torch.float64, device=device)
+    for s in shards:
+        replicas = 1 if (local_only or state.policy.shards_optimizer) else s.world.size
+        sums += _squares(s, split_names)[:kinds] / replicas
+    riding = None
+    if not local_only:
+        carried = torch.cat([sums, settings.riding(inner, device)])
+        all_reduce(carried, world, stats=state.stats).wait()
+        sums, riding = carried[:kinds], (carried[kinds:], world)
+    if tp is not None and tp.world.size > 1:
+        split = sums[1:].clone()
+        all_reduce(split, tp.world, stats=state.stats).wait()
+        sums = torch.cat([sums[:1], split])
+    return sums.sum(), riding
+
+
+def _split_names(state: ShardState, tp: TensorParallel | None) -> frozenset[str]:
+    if tp is None:
+        return frozenset()
+    return frozenset(
+        n
+        for bset in state.sets.values()
+        for n, p in zip(bset.names, bset.params, strict=True)
+        if tp.splits(p)
+    )
+
+
+def _squares(shards: BufferShards, split_names: frozenset[str]) -> torch.Tensor:
+    """(sum of squares of the grads tp does not split, of those it splits) on this rank: the
+    whole shards at once where nothing is split, else piece by piece."""
+    grads = shards.grad_shards()
+    out = torch.zeros(2, dtype=torch.float64, device=shards.buffer.device)
+    if not grads:
+        return out
+    wide = torch.promote_types(grads[0].dtype, torch.float32)  # (fp64 grads stay fp64)
+    if not split_names:
+        out[0] = torch.stack(torch._foreach_norm(grads, 2, dtype=wide)).double().square().sum()
+        return out
+    kinds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for bucket, grad in zip(shards.buckets, grads, strict=True):
+        for piece in bucket.local_ranges(shards.buffer.rank):
+            kinds[piece.name in split_names].append(grad[slice(*piece.in_shard)])
+    for i, pieces in enumerate(kinds):
+        if pieces:
+            out[i] = torch.stack(torch._foreach_norm(pieces, 2, dtype=wide)).double().square().sum()
+    return out

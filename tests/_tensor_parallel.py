@@ -1,0 +1,191 @@
+"""A small Llama-style model with a tensor-parallel plan in torchtitan's shape (sequence-
+parallel norms, so replicated params get ``Partial`` grads), and a run that trains it as
+TP x DP under flatshard beside the same model in one process."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+import flatshard
+from flatshard.toolkit.models.hf import apply_tensor_parallel_plan, lm_loss, tiny_model
+
+VOCAB, DIM, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 8
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = DIM // HEADS
+        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
+        self.wo = nn.Linear(DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (the heads of this tp rank)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1, self.w3 = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
+        self.w2 = nn.Linear(2 * DIM, DIM)  # (a bias: a replicated param whose grad is Replicate)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
+        self.attention, self.feed_forward = Attention(), FeedForward()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x))
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class TinyLlama(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(DIM)
+        self.output = nn.Linear(DIM, VOCAB, bias=False)
+        for p in self.parameters():  # (norm weights too, so their grads are not all alike)
+            nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        x = self.tok_embeddings(idx)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.output(self.norm(x))
+        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def parallelize(model: TinyLlama, tp_mesh) -> TinyLlama:
+    """torchtitan's Llama plan: sequence-parallel norms and residual stream, column-wise
+    q/k/v and w1/w3, row-wise wo and w2, the output gathered whole."""
+    sequence = (Shard(1),)
+    parallelize_module(
+        model,
+        tp_mesh,
+        {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        },
+    )
+    for layer in model.layers:
+        parallelize_module(
+            layer,
+            tp_mesh,
+            {
+                "attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(),
+                "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(),
+                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(
+                    input_layouts=sequence, desired_input_layouts=(Replicate(),)
+                ),
+                "feed_forward.w1": ColwiseParallel(),
+                "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            },
+        )
+    return model
+
+
+def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, VOCAB, (steps, batch, SEQ + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def full_values(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every param whole (a DTensor gathered over tp)."""
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+        for n, p in model.named_parameters()
+    }
+
+
+def hf_llama() -> nn.Module:
+    """A tiny ``transformers`` Llama from its config (seed 0: the same on every rank)."""
+    torch.manual_seed(0)
+    return tiny_model("llama", vocab_size=VOCAB, seq_len=SEQ)
+
+
+MODELS = {"tiny": (TinyLlama, parallelize), "hf": (hf_llama, apply_tensor_parallel_plan)}
+
+
+def train_tp_dp(
+    stages: list[int], tp: int, model: str = "tiny", *, steps: int = 4, batch: int = 2, max_norm: float = 0.5
+) -> dict:
+    """At each of ``stages``: ``model`` (``MODELS``) as TP x DP under flatshard
+    (``DistributedOptimizer`` over SGD with momentum, grads clipped by torch's
+    ``clip_grad_norm_`` on even steps and by the optimizer's on odd ones) beside the same
+    model in one process on the whole batch. Per stage: each step's loss and norm
+    differences, each param's largest difference relative to its largest value, the
+    reference's last norm (clipping must bite: above ``max_norm``) and the number of DTensor
+    params."""
+    world = dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+    build, parallel = MODELS[model]
+    return {stage: _train(stage, mesh, build, parallel, steps, batch, max_norm) for stage in stages}
+
+
+def _train(stage: int, mesh, build, parallel, steps: int, batch: int, max_norm: float) -> dict:
+    torch.manual_seed(0)
+    reference = build()
+    model = copy.deepcopy(reference)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    model = flatshard.shard(parallel(model, mesh["tp"]), stage=stage, group=mesh["dp"])
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    out: dict = {"loss": [], "norm": []}
+    for step, (idx, targets) in enumerate(batches(steps, batch * dp)):
+        mine = slice(dp_rank * batch, (dp_rank + 1) * batch)
+        loss = lm_loss(model, idx[mine], targets[mine])
+        loss.backward()
+        if step % 2:
+            norm = opt.clip_grad_norm_(max_norm)
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        opt.step()
+        opt.zero_grad()
+        ref_loss = lm_loss(reference, idx, targets)
+        ref_loss.backward()
+        ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mean_loss = loss.detach().clone()
+        if dp > 1:
+            dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
+        out["loss"].append(abs(mean_loss.item() / dp - ref_loss.item()) / ref_loss.item())
+        out["norm"].append(abs(float(norm) - ref_norm.item()) / ref_norm.item())
+    ours, theirs = full_values(model), dict(reference.named_parameters())
+    out["params"] = {n: ((ours[n] - theirs[n]).abs().max() / theirs[n].abs().max()).item() for n in ours}
+    out["ref_norm"] = ref_norm.item()
+    out["dtensors"] = sum(isinstance(p, DTensor) for p in model.parameters())
+    out["plain"] = sum(not isinstance(p, DTensor) for p in model.parameters())
+    return out
