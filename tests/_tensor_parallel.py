@@ -139,7 +139,14 @@ MODELS = {"tiny": (TinyLlama, parallelize), "hf": (hf_llama, apply_tensor_parall
 
 
 def train_tp_dp(
-    stages: list[int], tp: int, model: str = "tiny", *, steps: int = 4, batch: int = 2, max_norm: float = 0.5
+    stages: list[int],
+    tp: int,
+    model: str = "tiny",
+    *,
+    bf16: bool = False,
+    steps: int = 4,
+    batch: int = 2,
+    max_norm: float = 0.5,
 ) -> dict:
     """At each of ``stages``: ``model`` (``MODELS``) as TP x DP under flatshard
     (``DistributedOptimizer`` over SGD with momentum, grads clipped by torch's
@@ -147,20 +154,31 @@ def train_tp_dp(
     model in one process on the whole batch. Per stage: each step's loss and norm
     differences, each param's largest difference relative to its largest value, the
     reference's last norm (clipping must bite: above ``max_norm``) and the number of DTensor
-    params."""
+    params. ``bf16``: flatshard's run keeps bf16 params with fp32 main params (seeded with
+    the fp32 values: ``main pieces``), the reference stays fp32."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     build, parallel = MODELS[model]
-    return {stage: _train(stage, mesh, build, parallel, steps, batch, max_norm) for stage in stages}
+    mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    return {stage: _train(stage, mesh, build, parallel, mp, steps, batch, max_norm) for stage in stages}
 
 
-def _train(stage: int, mesh, build, parallel, steps: int, batch: int, max_norm: float) -> dict:
+def _train(stage: int, mesh, build, parallel, mp, steps: int, batch: int, max_norm: float) -> dict:
     torch.manual_seed(0)
     reference = build()
-    model = copy.deepcopy(reference)
+    model = parallel(copy.deepcopy(reference), mesh["tp"])
+    originals = {
+        n: p.to_local().clone() if isinstance(p, DTensor) else p.detach().clone()
+        for n, p in model.named_parameters()
+    }
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    model = flatshard.shard(parallel(model, mesh["tp"]), stage=stage, group=mesh["dp"])
+    model = flatshard.shard(model, stage=stage, group=mesh["dp"], mixed_precision=mp)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
+    mains = [
+        torch.equal(main, originals[piece.name].reshape(-1)[slice(*piece.in_param)])
+        for shards in opt.shards
+        for piece, main in shards.main_pieces()
+    ]
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
     out: dict = {"loss": [], "norm": []}
     for step, (idx, targets) in enumerate(batches(steps, batch * dp)):
@@ -188,4 +206,6 @@ def _train(stage: int, mesh, build, parallel, steps: int, batch: int, max_norm: 
     out["ref_norm"] = ref_norm.item()
     out["dtensors"] = sum(isinstance(p, DTensor) for p in model.parameters())
     out["plain"] = sum(not isinstance(p, DTensor) for p in model.parameters())
+    out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
+    out["main pieces"] = (sum(mains), len(mains))  # (seeded with the fp32 values, all)
     return out

@@ -278,12 +278,17 @@ TORCH_PRIVATE = {
     # a tensor's version counter: how in-place writes through a param are seen ([Note: writes
     # through the params])
     "_version",
+    # a DTensor's local shard: binding it to a flat buffer's view has no public spelling
+    # (FSDP2 assigns it the same way; [Note: tensor-parallel params])
+    "_local_tensor",
 }
 # transformers' per-module initializer: its public init_weights() re-initializes the whole
 # model, where a meta model is initialized one unit at a time ([Note: default init])
 # accelerate's process-wide state: the test harness's reused ranks retire once it is set
 # ([Note: reused ranks])
-THIRD_PARTY_PRIVATE = {"_init_weights", "_shared_state"}
+# transformers' resolved tensor-parallel plan (its rules with the layer numbers filled in):
+# from_pretrained applies it only on a mesh of its own ([Note: tensor-parallel params])
+THIRD_PARTY_PRIVATE = {"_init_weights", "_shared_state", "_resolve_parallel_plans"}
 
 
 def test_no_module_reads_another_objects_private_attributes():

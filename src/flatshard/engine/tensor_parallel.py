@@ -37,11 +37,15 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   holds the same reduced grad on every tp rank: it is summed over dp only. So torch's
 #   ``clip_grad_norm_``, ``DistributedOptimizer.clip_grad_norm_`` and the overflow check
 #   give the norm one process computes on the whole model.
+# * **Mixed precision casts a DTensor param by swapping its contents** with its cast
+#   (``torch.utils.swap_tensors``, as ``module.to(dtype)`` does: the dtype is in the
+#   DTensor's metadata, which ``.data`` does not reach), so the param object stays; the fp32
+#   main params start from the fp32 local shards.
 # * **Refused for now, by name** (``refuse``): stage 3 (its gathers and placeholders are of
-#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), mixed precision
-#   (a DTensor's dtype is fixed in its metadata), flatshard checkpoints and weight exports
-#   (keyed by offsets in the whole param, which a local shard does not know), the hybrid
-#   and owner optimizers (they size params by their global shape).
+#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), flatshard
+#   checkpoints and weight files (keyed by offsets in the whole param, which a local shard
+#   does not know), the hybrid and owner optimizers (they size params by their global
+#   shape).
 
 from __future__ import annotations
 

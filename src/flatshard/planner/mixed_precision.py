@@ -74,11 +74,22 @@ def split_scale(scale: float, reduce_dtype: torch.dtype | None) -> float:
 
 def cast_params(module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Cast every floating param of ``module`` to ``dtype`` in place; return the original
-    values of the trainable ones that changed dtype, by name (fp32 main-param seeds)."""
+    values of the trainable ones that changed dtype, by name (fp32 main-param seeds; a
+    DTensor's local shard). A DTensor param keeps its object but swaps its contents with
+    its cast (its dtype is in its metadata, which ``.data`` does not reach), as
+    ``module.to(dtype)`` does."""
+    from torch.distributed.tensor import DTensor
+
     originals = {}
     with torch.no_grad():
         for name, p in module.named_parameters():
             if not p.is_floating_point() or p.dtype == dtype:
+                continue
+            if isinstance(p, DTensor):
+                if p.requires_grad:
+                    originals[name] = p.to_local()
+                cast = nn.Parameter(p.detach().to(dtype), requires_grad=p.requires_grad)
+                torch.utils.swap_tensors(p, cast)  # type: ignore[no-untyped-call]
                 continue
             if p.requires_grad:
                 originals[name] = p.data

@@ -120,7 +120,7 @@ def plan_wrap(
     s3 = policy.stage3
     replicated = _frozen_replicated(module, policy, expert, s3.ignored_modules)
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
-    _check_tensor_parallel(module, policy, mp, kept_whole)
+    _check_tensor_parallel(module, policy, kept_whole)
     named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, replicated)
     units, unit_of = (
         stage3_units(module, named, s3.units, s3.unit_bytes) if policy.gathers_units else ([], {})
@@ -171,9 +171,7 @@ def agreement_lines(plan: WrapPlan, part: ParamPart) -> list[str]:
     return [*plan.agreement, *described]
 
 
-def _check_tensor_parallel(
-    module: nn.Module, policy: StagePolicy, mp: MixedPrecision, kept_whole: frozenset[str]
-) -> None:
+def _check_tensor_parallel(module: nn.Module, policy: StagePolicy, kept_whole: frozenset[str]) -> None:
     """What does not yet compose with a DTensor param, refused naming it
     ([Note: tensor-parallel params])."""
     name = next((n for n, p in module.named_parameters() if is_distributed(p)), None)
@@ -181,12 +179,6 @@ def _check_tensor_parallel(
         return
     if policy.gathers_units:
         raise refuse("stage 3", name, "shard a tensor-parallel model at stage 0, 1 or 2")
-    if mp.param_dtype is not None:
-        raise refuse(
-            "MixedPrecision(param_dtype=...)",
-            name,
-            "cast the model (model.to(dtype)) before parallelize_module",
-        )
     whole = [n for n, p in module.named_parameters() if n in kept_whole and is_distributed(p)]
     if whole:
         raise refuse("whole_params", whole[0], "leave tensor-parallel params out of whole_params")

@@ -183,12 +183,12 @@ def apply_tensor_parallel_plan(model: nn.Module, tp_mesh: Any) -> nn.Module:
         raise ValueError(
             f"apply_tensor_parallel_plan needs transformers >= 5 with its tensor-parallel plans ({e})"
         ) from None
-    resolve = getattr(model, "_resolve_parallel_plans", None)
-    if not is_hf_model(model) or resolve is None:
+    if not is_hf_model(model) or not hasattr(model, "_resolve_parallel_plans"):
         raise ValueError(f"apply_tensor_parallel_plan takes a transformers model, got {type(model).__name__}")
     if getattr(tp_mesh, "ndim", None) != 1:
         raise ValueError(f'tp_mesh must be a 1-D DeviceMesh (mesh["tp"]), got {tp_mesh!r}')
-    plan = resolve(DistributedConfig(tp_size=tp_mesh.size()))[0]
+    transformers_model: Any = model  # (its plan methods are not in nn.Module's types)
+    plan = transformers_model._resolve_parallel_plans(DistributedConfig(tp_size=tp_mesh.size()))[0]
     if not plan:
         raise ValueError(
             f"{type(model).__name__} has no tensor-parallel plan (its config's base_model_tp_plan)"
