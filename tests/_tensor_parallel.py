@@ -209,3 +209,34 @@ def _train(stage: int, mesh, build, parallel, mp, steps: int, batch: int, max_no
     out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     out["main pieces"] = (sum(mains), len(mains))  # (seeded with the fp32 values, all)
     return out
+
+
+def after_to_and_load(stage: int) -> dict:
+    """A TP2 model sharded at ``stage`` takes ``.to(float32)``, ``.to("cpu")`` and a state
+    dict of halved values (DTensors, as its own ``state_dict()`` gives) after a step; the
+    same model in one process loads the same values. Per step the loss difference, then the
+    largest param difference."""
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    reference = TinyLlama()
+    model = flatshard.shard(parallelize(copy.deepcopy(reference), mesh["tp"]), stage=stage, group=mesh["dp"])
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2)
+    losses = []
+    for step, (idx, targets) in enumerate(batches(3, 2)):
+        if step == 1:
+            model.to(torch.float32)
+            model.to("cpu")
+            model.load_state_dict({k: v.detach() * 0.5 for k, v in model.state_dict().items()})
+            reference.load_state_dict({k: v.detach() * 0.5 for k, v in reference.state_dict().items()})
+        loss, ref_loss = model(idx, targets), reference(idx, targets)
+        for value, optimizer in ((loss, opt), (ref_loss, ref_opt)):
+            value.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        losses.append(abs(loss.item() - ref_loss.item()) / ref_loss.item())
+    ours = full_values(model)
+    return {
+        "loss": losses,
+        "params": max((ours[n] - p).abs().max().item() for n, p in reference.named_parameters()),
+    }

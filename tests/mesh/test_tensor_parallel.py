@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
-from _tensor_parallel import TinyLlama, batches, parallelize, train_tp_dp
+from _tensor_parallel import TinyLlama, after_to_and_load, batches, parallelize, train_tp_dp
 from flatshard.errors import ShardedGradError
 from flatshard.toolkit.testing import run_distributed
 
@@ -66,6 +66,17 @@ def test_bf16_params_of_a_tensor_parallel_model_follow_fp32_within_bf16_rounding
         assert max(r["loss"]) < BF16["loss"], (stage, r["loss"])
         assert max(r["norm"]) < BF16["norm"], (stage, r["norm"])
         assert max(r["params"].values()) < BF16["params"], (stage, r["params"])
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_to_and_load_state_dict_keep_a_tensor_parallel_model_on_its_buffers(stage):
+    """``.to()`` may swap a DTensor param's contents and ``load_state_dict`` writes through
+    the DTensor: either could leave the local shard off its flat buffer, so steps would no
+    longer reach the param. The model keeps following the one-process run that loaded the
+    same values (fp32, 3 SGD steps: the RELATIVE bound)."""
+    r = run_distributed(after_to_and_load, 2, stage, timeout=120)[0]
+    assert max(r["loss"]) < RELATIVE, r["loss"]
+    assert r["params"] < RELATIVE, r["params"]
 
 
 def _refusals() -> dict[str, str]:
