@@ -1,6 +1,6 @@
-"""A small Llama-style model with a tensor-parallel plan in torchtitan's shape (sequence-
-parallel norms, so replicated params get ``Partial`` grads), and a run that trains it as
-TP x DP under flatshard beside the same model in one process."""
+"""Runs that train a tensor-parallel model (the toolkit's Llama with torchtitan's plan, or a
+``transformers`` Llama with its own) as TP x DP under flatshard beside the same model in one
+process."""
 
 from __future__ import annotations
 
@@ -8,111 +8,16 @@ import copy
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import (
-    ColwiseParallel,
-    PrepareModuleInput,
-    RowwiseParallel,
-    SequenceParallel,
-    parallelize_module,
-)
+from torch.distributed.tensor import DTensor
 
 import flatshard
 from flatshard.toolkit.models.hf import apply_tensor_parallel_plan, lm_loss, tiny_model
+from flatshard.toolkit.models.llama import Llama, LlamaConfig, parallelize
 
-VOCAB, DIM, HEADS, LAYERS, SEQ = 64, 32, 4, 2, 8
-
-
-class Attention(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.head_dim = DIM // HEADS
-        self.wq, self.wk, self.wv = (nn.Linear(DIM, DIM, bias=False) for _ in range(3))
-        self.wo = nn.Linear(DIM, DIM, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (the heads of this tp rank)
-        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
-
-
-class FeedForward(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.w1, self.w3 = nn.Linear(DIM, 2 * DIM, bias=False), nn.Linear(DIM, 2 * DIM, bias=False)
-        self.w2 = nn.Linear(2 * DIM, DIM)  # (a bias: a replicated param whose grad is Replicate)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-
-class Block(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.attention_norm, self.ffn_norm = nn.RMSNorm(DIM), nn.RMSNorm(DIM)
-        self.attention, self.feed_forward = Attention(), FeedForward()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x))
-        return x + self.feed_forward(self.ffn_norm(x))
-
-
-class TinyLlama(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.tok_embeddings = nn.Embedding(VOCAB, DIM)
-        self.layers = nn.ModuleList(Block() for _ in range(LAYERS))
-        self.norm = nn.RMSNorm(DIM)
-        self.output = nn.Linear(DIM, VOCAB, bias=False)
-        for p in self.parameters():  # (norm weights too, so their grads are not all alike)
-            nn.init.normal_(p, mean=1.0 if p.dim() == 1 else 0.0, std=0.2)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(idx)
-        for layer in self.layers:
-            x = layer(x)
-        logits = self.output(self.norm(x))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def parallelize(model: TinyLlama, tp_mesh) -> TinyLlama:
-    """torchtitan's Llama plan: sequence-parallel norms and residual stream, column-wise
-    q/k/v and w1/w3, row-wise wo and w2, the output gathered whole."""
-    sequence = (Shard(1),)
-    parallelize_module(
-        model,
-        tp_mesh,
-        {
-            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
-        },
-    )
-    for layer in model.layers:
-        parallelize_module(
-            layer,
-            tp_mesh,
-            {
-                "attention_norm": SequenceParallel(),
-                "attention": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
-                "attention.wq": ColwiseParallel(),
-                "attention.wk": ColwiseParallel(),
-                "attention.wv": ColwiseParallel(),
-                "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
-                "ffn_norm": SequenceParallel(),
-                "feed_forward": PrepareModuleInput(
-                    input_layouts=sequence, desired_input_layouts=(Replicate(),)
-                ),
-                "feed_forward.w1": ColwiseParallel(),
-                "feed_forward.w3": ColwiseParallel(),
-                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
-            },
-        )
-    return model
+CFG = LlamaConfig()
+VOCAB, SEQ = CFG.vocab_size, CFG.seq_len
 
 
 def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -135,7 +40,7 @@ def hf_llama() -> nn.Module:
     return tiny_model("llama", vocab_size=VOCAB, seq_len=SEQ)
 
 
-MODELS = {"tiny": (TinyLlama, parallelize), "hf": (hf_llama, apply_tensor_parallel_plan)}
+MODELS = {"tiny": (Llama, parallelize), "hf": (hf_llama, apply_tensor_parallel_plan)}
 
 
 def train_tp_dp(
@@ -218,7 +123,7 @@ def after_to_and_load(stage: int) -> dict:
     largest param difference."""
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     torch.manual_seed(0)
-    reference = TinyLlama()
+    reference = Llama()
     model = flatshard.shard(parallelize(copy.deepcopy(reference), mesh["tp"]), stage=stage, group=mesh["dp"])
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2)

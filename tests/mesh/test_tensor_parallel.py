@@ -10,8 +10,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
-from _tensor_parallel import TinyLlama, after_to_and_load, batches, parallelize, train_tp_dp
+from _tensor_parallel import after_to_and_load, batches, train_tp_dp
 from flatshard.errors import ShardedGradError
+from flatshard.toolkit.models.llama import Llama, parallelize
 from flatshard.toolkit.testing import run_distributed
 
 # fp32 throughout. The one-process reference sums each matmul and the batch mean in another
@@ -94,7 +95,7 @@ def _refusals() -> dict[str, str]:
 
     def fresh():
         torch.manual_seed(0)
-        return parallelize(TinyLlama(), mesh["tp"])
+        return parallelize(Llama(), mesh["tp"])
 
     attempt("stage 3", lambda: flatshard.shard(fresh(), stage=3, group=mesh["dp"]))
     attempt("whole", lambda: flatshard.shard(fresh(), group=mesh["dp"], whole_params=lambda n, p: "wq" in n))

@@ -1,4 +1,6 @@
-"""Built-in models for the demo, tests and benchmarks, and the loader of users' models."""
+"""Built-in models for the demo, tests and benchmarks (``gpt``; ``llama``, a Llama-style
+model with torchtitan's tensor-parallel plan; ``hf``, ``transformers`` models from configs),
+and the loader of users' models."""
 
 from __future__ import annotations
 

@@ -1,0 +1,154 @@
+"""Issue 48, item 7, on the CPU: a tensor-parallel Llama as TP2 x DP2 on 4 gloo ranks, with
+flatshard's stages 0-2 and FSDP2 as the data-parallel dimension, side by side in one run.
+
+    PYTHONPATH=src python benchmarks/tensor_parallel.py [--steps N] [--rounds R] [--out PATH]
+
+The job: ``flatshard.toolkit.models.llama.Llama`` (4 layers, width 256, 8 heads, 512
+tokens, sequences of 64), made tensor-parallel over the mesh's ``tp`` dimension by
+torchtitan's plan (``parallelize``), 8 sequences per dp rank a step, AdamW, clipping at 1.0.
+The peers, all in the same ranks:
+
+- ``fsdp2+tp``: ``fully_shard`` on each block and the root over ``mesh["dp"]``, torch's
+  AdamW over the DTensors, torch's ``clip_grad_norm_`` (the reference of every ratio);
+- ``fsdp2-keep+tp``: the same with ``reshard_after_forward=False`` (ZeRO-2-like);
+- ``flatshard-0/1/2+tp``: ``flatshard.shard(model, stage=N, group=mesh["dp"])`` with
+  ``DistributedOptimizer(model, torch.optim.AdamW)`` and its ``clip_grad_norm_``.
+
+Each round times every peer for ``--steps`` steps after one untimed step, in a rotating
+order; a step's time is the slowest rank's. A peer's figure is its median step time over the
+rounds, with the spread (min-max) of its per-round medians; model state is rank 0's
+``flatshard.memory_report`` (unique storages: params, grads, main params, optimizer state).
+Prints a table; writes JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+WORLD, TP = 4, 2
+PEERS = ["fsdp2+tp", "fsdp2-keep+tp", "flatshard-0+tp", "flatshard-1+tp", "flatshard-2+tp"]
+BATCH = 8
+
+
+def _build(peer: str, mesh):
+    import flatshard
+    from flatshard.toolkit.models.llama import Llama, LlamaConfig, parallelize
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        vocab_size=512, dim=256, n_heads=8, n_layers=4, seq_len=64, hidden_mult=4, init_std=0.02
+    )
+    model = parallelize(Llama(cfg), mesh["tp"])
+    if peer.startswith("fsdp2"):
+        from torch.distributed.fsdp import fully_shard
+
+        keep = peer.startswith("fsdp2-keep")
+        for layer in model.layers:
+            fully_shard(layer, mesh=mesh["dp"], reshard_after_forward=not keep)
+        fully_shard(model, mesh=mesh["dp"], reshard_after_forward=not keep)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        clip = lambda: torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)  # noqa: E731
+    else:
+        stage = int(peer.split("-")[1].split("+")[0])
+        model = flatshard.shard(model, stage=stage, group=mesh["dp"])
+        opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+        clip = lambda: opt.clip_grad_norm_(1.0)  # noqa: E731
+    return model, opt, clip, cfg
+
+
+def _step(model, opt, clip, batch) -> float:
+    loss = model(*batch)
+    loss.backward()
+    clip()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
+
+
+def _rank(steps: int, rounds: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from flatshard import memory_report
+
+    mesh = init_device_mesh("cpu", (WORLD // TP, TP), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+    built = {peer: _build(peer, mesh) for peer in PEERS}
+    cfg = built[PEERS[0]][3]
+    g = torch.Generator().manual_seed(100 + dp_rank)  # (each dp rank its own data, tp ranks alike)
+    tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=g)
+    batch = (tokens[:, :-1], tokens[:, 1:])
+    times: dict[str, list[float]] = {p: [] for p in PEERS}
+    losses: dict[str, float] = {}
+    for r in range(rounds):
+        order = PEERS[r % len(PEERS) :] + PEERS[: r % len(PEERS)]
+        for peer in order:
+            model, opt, clip, _ = built[peer]
+            _step(model, opt, clip, batch)  # (untimed: caches and gathers settle)
+            per_step = []
+            for _ in range(steps):
+                dist.barrier()
+                start = time.perf_counter()
+                losses[peer] = _step(model, opt, clip, batch)
+                elapsed = torch.tensor([time.perf_counter() - start])
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+                per_step.append(elapsed.item())
+            times[peer].append(statistics.median(per_step))
+    memory = {peer: memory_report(m, o).as_dict() for peer, (m, o, _, _) in built.items()}
+    return {"times": times, "memory": memory, "losses": losses}
+
+
+def main() -> None:
+    from flatshard.toolkit import testing
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--out", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}-tensor-parallel.json"
+    )
+    args = parser.parse_args()
+    result = testing.run_distributed(_rank, WORLD, args.steps, args.rounds, timeout=3000, reuse=False)[0]
+    base = statistics.median(result["times"]["fsdp2+tp"])
+    rows = []
+    print(f"TP{TP} x DP{WORLD // TP}, gloo, {args.rounds} rounds x {args.steps} steps")
+    print(f"{'peer':<16}{'step vs fsdp2+tp':>18}{'spread':>16}{'step (s)':>10}{'state/rank':>13}{'loss':>9}")
+    for peer in PEERS:
+        rounds = result["times"][peer]
+        median = statistics.median(rounds)
+        state = result["memory"][peer]["total"]
+        spread = f"{min(rounds) / base:.3f}-{max(rounds) / base:.3f}"
+        print(
+            f"{peer:<16}{median / base:>18.3f}{spread:>16}{median:>10.4f}"
+            f"{state / 2**20:>10.2f} MiB{result['losses'][peer]:>9.4f}"
+        )
+        rows.append(
+            {
+                "peer": peer,
+                "ratio": median / base,
+                "round_medians_s": rounds,
+                "memory": result["memory"][peer],
+                "final_loss": result["losses"][peer],
+            }
+        )
+    meta = {
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads here, torch {torch.__version__}",
+        "world": WORLD,
+        "tp": TP,
+        "steps": args.steps,
+        "rounds": args.rounds,
+    }
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "peers": rows}, f, indent=1)
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
