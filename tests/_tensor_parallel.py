@@ -145,3 +145,45 @@ def after_to_and_load(stage: int) -> dict:
         "loss": losses,
         "params": max((ours[n] - p).abs().max().item() for n, p in reference.named_parameters()),
     }
+
+
+def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, batch: int = 4) -> dict:
+    """One leg of a run that moves between layouts: the Llama as TP ``tp`` x DP (the rest of
+    the ranks; ``tp`` 0: the plain model, no DTensor) at ``stage`` with SGD and momentum.
+    ``save``: train ``steps`` steps on the first batches, save to ``path``, then train the next
+    ``steps``; else load ``path`` and train the next ``steps``. The global batch is
+    ``batch`` sequences a step, split over dp. Returns the mean losses after the save point,
+    and the whole params at the save point (saving leg) or after loading."""
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = Llama()
+    if tp:
+        mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+        model, group = parallelize(model, mesh["tp"]), mesh["dp"]
+        dp_rank, dp = mesh["dp"].get_local_rank(), world // tp
+    else:
+        group, dp_rank, dp = None, dist.get_rank(), world
+    model = flatshard.shard(model, stage=stage, group=group)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
+    data = batches(2 * steps, batch)
+    mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
+    if save:
+        for idx, targets in data[:steps]:
+            model(idx[mine], targets[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        flatshard.save_checkpoint(path, model, opt)
+    else:
+        flatshard.load_checkpoint(path, model, opt)
+    at_save_point = full_values(model)
+    losses = []
+    for idx, targets in data[steps:]:
+        loss = model(idx[mine], targets[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if dp > 1:
+            dist.all_reduce(mean, group=None if group is None else group.get_group())
+        losses.append(mean.item() / dp)
+    return {"losses": losses, "params": at_save_point}

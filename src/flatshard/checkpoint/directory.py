@@ -96,17 +96,12 @@ from flatshard.comm.deadline import HERE, Phase
 from flatshard.comm.trace import span
 from flatshard.comm.world import World, all_gather_bytes, check_ranks_agree, timed_group
 from flatshard.engine.dynamo import uncompiled
-from flatshard.engine.tensor_parallel import refuse_tensor_parallel
 from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import job_world
 
 EXTRA = "extra"
-CHECKPOINT_INSTEAD = (
-    "its files are keyed by offsets in each whole param, which a tensor-parallel shard does not "
-    "know. Save model.state_dict() (tp-sharded DTensors) with torch.distributed.checkpoint"
-)
 
 
 def _stage(model: nn.Module) -> int | None:
@@ -225,7 +220,6 @@ def save_checkpoint(
     the checkpoint is complete; a checkpoint already there is replaced only then.
     """
     path, model = os.fspath(path), uncompiled(model)
-    refuse_tensor_parallel(model, "flatshard.save_checkpoint", CHECKPOINT_INSTEAD)
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict of values to save with the checkpoint, got {extra!r}")
     with HERE.during(Phase.SAVE):
@@ -263,6 +257,7 @@ def _collect(model: nn.Module, optimizer, extra, rank: int) -> dict[str, Any]:
     """What this rank writes: its model pieces, its optimizer entries, its ``extra`` and RNG."""
     state = cs.model_pieces(model, load=False)
     state.update(_optimizer_entries(model, optimizer, load=False)[0])
+    cs.globalize(state, model)
     state[f"{EXTRA}/{rank}"] = _extra_to_save(extra)
     state[f"rng/{rank}"] = _rng_state()
     return state
@@ -423,7 +418,6 @@ def load_checkpoint(
     if not isinstance(restore_rng, bool):
         raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
     path, model = resolve_checkpoint(path), uncompiled(model)
-    refuse_tensor_parallel(model, "flatshard.load_checkpoint", CHECKPOINT_INSTEAD)
     with HERE.during(Phase.LOAD):
         return _load(path, model, optimizer, extra, restore_rng)
 
@@ -467,6 +461,7 @@ def _read(path: str, manifest: dict[str, Any], world: World, into: tuple[nn.Modu
     state = cs.model_pieces(model, load=True)
     optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
     state.update(optimizer_entries)
+    cs.globalize(state, model)
     extra_keys = _extra_keys(saved, world.rank, manifest["world_size"] == world.size)
     state.update(dict.fromkeys(extra_keys))
     if rng:

@@ -66,15 +66,31 @@ from flatshard.errors import CheckpointError, ChecksumError, DesyncError
 
 
 class Piece(NamedTuple):
-    """Elements ``[offset, offset + tensor.numel())`` of a 1-D tensor of ``numel`` elements."""
+    """Elements ``[offset, offset + tensor.numel())`` of a 1-D tensor of ``numel`` elements;
+    with ``runs``, elements ``[start, start + hi - lo)`` for each ``(start, lo, hi)`` of
+    them, held by ``tensor[lo:hi]`` (a tensor-parallel shard, whose elements are runs of the
+    whole param: ``global_runs`` in ``engine/tensor_parallel.py``)."""
 
     numel: int
     offset: int
     tensor: torch.Tensor  # 1-D, contiguous: the data to write, or where a load puts it
+    runs: tuple[tuple[int, int, int], ...] = ()
 
-    def chunk(self) -> ChunkStorageMetadata:
-        sizes = torch.Size([self.tensor.numel()])
-        return ChunkStorageMetadata(offsets=torch.Size([self.offset]), sizes=sizes)
+    def parts(self) -> list[tuple[int, torch.Tensor]]:
+        """(offset in the 1-D tensor, the elements there) of each contiguous part."""
+        if not self.runs:
+            return [(self.offset, self.tensor)]
+        return [(start, self.tensor[lo:hi]) for start, lo, hi in self.runs]
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        return [
+            ChunkStorageMetadata(offsets=torch.Size([start]), sizes=torch.Size([part.numel()]))
+            for start, part in self.parts()
+        ]
+
+    def at(self, offset: int) -> torch.Tensor:
+        """The part that starts at ``offset``."""
+        return next(part for start, part in self.parts() if start == offset)
 
 
 def split_pieces(state_dict: dict[str, Any]) -> tuple[dict[str, Piece], dict[str, Any]]:
@@ -98,16 +114,17 @@ class PieceSavePlanner(DefaultSavePlanner):
         plan = super().create_local_plan()
         items = [
             WriteItem(
-                index=MetadataIndex(fqn, torch.Size([piece.offset])),
+                index=MetadataIndex(fqn, chunk.offsets),
                 type=WriteItemType.SHARD,
                 tensor_data=TensorWriteData(
-                    chunk=piece.chunk(),
+                    chunk=chunk,
                     properties=TensorProperties.create_from_tensor(piece.tensor),
                     size=torch.Size([piece.numel]),
                 ),
             )
             for fqn, piece in self.pieces.items()
-            if piece.tensor.numel() > 0
+            for chunk in piece.chunks()
+            if chunk.sizes[0] > 0
         ]
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
         return self.plan
@@ -115,7 +132,8 @@ class PieceSavePlanner(DefaultSavePlanner):
     def resolve_data(self, write_item: WriteItem):
         piece = self.pieces.get(write_item.index.fqn)
         if piece is not None:
-            return piece.tensor.detach()
+            assert write_item.index.offset is not None  # (every piece's item has its offset)
+            return piece.at(write_item.index.offset[0]).detach()
         return super().resolve_data(write_item)
 
 
@@ -150,15 +168,16 @@ class PieceLoadPlanner(DefaultLoadPlanner):
             if tuple(md.size) != (piece.numel,):
                 saved_size = tuple(md.size)
                 raise ValueError(f"{fqn!r} has size {saved_size} in the checkpoint, ({piece.numel},) here")
-            if piece.tensor.numel() > 0:
-                items += create_read_items_for_chunk_list(fqn, md, [piece.chunk()])
+            chunks = [c for c in piece.chunks() if c.sizes[0] > 0]
+            if chunks:
+                items += create_read_items_for_chunk_list(fqn, md, chunks)
         self.plan = dataclasses.replace(plan, items=[*plan.items, *items])
         return self.plan
 
     def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
         piece = self.pieces.get(index.fqn)
         if piece is not None:
-            return piece.tensor
+            return piece.at(index.offset[0]) if index.offset is not None else piece.tensor
         return super().lookup_tensor(index)
 
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard.checkpoint.pieces import Piece
+from flatshard.engine.tensor_parallel import global_runs, is_distributed, local
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.specs import names_by_param
@@ -128,8 +129,9 @@ def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:
                         view = shard[piece.in_shard.start : piece.in_shard.end]
                         out[MODEL + piece.name] = Piece(numel[piece.name], piece.in_param.start, view)
     for name, p in _unwrap(model).named_parameters():
-        if id(p) not in covered:
-            out[MODEL + name] = Piece(p.numel(), 0, _flat(p.data) if load else _flat(p))
+        if id(p) not in covered:  # (a DTensor's local shard: ``globalize`` places it)
+            values = local(p) if load or is_distributed(p) else p
+            out[MODEL + name] = Piece(values.numel(), 0, values.reshape(-1) if load else _flat(values))
     for name, buf in _persistent_buffers(model):
         out[MODEL + name] = Piece(buf.numel(), 0, buf.data.view(-1) if load else _flat(buf))
     if load:
@@ -364,3 +366,31 @@ def param_optimizer_to_load(
         opt.load_state_dict(full)
 
     return out, finish
+
+
+# -- tensor-parallel params ([Note: tensor-parallel params]) ---------------------------------------
+def globalize(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
+    """``state`` with every piece of a tensor-parallel param (elements of its flattened
+    local shard) as runs of the flattened whole param: what a checkpoint keeps, so that one
+    written at any tp x dp layout loads at any other, or into the plain model."""
+    split = {n: p for n, p in _unwrap(model).named_parameters(remove_duplicate=False) if is_distributed(p)}
+    if not split:
+        return state
+    for key, value in state.items():
+        param = split.get(_param_name(key)) if isinstance(value, Piece) else None
+        if param is None:
+            continue
+        lo, hi = value.offset, value.offset + value.tensor.numel()
+        runs = tuple((start, a - lo, b - lo) for start, a, b in global_runs(param, lo, hi))
+        state[key] = Piece(param.numel(), 0, value.tensor, runs)
+    return state
+
+
+def _param_name(key: str) -> str:
+    """The param a ``model/``, ``main/`` or ``state/<key>/`` entry belongs to."""
+    for prefix in (MODEL, MAIN):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    if key.startswith(STATE):
+        return key[len(STATE) :].partition("/")[2]
+    return ""

@@ -41,14 +41,19 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   (``torch.utils.swap_tensors``, as ``module.to(dtype)`` does: the dtype is in the
 #   DTensor's metadata, which ``.data`` does not reach), so the param object stays; the fp32
 #   main params start from the fp32 local shards.
+# * **Checkpoints keep each param whole.** A checkpoint stores every param (its main params
+#   and optimizer state too) as its flattened whole tensor ([Note: checkpoints]); a rank's
+#   piece of a local shard is a set of runs of it (``global_runs``: a ``Shard(d)`` shard is
+#   contiguous in the whole over its dims from ``d`` on), so a checkpoint written at any
+#   tp x dp layout is the one the plain model writes, and loads at any other layout.
 # * **Refused for now, by name** (``refuse``): stage 3 (its gathers and placeholders are of
-#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), flatshard
-#   checkpoints and weight files (keyed by offsets in the whole param, which a local shard
-#   does not know), the hybrid and owner optimizers (they size params by their global
-#   shape).
+#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), weight files
+#   (``load_weights``, ``load_pretrained``, ``save_pretrained``: whole tensors into local
+#   shards), the hybrid and owner optimizers (they size params by their global shape).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -144,6 +149,31 @@ def mesh_of(named: Sequence[tuple[str, nn.Parameter]], worlds: Sequence[World]) 
     world = resolve_world(mesh.get_group(), timeout)
     split = frozenset(id(p) for _, p in dist_named if any(isinstance(s, Shard) for s in p.placements))
     return TensorParallel(world, tuple(dims), split)
+
+
+def global_runs(param: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Elements ``[lo, hi)`` of ``param``'s flattened local shard as runs of its flattened
+    whole tensor: ``(offset in the whole, lo, hi)`` each, contiguous in both (a plain or
+    replicated param: one run at ``lo``). A ``Shard(d)`` shard is contiguous in the whole
+    over its dims from ``d`` on, so its runs are ``prod(shape[:d])`` at most."""
+    if not isinstance(param, DTensor) or not any(isinstance(s, Shard) for s in param.placements):
+        return [(lo, lo, hi)] if hi > lo else []
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    whole = tuple(param.shape)
+    shape, offsets = compute_local_shape_and_global_offset(whole, param.device_mesh, param.placements)
+    dim = next(s.dim for s in param.placements if isinstance(s, Shard)) % len(whole)
+    after = math.prod(whole[dim + 1 :])
+    run = shape[dim] * after  # (elements of the local shard contiguous in the whole)
+    runs = []
+    start = lo
+    while start < hi:
+        outer, inner = divmod(start, run) if run else (0, 0)
+        end = min(hi, (outer + 1) * run)
+        base = sum(o * math.prod(whole[i + 1 :]) for i, o in enumerate(offsets))
+        runs.append((outer * whole[dim] * after + base + inner, start, end))
+        start = end
+    return runs
 
 
 def _check_param(name: str, p: DTensor) -> None:
