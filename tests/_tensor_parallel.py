@@ -5,6 +5,7 @@ process."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -34,13 +35,18 @@ def full_values(model: nn.Module) -> dict[str, torch.Tensor]:
     }
 
 
-def hf_llama() -> nn.Module:
+def hf_llama(vocab_size: int = VOCAB) -> nn.Module:
     """A tiny ``transformers`` Llama from its config (seed 0: the same on every rank)."""
     torch.manual_seed(0)
-    return tiny_model("llama", vocab_size=VOCAB, seq_len=SEQ)
+    return tiny_model("llama", vocab_size=vocab_size, seq_len=SEQ)
 
 
-MODELS = {"tiny": (Llama, parallelize), "hf": (hf_llama, apply_tensor_parallel_plan)}
+MODELS = {
+    "tiny": (Llama, parallelize),
+    "hf": (hf_llama, apply_tensor_parallel_plan),
+    # (65 tokens: the embeddings and the head split unevenly over 2 tp ranks, 33 and 32 rows)
+    "hf-odd-vocab": (partial(hf_llama, VOCAB + 1), apply_tensor_parallel_plan),
+}
 
 
 def train_tp_dp(

@@ -23,19 +23,23 @@ from flatshard.toolkit.testing import run_distributed
 RELATIVE = 1e-5
 
 
-LAYOUTS = [(4, 2, "tiny"), (2, 2, "tiny"), (3, 1, "tiny"), (4, 2, "hf")]
-PARAMS = {"tiny": (23, 0), "hf": (16, 5)}  # (DTensor params, plain ones: the HF plan leaves norms plain)
+LAYOUTS = [(4, 2, "tiny"), (2, 2, "tiny"), (3, 1, "tiny"), (4, 2, "hf"), (4, 2, "hf-odd-vocab")]
+# (DTensor params, plain ones: the HF plan leaves norms plain)
+PARAMS = {"tiny": (23, 0), "hf": (16, 5), "hf-odd-vocab": (16, 5)}
 
 
 @pytest.mark.parametrize(
-    ("world", "tp", "model"), LAYOUTS, ids=["tp2xdp2", "tp2xdp1", "tp1xdp3", "hf-llama-tp2xdp2"]
+    ("world", "tp", "model"),
+    LAYOUTS,
+    ids=["tp2xdp2", "tp2xdp1", "tp1xdp3", "hf-llama-tp2xdp2", "hf-llama-uneven-tp2xdp2"],
 )
 def test_tensor_parallel_follows_one_process_at_every_stage(world, tp, model):
     """Losses, grad norms (torch's clip_grad_norm_ over ShardedGrads and the optimizer's,
     both over the whole mesh with replicated params counted once) and every param after
     4 clipped SGD steps, at stages 0, 1 and 2: the torchtitan-style Llama (every param a
     DTensor, sequence-parallel norms with Partial grads) and a transformers Llama through
-    its own plan (DTensor and plain params together)."""
+    its own plan (DTensor and plain params together; with 65 tokens, its embeddings and
+    head split unevenly over tp)."""
     results = run_distributed(train_tp_dp, world, [0, 1, 2], tp, model, timeout=240)
     for stage, r in results[0].items():
         assert (r["dtensors"], r["plain"]) == PARAMS[model]
