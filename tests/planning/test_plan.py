@@ -130,6 +130,21 @@ def test_plan_cli_json_and_table():
     assert "stage-3 units (one per module): 3 units of 3 modules" in out.stdout, out.stdout
 
 
+def test_plan_with_tensor_parallelism_is_the_plan_of_one_tp_ranks_part():
+    """``--tp 8 -n 8`` plans what each of 64 ranks holds: 1/8 of every param (its tp
+    slice), sharded over the 8 data-parallel ranks like a model of that size."""
+    ours = json.loads(cli("plan", "--params", "8e9", "-n", "8", "--tp", "8", "--json").stdout)["stages"]
+    slice_ = json.loads(cli("plan", "--params", "1e9", "-n", "8", "--json").stdout)["stages"]
+    assert ours == slice_
+    uneven = json.loads(cli("plan", "--params", "7", "-n", "1", "--tp", "2", "--json").stdout)["stages"]
+    assert uneven == json.loads(cli("plan", "--params", "4", "-n", "1", "--json").stdout)["stages"]
+    table = cli("plan", "--params", "8e9", "-n", "8", "--tp", "8").stdout
+    assert "8,000,000,000 params split over 8 tensor-parallel ranks, 8 ranks" in table, table
+    assert "stage 3 with tensor parallelism: not yet offered" in table
+    refused = cli("plan", "--model", "tiny", "--tp", "2")
+    assert refused.returncode == 2 and "--tp applies to --params only" in refused.stderr
+
+
 def test_plan_help_lists_every_option():
     out = cli("plan", "--help")
     assert out.returncode == 0
@@ -138,6 +153,7 @@ def test_plan_help_lists_every_option():
         "--model",
         "--world-size",
         "--param-dtype",
+        "--tp",
         "--grad-dtype",
         "--optimizer",
         "--main-dtype",

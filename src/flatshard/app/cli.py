@@ -289,6 +289,13 @@ def _add_plan(sub) -> None:
             help=f"the optimizer's {what} {'params' if what == 'main' else 'tensors'} "
             "(flatshard.OptimizerPrecision; default fp32)",
         )
+    plan.add_argument(
+        "--tp",
+        type=_positive_int,
+        default=1,
+        help="with --params: tensor-parallel ranks every param is split over (each holds 1/TP "
+        "of it); --world-size is then the data-parallel ranks (default 1)",
+    )
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
     plan.add_argument("--json", action="store_true", help='print {"stages": {"0": {...}, ...}} instead')
 
@@ -402,18 +409,21 @@ def _plan(args: argparse.Namespace) -> int:
     precision = OptimizerPrecision(plan.DTYPES[args.main_dtype], plan.DTYPES[args.state_dtype])
     if args.params is not None:
         plans = plan.plan_from_count(
-            args.params,
+            -(-args.params // args.tp),  # (a tp rank's part, the larger one of an uneven split)
             world_size=args.world_size,
             param_dtype=args.param_dtype,
             grad_dtype=args.grad_dtype or "fp32",
             optimizer=args.optimizer,
             precision=precision,
         )
-        title = f"{args.params:,} params"
+        title = f"{args.params:,} params" + (
+            f" split over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
+        )
     else:
-        if args.grad_dtype is not None:
-            print("flatshard plan: --grad-dtype applies to --params only", file=sys.stderr)
-            return 2
+        for option, given in (("--grad-dtype", args.grad_dtype is not None), ("--tp", args.tp > 1)):
+            if given:
+                print(f"flatshard plan: {option} applies to --params only", file=sys.stderr)
+                return 2
         try:
             specs, stage3_specs, units, frozen = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
             plans = plan.plan_from_specs(
@@ -439,6 +449,8 @@ def _plan(args: argparse.Namespace) -> int:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
         title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
         print(plan.format_plan(plans, title))
+        if args.tp > 1:
+            print("(stage 3 with tensor parallelism: not yet offered by flatshard, docs/parallelism.md)")
         if args.model is not None:
             print(units)
     return 0
