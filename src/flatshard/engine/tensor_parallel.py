@@ -50,6 +50,8 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), weight files
 #   (``load_weights``, ``load_pretrained``, ``save_pretrained``: whole tensors into local
 #   shards), the hybrid and owner optimizers (they size params by their global shape).
+#   ``torch.compile`` of such a model fails inside Dynamo in torch 2.13, which cannot fake a
+#   DTensor whose local tensor starts at an offset of its storage (docs/parallelism.md).
 
 from __future__ import annotations
 
