@@ -4,6 +4,7 @@ process."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from functools import partial
 
@@ -55,6 +56,7 @@ def train_tp_dp(
     model: str = "tiny",
     *,
     bf16: bool = False,
+    accumulate: int = 1,
     steps: int = 4,
     batch: int = 2,
     max_norm: float = 0.5,
@@ -66,15 +68,19 @@ def train_tp_dp(
     differences, each param's largest difference relative to its largest value, the
     reference's last norm (clipping must bite: above ``max_norm``) and the number of DTensor
     params. ``bf16``: flatshard's run keeps bf16 params with fp32 main params (seeded with
-    the fp32 values: ``main pieces``), the reference stays fp32."""
+    the fp32 values: ``main pieces``), the reference stays fp32. ``accumulate``: each rank's
+    batch goes through in that many micro-batches, all but the last under ``no_sync()``."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     build, parallel = MODELS[model]
     mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
-    return {stage: _train(stage, mesh, build, parallel, mp, steps, batch, max_norm) for stage in stages}
+    run = partial(_train, mesh=mesh, build=build, parallel=parallel, mp=mp, accumulate=accumulate)
+    return {stage: run(stage, steps=steps, batch=batch, max_norm=max_norm) for stage in stages}
 
 
-def _train(stage: int, mesh, build, parallel, mp, steps: int, batch: int, max_norm: float) -> dict:
+def _train(
+    stage: int, *, mesh, build, parallel, mp, accumulate: int, steps: int, batch: int, max_norm: float
+):
     torch.manual_seed(0)
     reference = build()
     model = parallel(copy.deepcopy(reference), mesh["tp"])
@@ -93,9 +99,7 @@ def _train(stage: int, mesh, build, parallel, mp, steps: int, batch: int, max_no
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
     out: dict = {"loss": [], "norm": []}
     for step, (idx, targets) in enumerate(batches(steps, batch * dp)):
-        mine = slice(dp_rank * batch, (dp_rank + 1) * batch)
-        loss = lm_loss(model, idx[mine], targets[mine])
-        loss.backward()
+        loss = _backward(model, idx, targets, dp_rank * batch, batch, accumulate)
         if step % 2:
             norm = opt.clip_grad_norm_(max_norm)
         else:
@@ -151,6 +155,19 @@ def after_to_and_load(stage: int) -> dict:
         "loss": losses,
         "params": max((ours[n] - p).abs().max().item() for n, p in reference.named_parameters()),
     }
+
+
+def _backward(model, idx, targets, start: int, batch: int, accumulate: int) -> torch.Tensor:
+    """Backward of this rank's ``batch`` sequences from ``start`` in ``accumulate``
+    micro-batches (all but the last under ``no_sync()``); returns their mean loss."""
+    micro, total = batch // accumulate, torch.zeros(())
+    for m in range(accumulate):
+        part = slice(start + m * micro, start + (m + 1) * micro)
+        with model.no_sync() if m < accumulate - 1 else contextlib.nullcontext():
+            value = lm_loss(model, idx[part], targets[part]) / accumulate
+            value.backward()
+        total += value.detach()
+    return total
 
 
 def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, batch: int = 4) -> dict:

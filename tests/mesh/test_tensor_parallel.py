@@ -51,6 +51,17 @@ def test_tensor_parallel_follows_one_process_at_every_stage(world, tp, model):
     assert all(r == results[0] for r in results[1:])  # (every rank measured the same)
 
 
+def test_accumulating_under_no_sync_with_tensor_parallelism_follows_one_process():
+    """Two micro-batches a step, the first under no_sync(): the Partial grads of the
+    sequence-parallel norms are made whole over tp in each micro-batch and summed in the
+    buffers, reduced over dp once; TP2 x DP2 at stages 0-2 (the RELATIVE bound)."""
+    results = run_distributed(train_tp_dp, 4, [0, 1, 2], 2, "tiny", accumulate=2, timeout=240)
+    for stage, r in results[0].items():
+        assert max(r["loss"]) < RELATIVE, (stage, r["loss"])
+        assert max(r["norm"]) < RELATIVE, (stage, r["norm"])
+        assert max(r["params"].values()) < RELATIVE, (stage, r["params"])
+
+
 # bf16 params beside an fp32 reference: the bounds of [Note: parity tolerances] for bf16
 # params with fp32 main params (losses 2e-3, params 1.5e-2), and for the norm one bf16 ulp
 # (2**-8): each grad element carries a few bf16 roundings, independent across the
