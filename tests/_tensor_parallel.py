@@ -210,3 +210,28 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
             dist.all_reduce(mean, group=None if group is None else group.get_group())
         losses.append(mean.item() / dp)
     return {"losses": losses, "params": at_save_point}
+
+
+def whole_state(path: str) -> dict:
+    """An HF Llama at TP2 x DP1, stage 1, bf16 params with fp32 main params, after one
+    step: ``full_state_dict()`` and ``save_pretrained(path)``. Rank 0 returns the state
+    dict, whether each entry rounds to the bf16 param gathered whole, and the model read
+    back by ``from_pretrained``."""
+    from transformers import AutoModelForCausalLM
+
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+    model = apply_tensor_parallel_plan(hf_llama(), mesh["tp"])
+    bf16 = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
+    model = flatshard.shard(model, stage=1, group=mesh["dp"], mixed_precision=bf16)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2)
+    idx, targets = batches(1, 2)[0]
+    lm_loss(model, idx, targets).backward()
+    opt.step()
+    state = model.full_state_dict()
+    params = full_values(model)  # (the bf16 params, gathered whole)
+    flatshard.save_pretrained(model, path)
+    if dist.get_rank() != 0:
+        return {}
+    rounds = {n: torch.equal(state[n].to(torch.bfloat16), params[n]) for n in params}
+    read = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    return {"state": state, "rounds": rounds, "read": {k: v.clone() for k, v in read.items()}}

@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _tensor_parallel import checkpoint_leg
+from _tensor_parallel import checkpoint_leg, whole_state
 from flatshard.checkpoint.weights import export_checkpoint
 from flatshard.toolkit.testing import run_distributed
 
@@ -46,3 +46,18 @@ def test_a_tensor_parallel_checkpoint_exports_whole_tensors(saved, tmp_path):
     assert set(exported) == set(before["params"])
     for name, value in before["params"].items():
         assert torch.equal(exported[name], value), name
+
+
+def test_full_state_dict_and_save_pretrained_of_a_tensor_parallel_model_hold_whole_fp32_values(tmp_path):
+    """Before, ``full_state_dict()`` gave DTensors (fp32) or failed viewing a tp shard's
+    main params in the whole param's shape (bf16). Now every entry is a plain tensor of the
+    whole shape, a trained param's is its fp32 main params gathered over tp (which round to
+    the bf16 param exactly), and ``save_pretrained`` writes what ``from_pretrained`` reads."""
+    r = run_distributed(whole_state, 2, str(tmp_path / "pretrained"), timeout=240)[0]
+    assert r["rounds"] and all(r["rounds"].values()), r["rounds"]
+    for name, value in r["state"].items():
+        assert type(value) is torch.Tensor, name
+    for name in r["rounds"]:
+        assert r["state"][name].dtype == torch.float32, name
+    for name, value in r["read"].items():
+        assert torch.equal(value, r["state"][name].to(value.dtype)), name

@@ -121,7 +121,6 @@ def save_pretrained(
     ``transformers``' ``"5GB"``) splits the weights into files of at most that size with an
     index, as ``transformers``' own ``save_pretrained`` does (an adapter is one file)."""
     model = uncompiled(model)
-    refuse_tensor_parallel(model, "flatshard.save_pretrained", PRETRAINED_INSTEAD)
     check_dtype(dtype)
     if not isinstance(merged, bool):
         raise TypeError(f"merged must be a bool, got {merged!r}")

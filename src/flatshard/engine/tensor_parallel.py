@@ -47,9 +47,11 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   contiguous in the whole over its dims from ``d`` on), so a checkpoint written at any
 #   tp x dp layout is the one the plain model writes, and loads at any other layout.
 # * **Refused for now, by name** (``refuse``): stage 3 (its gathers and placeholders are of
-#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), weight files
-#   (``load_weights``, ``load_pretrained``, ``save_pretrained``: whole tensors into local
-#   shards), the hybrid and owner optimizers (they size params by their global shape).
+#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), loading weight
+#   files (``load_weights``, ``load_pretrained``: whole tensors into local shards), the
+#   hybrid and owner optimizers (they size params by their global shape).
+#   ``full_state_dict()`` and ``save_pretrained`` gather each param whole over tp (``whole``,
+#   on every rank), from the fp32 main params where the optimizer keeps them.
 #   ``torch.compile`` of such a model fails inside Dynamo in torch 2.13, which cannot fake a
 #   DTensor whose local tensor starts at an offset of its storage (docs/parallelism.md).
 
@@ -81,6 +83,20 @@ def local_shape(param: torch.Tensor) -> torch.Size:
     """The shape of ``local(param)``, read from metadata only (a stage-3 param not gathered
     refuses reads of its values, not of its shape)."""
     return param._local_tensor.shape if isinstance(param, DTensor) else param.shape
+
+
+def whole(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` of this rank's local shard of ``param`` (local shape) as the whole
+    tensor: gathered over tp for a DTensor param (every tp rank must call it), else as they
+    are. A DTensor given as ``values`` is gathered whole itself."""
+    if isinstance(values, DTensor):
+        return values.full_tensor()
+    if not isinstance(param, DTensor):
+        return values
+    shard = DTensor.from_local(
+        values, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+    return shard.full_tensor()
 
 
 def rebind(param: torch.Tensor, values: torch.Tensor) -> None:

@@ -29,6 +29,7 @@ import torch
 
 from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet, FlatBuffer
+from flatshard.engine.tensor_parallel import local_shape, whole
 
 
 class MainParams(Protocol):
@@ -66,9 +67,10 @@ def main_values(
                 for slot in (s for s in bucket.params if s.name in optimized):
                     param = bset.params[slot.index]
                     covered.add(id(param))
+                    value = full[slot.start - bucket.start : slot.end - bucket.start].view(local_shape(param))
+                    value = whole(param, value)  # (a tp shard: gathered on every rank)
                     if keep:
-                        value = full[slot.start - bucket.start : slot.end - bucket.start]
-                        out[id(param)] = value.view(param.shape).to("cpu", copy=True)
+                        out[id(param)] = value.to("cpu", copy=True)
     return covered, out
 
 
