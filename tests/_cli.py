@@ -18,3 +18,10 @@ def cli(*args) -> subprocess.CompletedProcess:
         except SystemExit as e:  # (argparse's errors and --help)
             code = e.code if isinstance(e.code, int) else 1
     return subprocess.CompletedProcess(["flatshard", *args], code, out.getvalue(), err.getvalue())
+
+
+def missing_from_help(command: str, options: tuple[str, ...]) -> list[str]:
+    """The ``options`` that ``python -m flatshard COMMAND --help`` does not list (all of them
+    if it fails)."""
+    out = cli(command, "--help")
+    return [o for o in options if out.returncode != 0 or o not in out.stdout]

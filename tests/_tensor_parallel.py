@@ -29,7 +29,7 @@ def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def full_values(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Every param whole (a DTensor gathered over tp)."""
+    """Every param in full (a DTensor gathered over tp)."""
     return {
         n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
         for n, p in model.named_parameters()
@@ -176,7 +176,7 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
     ``save``: train ``steps`` steps on the first batches, save to ``path``, then train the next
     ``steps``; else load ``path`` and train the next ``steps``. The global batch is
     ``batch`` sequences a step, split over dp. Returns the mean losses after the save point,
-    and the whole params at the save point (saving leg) or after loading."""
+    and the full params at the save point (saving leg) or after loading."""
     world = dist.get_world_size()
     torch.manual_seed(0)
     model = Llama()
@@ -212,10 +212,10 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
     return {"losses": losses, "params": at_save_point}
 
 
-def whole_state(path: str) -> dict:
+def gathered_state(path: str) -> dict:
     """An HF Llama at TP2 x DP1, stage 1, bf16 params with fp32 main params, after one
     step: ``full_state_dict()`` and ``save_pretrained(path)``. Rank 0 returns the state
-    dict, whether each entry rounds to the bf16 param gathered whole, and the model read
+    dict, whether each entry rounds to the bf16 param gathered in full, and the model read
     back by ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
@@ -228,7 +228,7 @@ def whole_state(path: str) -> dict:
     lm_loss(model, idx, targets).backward()
     opt.step()
     state = model.full_state_dict()
-    params = full_values(model)  # (the bf16 params, gathered whole)
+    params = full_values(model)  # (the bf16 params, gathered in full)
     flatshard.save_pretrained(model, path)
     if dist.get_rank() != 0:
         return {}

@@ -19,7 +19,7 @@ from flatshard.toolkit.testing import run_distributed
 # over 4 SGD steps whose momentum adds at most (1 + 0.9 + 0.81 + 0.73) = 3.4 updates' worth of
 # each step's relative error. 1e-5 relative leaves ~10x room over that, as the DDP parity
 # tests' SGD bound does ([Note: parity tolerances] in tests/_parity.py); a grad left Partial
-# (not made whole over tp) is off by 1e-3 or more after one step.
+# (not summed over tp) is off by 1e-3 or more after one step.
 RELATIVE = 1e-5
 
 
@@ -53,7 +53,7 @@ def test_tensor_parallel_follows_one_process_at_every_stage(world, tp, model):
 
 def test_accumulating_under_no_sync_with_tensor_parallelism_follows_one_process():
     """Two micro-batches a step, the first under no_sync(): the Partial grads of the
-    sequence-parallel norms are made whole over tp in each micro-batch and summed in the
+    sequence-parallel norms are summed over tp in each micro-batch and summed in the
     buffers, reduced over dp once; TP2 x DP2 at stages 0-2 (the RELATIVE bound)."""
     results = run_distributed(train_tp_dp, 4, [0, 1, 2], 2, "tiny", accumulate=2, timeout=240)
     for stage, r in results[0].items():

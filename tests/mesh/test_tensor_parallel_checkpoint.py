@@ -1,4 +1,4 @@
-"""A checkpoint of a tensor-parallel model keeps each param whole ([Note: tensor-parallel
+"""A checkpoint of a tensor-parallel model keeps each param full ([Note: tensor-parallel
 params] in ``engine/tensor_parallel.py``): saved at TP2 x DP2 it loads at TP1 x DP4 (the
 plain model), TP2 x DP1 and in one process, and each continues the saving run's curve."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from _tensor_parallel import checkpoint_leg, whole_state
+from _tensor_parallel import checkpoint_leg, gathered_state
 from flatshard.checkpoint.weights import export_checkpoint
 from flatshard.toolkit.testing import run_distributed
 
@@ -33,7 +33,7 @@ def test_a_tensor_parallel_checkpoint_loads_at_another_layout_and_continues(save
     path, before = saved
     after = run_distributed(checkpoint_leg, world, path, tp, stage, False, timeout=240)[0]
     for name, value in before["params"].items():
-        assert torch.equal(after["params"][name], value), name  # (loaded exactly, whole)
+        assert torch.equal(after["params"][name], value), name  # (loaded exactly, in full)
     for ours, theirs in zip(after["losses"], before["losses"], strict=True):
         assert abs(ours - theirs) / theirs < RELATIVE, (after["losses"], before["losses"])
 
@@ -50,10 +50,10 @@ def test_a_tensor_parallel_checkpoint_exports_whole_tensors(saved, tmp_path):
 
 def test_full_state_dict_and_save_pretrained_of_a_tensor_parallel_model_hold_whole_fp32_values(tmp_path):
     """Before, ``full_state_dict()`` gave DTensors (fp32) or failed viewing a tp shard's
-    main params in the whole param's shape (bf16). Now every entry is a plain tensor of the
-    whole shape, a trained param's is its fp32 main params gathered over tp (which round to
+    main params in the full param's shape (bf16). Now every entry is a plain tensor of the
+    full shape, a trained param's is its fp32 main params gathered over tp (which round to
     the bf16 param exactly), and ``save_pretrained`` writes what ``from_pretrained`` reads."""
-    r = run_distributed(whole_state, 2, str(tmp_path / "pretrained"), timeout=240)[0]
+    r = run_distributed(gathered_state, 2, str(tmp_path / "pretrained"), timeout=240)[0]
     assert r["rounds"] and all(r["rounds"].values()), r["rounds"]
     for name, value in r["state"].items():
         assert type(value) is torch.Tensor, name

@@ -25,17 +25,22 @@ from flatshard import Buckets, Stage3
 from flatshard.toolkit.testing import run_distributed
 
 
+def _stage3(reshard_after_forward: bool) -> dict:
+    """``shard()``'s arguments of these runs: stage 3 in buckets of 3000 elements."""
+    return {
+        "stage": 3,
+        "buckets": Buckets(size=3000),
+        "stage3": Stage3(reshard_after_forward=reshard_after_forward),
+    }
+
+
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 @pytest.mark.parametrize("reshard_after_forward", [True, False])
 def test_sgd_groups_schedule_clip_accumulation(world_size, reshard_after_forward):
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         world_size,
-        {
-            "stage": 3,
-            "buckets": Buckets(size=3000),
-            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
-        },
+        _stage3(reshard_after_forward),
         **SGD,
         groups=decay_groups,
         schedule=True,
@@ -87,11 +92,7 @@ def test_follows_fsdp2(world_size, reshard_after_forward):
     (result, *_) = run_distributed(
         train_against_fsdp2,
         world_size,
-        {
-            "stage": 3,
-            "buckets": Buckets(size=3000),
-            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
-        },
+        _stage3(reshard_after_forward),
         fsdp_kwargs={"reshard_after_forward": reshard_after_forward},
         clip=None,
     )
@@ -122,11 +123,7 @@ def test_shared_blocks_and_activation_checkpointing(model_cls, reshard_after_for
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {
-            "stage": 3,
-            "buckets": Buckets(size=3000),
-            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
-        },
+        _stage3(reshard_after_forward),
         **SGD,
         clip=0.5,
         model_cls=model_cls,
@@ -156,11 +153,7 @@ def test_a_unit_not_called_in_some_forwards(model_cls, reshard_after_forward, ac
     (result, *_) = run_distributed(
         train_optimizer_side_by_side,
         3,
-        {
-            "stage": 3,
-            "buckets": Buckets(size=3000),
-            "stage3": Stage3(reshard_after_forward=reshard_after_forward),
-        },
+        _stage3(reshard_after_forward),
         **DIVERGING,
         model_cls=model_cls,
         steps=4 if accum == 1 else 3,

@@ -69,7 +69,7 @@ class Piece(NamedTuple):
     """Elements ``[offset, offset + tensor.numel())`` of a 1-D tensor of ``numel`` elements;
     with ``runs``, elements ``[start, start + hi - lo)`` for each ``(start, lo, hi)`` of
     them, held by ``tensor[lo:hi]`` (a tensor-parallel shard, whose elements are runs of the
-    whole param: ``global_runs`` in ``engine/tensor_parallel.py``)."""
+    full param: ``global_runs`` in ``engine/tensor_parallel.py``)."""
 
     numel: int
     offset: int

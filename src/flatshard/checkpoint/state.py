@@ -371,7 +371,7 @@ def param_optimizer_to_load(
 # -- tensor-parallel params ([Note: tensor-parallel params]) ---------------------------------------
 def globalize(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """``state`` with every piece of a tensor-parallel param (elements of its flattened
-    local shard) as runs of the flattened whole param: what a checkpoint keeps, so that one
+    local shard) as runs of the flattened full param: what a checkpoint keeps, so that one
     written at any tp x dp layout loads at any other, or into the plain model."""
     split = {n: p for n, p in _unwrap(model).named_parameters(remove_duplicate=False) if is_distributed(p)}
     if not split:

@@ -31,7 +31,7 @@ from flatshard.optim.distributed import DistributedOptimizer
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
 PRETRAINED_INSTEAD = (
-    "whole tensors would land in tp-sharded params. Load them into the model before "
+    "full tensors would land in tp-sharded params. Load them into the model before "
     "parallelize_module (every rank the same values), or resume from a flatshard checkpoint"
 )
 WEIGHTS = ("main", "model")

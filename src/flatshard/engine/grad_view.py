@@ -227,7 +227,7 @@ class GradViews:
                 all_reduce(partial, world, stats=self._stats, op=op).wait()
             sums.update(zip((id(p) for p in params), partial.unbind(), strict=True))
         tp = self._tensor_parallel
-        split = [key for key in sums if tp is not None and key in tp.split]
+        split = [key for key in sums if tp is not None and self.names[key] in tp.split]
         if tp is not None and split and tp.world.size > 1:  # (the same params, in order, on every tp rank)
             joined = torch.stack([sums[key] for key in split])
             all_reduce(joined, tp.world, stats=self._stats, op=op).wait()

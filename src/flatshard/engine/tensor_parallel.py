@@ -21,7 +21,7 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   one with the params' tp mesh (it would average different shards), params on two meshes
 #   or on a mesh of several dimensions, and a ``Partial`` or strided placement (a param
 #   already sharded by another library).
-# * **A grad is made whole over tp before it is reduced over dp.** Autograd hands a DTensor
+# * **A grad is summed over tp before it is reduced over dp.** Autograd hands a DTensor
 #   grad whose placements may differ from the param's: a ``Replicate`` param used on
 #   sequence-sharded activations (a ``SequenceParallel`` norm) gets a ``Partial`` grad.
 #   ``local_grad`` redistributes it to the param's placements (an all-reduce over tp that
@@ -30,7 +30,7 @@ The reasoning is [Note: tensor-parallel params] below."""
 # * **Every param's ``.grad`` is a ``ShardedGrad``** ([Note: grads seen by torch]) in a
 #   tensor-parallel model, at every stage: a torch optimizer stepping DTensors the buffers
 #   do not back is refused, and ``DistributedOptimizer`` steps the local shards (an
-#   elementwise update is the same on a shard as on the whole param).
+#   elementwise update is the same on a shard as on the full param).
 # * **Norms cover the whole mesh, each element once.** A param sharded over tp (some
 #   ``Shard`` placement) has its ``|g|**p`` summed over dp, then over tp. A param
 #   replicated over tp (every placement ``Replicate``, or a plain param beside DTensors)
@@ -41,16 +41,16 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   (``torch.utils.swap_tensors``, as ``module.to(dtype)`` does: the dtype is in the
 #   DTensor's metadata, which ``.data`` does not reach), so the param object stays; the fp32
 #   main params start from the fp32 local shards.
-# * **Checkpoints keep each param whole.** A checkpoint stores every param (its main params
-#   and optimizer state too) as its flattened whole tensor ([Note: checkpoints]); a rank's
+# * **Checkpoints keep each param full.** A checkpoint stores every param (its main params
+#   and optimizer state too) as its flattened full tensor ([Note: checkpoints]); a rank's
 #   piece of a local shard is a set of runs of it (``global_runs``: a ``Shard(d)`` shard is
-#   contiguous in the whole over its dims from ``d`` on), so a checkpoint written at any
+#   contiguous in the full param over its dims from ``d`` on), so a checkpoint written at any
 #   tp x dp layout is the one the plain model writes, and loads at any other layout.
 # * **Refused for now, by name** (``refuse``): stage 3 (its gathers and placeholders are of
 #   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), loading weight
-#   files (``load_weights``, ``load_pretrained``: whole tensors into local shards), the
+#   files (``load_weights``, ``load_pretrained``: full tensors into local shards), the
 #   hybrid and owner optimizers (they size params by their global shape).
-#   ``full_state_dict()`` and ``save_pretrained`` gather each param whole over tp (``whole``,
+#   ``full_state_dict()`` and ``save_pretrained`` gather each param full over tp (``full_value``,
 #   on every rank), from the fp32 main params where the optimizer keeps them.
 #   ``torch.compile`` of such a model fails inside Dynamo in torch 2.13, which cannot fake a
 #   DTensor whose local tensor starts at an offset of its storage (docs/parallelism.md).
@@ -85,10 +85,10 @@ def local_shape(param: torch.Tensor) -> torch.Size:
     return param._local_tensor.shape if isinstance(param, DTensor) else param.shape
 
 
-def whole(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``values`` of this rank's local shard of ``param`` (local shape) as the whole
+def full_value(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` of this rank's local shard of ``param`` (local shape) as the full
     tensor: gathered over tp for a DTensor param (every tp rank must call it), else as they
-    are. A DTensor given as ``values`` is gathered whole itself."""
+    are. A DTensor given as ``values`` is gathered full itself."""
     if isinstance(values, DTensor):
         return values.full_tensor()
     if not isinstance(param, DTensor):
@@ -128,10 +128,7 @@ class TensorParallel:
 
     world: World
     mesh_dims: tuple[str, ...]
-    split: frozenset[int]  # ids of the params with a Shard placement
-
-    def splits(self, param: nn.Parameter) -> bool:
-        return id(param) in self.split
+    split: frozenset[str]  # the names of the params with a Shard placement
 
 
 def mesh_of(named: Sequence[tuple[str, nn.Parameter]], worlds: Sequence[World]) -> TensorParallel | None:
@@ -165,31 +162,31 @@ def mesh_of(named: Sequence[tuple[str, nn.Parameter]], worlds: Sequence[World]) 
             )
     timeout = next((w.timeout for w in worlds if w.group is not None), None)
     world = resolve_world(mesh.get_group(), timeout)
-    split = frozenset(id(p) for _, p in dist_named if any(isinstance(s, Shard) for s in p.placements))
+    split = frozenset(n for n, p in dist_named if any(isinstance(s, Shard) for s in p.placements))
     return TensorParallel(world, tuple(dims), split)
 
 
 def global_runs(param: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """Elements ``[lo, hi)`` of ``param``'s flattened local shard as runs of its flattened
-    whole tensor: ``(offset in the whole, lo, hi)`` each, contiguous in both (a plain or
-    replicated param: one run at ``lo``). A ``Shard(d)`` shard is contiguous in the whole
+    full tensor: ``(offset in the full tensor, lo, hi)`` each, contiguous in both (a plain or
+    replicated param: one run at ``lo``). A ``Shard(d)`` shard is contiguous in the full tensor
     over its dims from ``d`` on, so its runs are ``prod(shape[:d])`` at most."""
     if not isinstance(param, DTensor) or not any(isinstance(s, Shard) for s in param.placements):
         return [(lo, lo, hi)] if hi > lo else []
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    whole = tuple(param.shape)
-    shape, offsets = compute_local_shape_and_global_offset(whole, param.device_mesh, param.placements)
-    dim = next(s.dim for s in param.placements if isinstance(s, Shard)) % len(whole)
-    after = math.prod(whole[dim + 1 :])
-    run = shape[dim] * after  # (elements of the local shard contiguous in the whole)
+    full = tuple(param.shape)
+    shape, offsets = compute_local_shape_and_global_offset(full, param.device_mesh, param.placements)
+    dim = next(s.dim for s in param.placements if isinstance(s, Shard)) % len(full)
+    after = math.prod(full[dim + 1 :])
+    run = shape[dim] * after  # (elements of the local shard contiguous in the full tensor)
     runs = []
     start = lo
     while start < hi:
         outer, inner = divmod(start, run) if run else (0, 0)
         end = min(hi, (outer + 1) * run)
-        base = sum(o * math.prod(whole[i + 1 :]) for i, o in enumerate(offsets))
-        runs.append((outer * whole[dim] * after + base + inner, start, end))
+        base = sum(o * math.prod(full[i + 1 :]) for i, o in enumerate(offsets))
+        runs.append((outer * full[dim] * after + base + inner, start, end))
         start = end
     return runs
 

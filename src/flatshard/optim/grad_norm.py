@@ -40,12 +40,11 @@ def global_norm_sq(
     device = shards[0].buffer.device if shards else torch.device("cpu")
     local_only = len(worlds) == 1 and not state.policy.shards_optimizer
     tp = state.grad_sync.tensor_parallel
-    split_names = _split_names(state, tp)
     kinds = 1 if tp is None else 2  # (not split over tp[, split])
     sums = torch.zeros(kinds, dtype=torch.float64, device=device)
     for s in shards:
         replicas = 1 if (local_only or state.policy.shards_optimizer) else s.world.size
-        sums += _squares(s, split_names)[:kinds] / replicas
+        sums += _squares(s, tp)[:kinds] / replicas
     riding = None
     if not local_only:
         carried = torch.cat([sums, settings.riding(inner, device)])
@@ -58,32 +57,15 @@ def global_norm_sq(
     return sums.sum(), riding
 
 
-def _split_names(state: ShardState, tp: TensorParallel | None) -> frozenset[str]:
-    if tp is None:
-        return frozenset()
-    return frozenset(
-        n
-        for bset in state.sets.values()
-        for n, p in zip(bset.names, bset.params, strict=True)
-        if tp.splits(p)
-    )
-
-
-def _squares(shards: BufferShards, split_names: frozenset[str]) -> torch.Tensor:
+def _squares(shards: BufferShards, tp: TensorParallel | None) -> torch.Tensor:
     """(sum of squares of the grads tp does not split, of those it splits) on this rank: the
-    whole shards at once where nothing is split, else piece by piece."""
+    shards at once without tensor parallelism, else their pieces of each kind."""
     grads = shards.grad_shards()
     out = torch.zeros(2, dtype=torch.float64, device=shards.buffer.device)
     if not grads:
         return out
     wide = torch.promote_types(grads[0].dtype, torch.float32)  # (fp64 grads stay fp64)
-    if not split_names:
-        out[0] = torch.stack(torch._foreach_norm(grads, 2, dtype=wide)).double().square().sum()
-        return out
-    kinds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
-    for bucket, grad in zip(shards.buckets, grads, strict=True):
-        for piece in bucket.local_ranges(shards.buffer.rank):
-            kinds[piece.name in split_names].append(grad[slice(*piece.in_shard)])
+    kinds = (grads, []) if tp is None else shards.grad_pieces(tp.split)
     for i, pieces in enumerate(kinds):
         if pieces:
             out[i] = torch.stack(torch._foreach_norm(pieces, 2, dtype=wide)).double().square().sum()

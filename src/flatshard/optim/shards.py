@@ -5,7 +5,7 @@ steps over them ([Note: distributed optimizer] in ``optim/distributed.py``)."""
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -26,6 +26,9 @@ class BufferShards:
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
     grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match)
+    _split_pieces: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     @property
     def buckets(self):
@@ -33,6 +36,18 @@ class BufferShards:
 
     def grad_shards(self) -> list[torch.Tensor]:
         return [self.buffer.grad_shard(b) for b in self.buckets]
+
+    def grad_pieces(self, split: frozenset[str]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """This rank's grad pieces of the params not named in ``split``, and of those named
+        (views of the grad shards, which keep their storage objects: built once; ``split``
+        is the model's one set of tp-split names, [Note: tensor-parallel params])."""
+        if self._split_pieces is None:
+            kinds: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+            for bucket, grad in zip(self.buckets, self.grad_shards(), strict=True):
+                for piece in bucket.local_ranges(self.buffer.rank):
+                    kinds[piece.name in split].append(grad[slice(*piece.in_shard)])
+            self._split_pieces = kinds
+        return self._split_pieces
 
     def nonfinite_grads(self) -> list[str]:
         """Names of the params whose grad pieces on this rank hold inf or NaN (a slow loop:

@@ -22,7 +22,7 @@ from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
-from flatshard.engine.tensor_parallel import whole
+from flatshard.engine.tensor_parallel import full_value
 from flatshard.planner.layout import Layout
 from flatshard.planner.stage import StagePolicy
 from flatshard.units.full_params import (
@@ -239,8 +239,8 @@ class ShardedModule(nn.Module):
             if state.policy.shards_params:
                 out = full_state_dict(state, partial(nn.Module.state_dict, self), skip=covered)
             else:
-                out = {  # (a tp shard is gathered whole by every tp rank: [Note: tensor-parallel params])
-                    k: whole(v, v.detach()).to("cpu", copy=True) for k, v in super().state_dict().items()
+                out = {  # (a tp shard is gathered full by every tp rank: [Note: tensor-parallel params])
+                    k: full_value(v, v.detach()).to("cpu", copy=True) for k, v in super().state_dict().items()
                 }
         if not rank0:
             return {}

@@ -29,7 +29,7 @@ import torch
 
 from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet, FlatBuffer
-from flatshard.engine.tensor_parallel import local_shape, whole
+from flatshard.engine.tensor_parallel import full_value, local_shape
 
 
 class MainParams(Protocol):
@@ -68,7 +68,7 @@ def main_values(
                     param = bset.params[slot.index]
                     covered.add(id(param))
                     value = full[slot.start - bucket.start : slot.end - bucket.start].view(local_shape(param))
-                    value = whole(param, value)  # (a tp shard: gathered on every rank)
+                    value = full_value(param, value)  # (a tp shard: gathered on every rank)
                     if keep:
                         out[id(param)] = value.to("cpu", copy=True)
     return covered, out

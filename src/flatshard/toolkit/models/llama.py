@@ -4,7 +4,7 @@
 heads a rank holds) and RMS norms; ``parallelize(model, tp_mesh)`` applies torchtitan's
 Llama plan: sequence-parallel norms and residual stream (so replicated norm weights get
 ``Partial`` grads), column-wise q/k/v and w1/w3, row-wise wo and w2, the embeddings split
-row-wise and the output gathered whole."""
+row-wise and the output gathered to every rank."""
 
 from __future__ import annotations
 
