@@ -4,6 +4,7 @@ loop below writes params that all equal its step, so a checkpoint that mixed two
 lost part of one, would show it."""
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -113,3 +114,51 @@ def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
 @pytest.mark.parametrize("delay", [0.05, 0.17, 0.31])
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(tmp_path, delay):
     _kill_a_save(tmp_path, delay=delay)
+
+
+class _Cut(Exception):
+    pass
+
+
+def _cut_after(monkeypatch, steps: int) -> None:
+    """``os.unlink`` and ``os.rmdir`` fail from call ``steps`` on, as if the process died there."""
+    done = [0]
+    for name in ("unlink", "rmdir"):
+        real = getattr(os, name)
+
+        def cut(*args, _real=real, **kwargs):
+            if done[0] == steps:
+                raise _Cut
+            done[0] += 1
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(os, name, cut)
+
+
+@pytest.mark.parametrize("what", [".old", ".partial"])
+def test_a_removal_cut_off_at_any_step_leaves_what_the_next_save_accepts(tmp_path, what):
+    """The replaced checkpoint (``PATH.old``) and an unfinished save (``PATH.partial``) are
+    deleted file by file; a kill between any two deletions used to leave a directory the next
+    save refused as a user's (rmtree deleted ``flatshard.json`` or the partial mark first)."""
+    from flatshard.checkpoint.destination import MANIFEST, PARTIAL_MARK, destination_problem, remove_saved
+
+    path = str(tmp_path / "ckpt")
+    model, opt = _build()
+    flatshard.save_checkpoint(path, model, opt, extra={"step": 1})
+    saved = sorted(os.listdir(path))
+    mark = MANIFEST if what == ".old" else PARTIAL_MARK
+    extra = [] if what == ".old" else [PARTIAL_MARK, ".metadata.tmp"]  # (DCP's index being written)
+    steps = len(saved) + len(extra) + 1  # every file, then the directory
+    for cut in range(steps):
+        shutil.copytree(path, path + what)
+        for name in extra:
+            open(os.path.join(path + what, name), "w").close()
+        with pytest.MonkeyPatch.context() as patch:
+            _cut_after(patch, cut)
+            with pytest.raises(_Cut):
+                remove_saved(path + what, mark)
+        assert os.path.isdir(path + what), cut
+        assert destination_problem(path) is None, (cut, sorted(os.listdir(path + what)))
+        flatshard.save_checkpoint(path, model, opt, extra={"step": cut})
+        assert sorted(os.listdir(tmp_path)) == ["ckpt"], cut
+        assert flatshard.load_checkpoint(path, model, opt)["step"] == cut

@@ -217,7 +217,7 @@ CASES = [
     Case("save over a user's file", _save_over(_file), FileExistsError, "a-file"),
     Case(
         "save where PATH.old is a user's",
-        _save_over(lambda t: (t / "x.old").mkdir() or t / "x"),
+        _save_over(lambda t: _user_dir(t).rename(t / "x.old") and t / "x"),
         FileExistsError,
         r"x\.old",
     ),

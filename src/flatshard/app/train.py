@@ -6,8 +6,8 @@ from __future__ import annotations
 import math
 import os
 import re
-import shutil
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.app.train_report import Metrics, Progress, format_summary, plot_losses
-from flatshard.checkpoint.destination import MANIFEST
+from flatshard.checkpoint.destination import MANIFEST, remove_saved
 from flatshard.memory import memory_report
 from flatshard.planner import plan
 from flatshard.planner.stage import DEFAULT_BUCKET_SIZE
@@ -248,7 +248,10 @@ def _save(directory: str, done: int, model, optimizer, schedule, rank: int) -> N
     flatshard.save_checkpoint(path, model, optimizer, extra={"step": done, "schedule": schedule})
     if rank == 0:
         for _, old in checkpoints(directory)[:-KEEP_CHECKPOINTS]:
-            shutil.rmtree(old, ignore_errors=True)
+            try:  # (manifest last: a pruning cut off is listed, and finished, by the next one)
+                remove_saved(old, MANIFEST)
+            except OSError as e:  # the new checkpoint is in place: training goes on
+                warnings.warn(f"could not remove the older checkpoint {old}: {e}", stacklevel=2)
 
 
 def _accumulate(cfg: TrainConfig, model, corpus, step: int, rank: int, device) -> torch.Tensor:

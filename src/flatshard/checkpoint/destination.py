@@ -25,6 +25,11 @@ MANIFEST = "flatshard.json"
 # decides and tells the others, so that ranks on different views of the path agree.
 # PATH.lock (held by rank 0 through the save, see save_lock) is created and removed by the
 # save; one that is not empty or a flatshard lock refuses the save and stays as it is.
+# A removal can be cut off too (a kill while PATH.old or an old PATH.partial is deleted), so
+# it deletes the entry that marks the directory as ours last (flatshard.json, PARTIAL_MARK)
+# and the empty directory after it: what a cut-off removal leaves is still a checkpoint
+# missing some files, an unfinished save, or an empty directory, and the next save accepts
+# each (an empty directory holds nothing to lose).
 PARTIAL_MARK = ".flatshard-partial"
 _SAVE_FILES = re.compile(r"(\.metadata|__\d+_\d+\.distcp|flatshard\.json|\.flatshard-partial)")
 
@@ -46,11 +51,16 @@ def _is_unfinished_save(path: str) -> bool:
     return PARTIAL_MARK in names or all(_SAVE_FILES.fullmatch(name) for name in names)
 
 
+def _is_replaced_checkpoint(path: str) -> bool:
+    """A checkpoint, or what its removal left when cut off before its last step."""
+    return _is_checkpoint(path) or (os.path.isdir(path) and not os.listdir(path))
+
+
 def destination_problem(path: str) -> str | None:
     """Why ``save_checkpoint(path)`` must not write there, or None when it may."""
     checks = (
         (path, _is_checkpoint, "a flatshard checkpoint"),
-        (path + ".old", _is_checkpoint, "a flatshard checkpoint"),
+        (path + ".old", _is_replaced_checkpoint, "a flatshard checkpoint"),
         (path + ".partial", _is_unfinished_save, "an unfinished flatshard save"),
     )
     for where, ours, what in checks:
@@ -131,21 +141,30 @@ def publish(partial: str, path: str) -> None:
     old = path + ".old"
     if os.path.lexists(path):
         if os.path.lexists(old):
-            _remove(old)
+            remove_saved(old, MANIFEST)
         os.rename(path, old)
     os.rename(partial, path)
     _fsync_dir(os.path.dirname(os.path.abspath(path)))
     if os.path.lexists(old):
-        _remove(old)
+        remove_saved(old, MANIFEST)
 
 
-def _remove(path: str) -> None:
-    """Remove a checkpoint this library replaced: a symbolic link to one only as a link (what
-    it points to was not written here and stays)."""
+def remove_saved(path: str, mark: str) -> None:
+    """Remove a directory a save wrote (a replaced checkpoint, an unfinished save), its
+    ``mark`` (the entry that shows it is ours) last and the empty directory after it, so that
+    a removal cut off at any moment leaves something the next save still recognises
+    ([Note: save destinations]). A symbolic link to one goes only as a link (what it points
+    to was not written here and stays)."""
     if os.path.islink(path):
         os.unlink(path)
-    else:
-        shutil.rmtree(path)
+        return
+    for name in sorted(os.listdir(path), key=lambda name: name == mark):
+        entry = os.path.join(path, name)
+        if os.path.isdir(entry) and not os.path.islink(entry):
+            shutil.rmtree(entry)
+        else:
+            os.unlink(entry)
+    os.rmdir(path)
 
 
 def _fsync_dir(directory: str) -> None:

@@ -69,7 +69,6 @@ import json
 import os
 import pickle
 import random
-import shutil
 import uuid
 import warnings
 import zlib
@@ -88,6 +87,7 @@ from flatshard.checkpoint.destination import (
     PARTIAL_MARK,
     destination_problem,
     publish,
+    remove_saved,
     save_lock,
 )
 from flatshard.checkpoint.files import verify_state_file
@@ -268,8 +268,8 @@ def _write(state: dict[str, Any], path: str, save_id: str, world: World) -> str:
     returns that directory."""
     partial = path + ".partial"
     if world.rank == 0:
-        if os.path.exists(partial):
-            shutil.rmtree(partial)
+        if os.path.lexists(partial):
+            remove_saved(partial, PARTIAL_MARK)
         os.makedirs(partial)
         open(os.path.join(partial, PARTIAL_MARK), "w").close()
     barrier(world)
