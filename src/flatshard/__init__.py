@@ -23,7 +23,8 @@ The reasoning is [Note: package layers] below."""
 # 7. the public surface: this module (``flatshard.__all__``) and ``memory``
 #    (``memory_report``, which reads a wrapped module and its optimizer);
 # 8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings),
-#    ``hosts/`` (flatshard inside other libraries' loops: ``hf``, ``accelerate``, ``lightning``) and
+#    ``hosts/`` (flatshard inside other libraries' loops: ``hf``, ``accelerate``, ``lightning``,
+#    ``pipelining``) and
 #    ``toolkit/``: ``models`` (the demo GPT, Hugging Face configs), ``data`` (the synthetic
 #    corpus) and ``testing`` (the multi-process test harness).
 #

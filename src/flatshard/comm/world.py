@@ -180,31 +180,39 @@ def _device_mesh_type() -> type | None:
     return DeviceMesh
 
 
-def check_ranks_agree(world: World, description: list[str], what: str) -> None:
+def check_ranks_agree(world: World, description: list[str], what: str, among: str = "") -> None:
     """Raise on every rank if ranks' ``description`` lines differ, naming the first difference.
+    ``among``: compare only ranks whose ``among`` is equal (those holding the same params, when
+    a pipeline's stages hold different ones), each with the first of them.
 
-    One all-gather of a 64-bit digest in the common case; the lines themselves are exchanged
-    only when the digests disagree.
+    One all-gather of two 64-bit digests in the common case; the lines themselves are
+    exchanged only when the digests disagree.
     """
     if world.group is None:
         return
-    digest = hashlib.sha256("\n".join(description).encode()).digest()[:8]
+    digests = [hashlib.sha256(text.encode()).digest()[:8] for text in (among, "\n".join(description))]
     mine = torch.tensor(
-        [int.from_bytes(digest, "little", signed=True)], dtype=torch.int64, device=world.control_device
+        [int.from_bytes(d, "little", signed=True) for d in digests],
+        dtype=torch.int64,
+        device=world.control_device,
     )
-    everyone = _all_gather(mine, world)
-    if all(int(t) == int(mine) for t in everyone):
+    everyone = [tuple(t.tolist()) for t in _all_gather(mine, world)]
+    first: dict[int, int] = {}  # each kind of rank's reference: the lowest rank of that kind
+    for rank, (kind, _) in enumerate(everyone):
+        first.setdefault(kind, rank)
+    if all(everyone[first[kind]][1] == digest for kind, digest in everyone):
         return
     lines = [blob.decode().split("\n") for blob in all_gather_bytes("\n".join(description).encode(), world)]
-    ref = lines[0]
-    for rank, other in enumerate(lines):
-        if other == ref:
-            continue
+    for rank, (kind, _) in enumerate(everyone):
+        ref_rank = first[kind]
+        ref, other = lines[ref_rank], lines[rank]
         for i in range(max(len(ref), len(other))):
             a = ref[i] if i < len(ref) else "<nothing>"
             b = other[i] if i < len(other) else "<nothing>"
             if a != b:
-                raise ValueError(f"ranks disagree on {what}: rank {rank} has {b!r} where rank 0 has {a!r}")
+                raise ValueError(
+                    f"ranks disagree on {what}: rank {rank} has {b!r} where rank {ref_rank} has {a!r}"
+                )
     raise AssertionError("digests differ but descriptions are equal")  # pragma: no cover
 
 

@@ -1,4 +1,5 @@
 """Layer 8, flatshard inside other libraries' training loops: ``hf`` (``transformers.Trainer``
 and the trainers built on it), ``accelerate`` (``Accelerator.prepare``), ``lightning``
-(Lightning's ``Trainer``, ``strategy="flatshard"``) and ``optimizers`` (a host user's torch
-optimizer rebuilt as a ``DistributedOptimizer``). [Note: hosted training] in ``hf.py``."""
+(Lightning's ``Trainer``, ``strategy="flatshard"``), ``pipelining`` (torch's pipeline
+schedules over flatshard chunks) and ``optimizers`` (a host user's torch optimizer rebuilt as
+a ``DistributedOptimizer``). [Note: hosted training] in ``hf.py``."""

@@ -6,7 +6,8 @@ betas, weight decay or param groups differ (a scheduler stepped on one rank only
 left out) updates its shard by other rules, and the model drifts with no error. So the
 settings are compared:
 
-* at construction, in full (every group's hyperparameters and members);
+* at construction, in full: every group's hyperparameters, and its members (fixed from then
+  on) among the ranks that optimize the same params (a pipeline's stages hold different ones);
 * at every step that computes the global grad norm (stages 1-3 unless ``nonfinite="step"``, a
   loss scaler or clipping), by a digest *riding on the norm's own all-reduce*: two 16-bit
   digests ``d`` go along as ``(d, d²)``; the sums satisfy ``N·Σd² = (Σd)²`` exactly (in
@@ -33,19 +34,21 @@ RIDING = 4  # elements the digests add to the norm's all-reduce
 
 
 class SettingsCheck:
-    """Compares ``inner``'s hyperparameters (and the param groups' members, fixed at
-    construction) across the ranks of ``world`` (every rank of the job)."""
+    """Compares ``inner``'s hyperparameters across the ranks of ``world`` (every rank of the
+    job) and, once, the param groups' members among the ranks that optimize the same params."""
 
     def __init__(self, world: World, members: list[list[str]]) -> None:
         self.world = world
-        self.members = [
+        self.unchecked_steps = 0
+        lines = [
             f"param group {i} members {hashlib.sha256(' '.join(names).encode()).hexdigest()[:16]}"
             for i, names in enumerate(members)
         ]
-        self.unchecked_steps = 0
+        params = " ".join(sorted(name for names in members for name in names))
+        check_ranks_agree(world, lines, "the optimizer's param groups", among=params)
 
     def describe(self, inner: torch.optim.Optimizer) -> list[str]:
-        lines = [f"optimizer {type(inner).__name__}", *self.members]
+        lines = [f"optimizer {type(inner).__name__}", f"{len(inner.param_groups)} param groups"]
         for i, group in enumerate(inner.param_groups):
             hyper = ", ".join(f"{k}={_value(v)}" for k, v in sorted(group.items()) if k != "params")
             lines.append(f"param group {i}: {hyper}")

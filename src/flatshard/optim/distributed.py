@@ -61,6 +61,7 @@ from flatshard.optim.shards import BufferShards, build_shards, describe_nonfinit
 from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.wrap.arguments import check_flags
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
+from flatshard.wrap.pipeline import Pipeline
 
 NONFINITE = ("raise", "skip", "step")
 
@@ -311,16 +312,35 @@ class DistributedOptimizer(torch.optim.Optimizer):
         generation = self._sharded.grad_sync.generation
         if self._prepared_at == generation:
             return
+        pipeline = self._sharded.pipeline
+        if pipeline is None:
+            self._prepared(self.model_norm_sq())
+            return
+        optimizers = _chunk_optimizers(pipeline)
+        norm_sq = pipeline.norm_sq([o.model_norm_sq for o in optimizers])  # [Note: pipeline chunks]
+        for optimizer in optimizers:
+            optimizer._prepared(norm_sq)
+
+    def _prepared(self, norm_sq: torch.Tensor) -> None:
+        """Record the global squared norm of the grads as they are now."""
+        finite = math.isfinite(norm_sq.item())
+        self._found_inf = not finite
+        self._grad_norm = (norm_sq.sqrt() / self.loss_scale).float()
+        self._grad_factor = 1.0 / self.loss_scale if finite else 1.0
+        self._prepared_at = self._sharded.grad_sync.generation
+
+    def model_norm_sq(self) -> torch.Tensor:
+        """The squared global norm of this model's grads (over its data-parallel worlds, and
+        tp), checking the settings that ride on its all-reduce."""
+        self._check_grads_synced()  # (a pipeline's other chunks' too)
+        if self._sharded.grad_sync.grads is Grads.EMPTY:  # (stage 2 freed them: nothing to read)
+            return torch.zeros((), dtype=torch.float64)
         norm_sq, riding = global_norm_sq(self._sharded, self._buffer_shards, self._settings, self.inner)
         if riding is not None:
             self._settings.after_riding(self.inner, *riding)
             # (with replicated sharding the norm spans one row: the rows still need the full check)
             self._norm_checked_settings = riding[1].size == self._settings.world.size
-        finite = math.isfinite(norm_sq.item())
-        self._found_inf = not finite
-        self._grad_norm = (norm_sq.sqrt() / self.loss_scale).float()
-        self._grad_factor = 1.0 / self.loss_scale if finite else 1.0
-        self._prepared_at = generation
+        return norm_sq
 
     def _apply_grad_factor(self) -> None:
         if self._grad_factor != 1.0:
@@ -349,9 +369,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
             )
         if not self._found_inf:
             coef = min(float(max_norm) / (norm.item() + 1e-6), 1.0)
-            self._grad_factor *= coef
-            self._apply_grad_factor()
-            self._grad_norm = norm * coef  # a second clip sees the clipped grads, as in torch
+            pipeline = self._sharded.pipeline  # (a pipeline chunk's clips the whole model's)
+            for optimizer in [self] if pipeline is None else _chunk_optimizers(pipeline):
+                optimizer._grad_factor *= coef
+                optimizer._apply_grad_factor()
+                optimizer._grad_norm = norm * coef  # a second clip sees the clipped grads, as in torch
         return norm.clone()
 
     def _check_grads_synced(self) -> None:
@@ -558,3 +580,20 @@ def _sharded_state(model: nn.Module) -> ShardState:
             f"DistributedOptimizer takes a module returned by flatshard.shard(), got {type(model).__name__}"
         )
     return model.flatshard_state
+
+
+def _chunk_optimizers(pipeline: Pipeline) -> list[DistributedOptimizer]:
+    """The ``DistributedOptimizer`` of each of this rank's chunks of ``pipeline``."""
+    found = [state.optimizer for _, state in sorted(pipeline.chunks.items())]
+    for index, optimizer in zip(sorted(pipeline.chunks), found, strict=True):
+        if not isinstance(optimizer, DistributedOptimizer):
+            raise ValueError(
+                f"pipeline stage {index} on this rank has no DistributedOptimizer: the whole model's "
+                "grad norm needs every chunk's; build one for each chunk before the step"
+            )
+        if optimizer.loss_scaler is not None:  # (each chunk's scaler would scale its grads its own way)
+            raise ValueError(
+                "loss scaling is not supported in a pipeline-parallel model (the last stage scales the "
+                "loss for every chunk): train in bf16, which needs none"
+            )
+    return found  # type: ignore[return-value]

@@ -5,5 +5,6 @@ values (``sync_states``); attaching adds grad sync and gathers for the stage's p
 initializes a meta-device model (``init``) and swaps the module's class to gain
 ``ShardedModule``'s methods (``module``, which also holds ``ShardState``: everything attached
 to a wrapped module). After wrapping: changes to the module are noticed (``changes``), full
-values of record are read (``record``) and uneven inputs end together (``uneven``). The
-optimizer attaches itself through the ``ShardState`` seams."""
+values of record are read (``record``), uneven inputs end together (``uneven``) and a
+pipeline's chunks on a rank know each other (``pipeline``). The optimizer attaches itself
+through the ``ShardState`` seams."""

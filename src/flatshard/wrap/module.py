@@ -34,6 +34,7 @@ from flatshard.units.full_params import (
 )
 from flatshard.units.unshard import Unsharder
 from flatshard.wrap.changes import WrappedTree
+from flatshard.wrap.pipeline import Pipeline
 from flatshard.wrap.record import cast, check_dtype, main_values
 
 
@@ -70,6 +71,7 @@ class ShardState:
     unsharder: Unsharder | None = None  # stage 3
     frozen: BufferSet | None = None  # stage 3: the frozen params' shards ([Note: frozen params])
     tree: WrappedTree | None = None  # what was wrapped ([Note: writes through the params])
+    pipeline: Pipeline | None = None  # the pipeline this is a chunk of ([Note: pipeline chunks])
     _materialized: int = 0  # depth of param_dtype_shards() blocks
 
     @property

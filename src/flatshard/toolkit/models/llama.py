@@ -4,7 +4,9 @@
 heads a rank holds) and RMS norms; ``parallelize(model, tp_mesh)`` applies torchtitan's
 Llama plan: sequence-parallel norms and residual stream (so replicated norm weights get
 ``Partial`` grads), column-wise q/k/v and w1/w3, row-wise wo and w2, the embeddings split
-row-wise and the output gathered to every rank."""
+row-wise and the output gathered to every rank. ``pipeline_chunk(model, i, n)`` cuts the
+``i``-th of ``n`` pipeline stages out of it, as torchtitan does (its params keep their names
+in the whole model)."""
 
 from __future__ import annotations
 
@@ -78,8 +80,7 @@ class Llama(nn.Module):
         x = self.tok_embeddings(idx)
         for layer in self.layers:
             x = layer(x)
-        logits = self.output(self.norm(x))
-        return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+        return lm_loss(self.output(self.norm(x)), targets)
 
 
 def parallelize(model: Llama, tp_mesh) -> Llama:
@@ -118,3 +119,41 @@ def parallelize(model: Llama, tp_mesh) -> Llama:
     for layer in model.layers:
         parallelize_module(layer, tp_mesh, block)
     return model
+
+
+class LlamaChunk(nn.Module):
+    """Some consecutive layers of a ``Llama`` (under their names in the whole model), after
+    its embeddings on the first chunk and before its norm and output on the last:
+    ``forward`` maps tokens or hidden states to hidden states or logits."""
+
+    def __init__(self, model: Llama, first: int, last: int) -> None:
+        super().__init__()
+        n = len(model.layers)
+        self.tok_embeddings = model.tok_embeddings if first == 0 else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, last)})
+        self.norm = model.norm if last == n else None
+        self.output = model.output if last == n else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x)
+        if self.output is not None and self.norm is not None:
+            x = self.output(self.norm(x))
+        return x
+
+
+def pipeline_chunk(model: Llama, stage_index: int, num_stages: int) -> LlamaChunk:
+    """Pipeline stage ``stage_index`` of ``num_stages`` of ``model``: its layers split as
+    evenly as they go (the first stages take one more where they do not divide)."""
+    n = len(model.layers)
+    if not 0 <= stage_index < num_stages <= n:
+        raise ValueError(f"stage {stage_index} of {num_stages}: a {n}-layer Llama has 1 to {n} stages")
+    bounds = [i * (n // num_stages) + min(i, n % num_stages) for i in range(num_stages + 1)]
+    return LlamaChunk(model, bounds[stage_index], bounds[stage_index + 1])
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """``Llama``'s loss from the last chunk's logits: the mean next-token cross-entropy."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())

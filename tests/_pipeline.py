@@ -1,0 +1,216 @@
+"""Runs that train the toolkit's Llama cut into pipeline chunks (``pipeline_chunk``) as
+PP x DP, each chunk sharded by flatshard over dp and driven by a ``torch.distributed.pipelining``
+schedule through flatshard's ``PipelineStage``, beside the whole model in one process."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.pipelining import (
+    PipelineStage as TorchPipelineStage,
+)
+from torch.distributed.pipelining import (
+    Schedule1F1B,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+)
+
+import flatshard
+from flatshard.hosts.pipelining import PipelineStage
+from flatshard.toolkit.models.llama import Llama, LlamaConfig, lm_loss, pipeline_chunk
+
+CFG = LlamaConfig(n_layers=4)
+LR, MAX_NORM = 0.5, 0.5
+SCHEDULES = {
+    "gpipe": ScheduleGPipe,
+    "1f1b": Schedule1F1B,
+    "interleaved": ScheduleInterleaved1F1B,
+    "zero-bubble": ScheduleInterleavedZeroBubble,
+}
+
+
+def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, CFG.vocab_size, (steps, batch, CFG.seq_len + 1), generator=g)
+    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+
+
+def reference(steps: int, batch: int) -> dict:
+    """The whole model in one process on the whole batch: each step's loss and (clipped)
+    grad norm, and the params at the end."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
+    out: dict = {"loss": [], "norm": []}
+    for idx, targets in batches(steps, batch):
+        loss = model(idx, targets)
+        loss.backward()
+        out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+        opt.step()
+        opt.zero_grad()
+        out["loss"].append(loss.item())
+    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    return out
+
+
+def mesh_and_chunks(schedule: str, stage: int, stage_class=PipelineStage):
+    """This rank's chunks of the Llama (one, or two for the interleaved schedule) sharded at
+    ``stage`` over dp, with their optimizers and pipeline stages, on a (pp, dp) = (2, rest) mesh."""
+    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    per_rank = 2 if schedule in ("interleaved", "zero-bubble") else 1
+    torch.manual_seed(0)
+    whole = Llama(CFG)
+    models, optimizers, stages = [], [], []
+    for k in range(per_rank):
+        index = pp + 2 * k  # (interleaved: rank 0 runs chunks 0 and 2, rank 1 chunks 1 and 3)
+        chunk = pipeline_chunk(whole, index, 2 * per_rank)
+        model = flatshard.shard(chunk, stage=stage, group=mesh["dp"])
+        models.append(model)
+        optimizers.append(flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9))
+        pp_group = mesh["pp"].get_group()
+        stages.append(stage_class(model, index, 2 * per_rank, torch.device("cpu"), group=pp_group))
+    return mesh, models, optimizers, stages
+
+
+def train_pipelined(schedule: str, stages: list[int], steps: int = 3, batch: int = 4, micro: int = 2) -> dict:
+    """At each of ``stages``: the Llama as PP2 x DP(rest) under ``schedule``, clipped by the
+    chunks' optimizers or by torch's ``get_total_norm`` summed over pp (torchtitan's recipe),
+    in turn (``_clip``). Per stage: each step's loss and norm (the last pipeline
+    stage's mean over dp; None elsewhere), every param's largest difference from the one-process
+    run relative to its largest value, and the reductions each chunk issued per step."""
+    return {stage: _train(schedule, stage, steps, batch, micro) for stage in stages}
+
+
+def _train(schedule: str, stage: int, steps: int, batch: int, micro: int) -> dict:
+    mesh, models, optimizers, stages = mesh_and_chunks(schedule, stage)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    run = _schedule(schedule, stages, micro)
+    out: dict = {"loss": [], "norm": [], "reductions": []}
+    mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
+    for step, (idx, targets) in enumerate(batches(steps, batch)):
+        before = [_reductions(m) for m in models]
+        losses: list[torch.Tensor] = []
+        run.step(idx[mine], target=targets[mine], losses=losses)
+        out["reductions"].append([_reductions(m) - b for m, b in zip(models, before, strict=True)])
+        norm = _clip(step, models, optimizers, mesh)
+        for o in optimizers:
+            o.step()
+            o.zero_grad()
+        out["norm"].append(float(norm))
+        out["loss"].append(_mean_loss(losses, mesh, dp))
+    out["params"] = _full_params(models, stage)
+    return out
+
+
+def _clip(step: int, models, optimizers, mesh) -> torch.Tensor:
+    """Step 0: each chunk's optimizer clips (the first clips every local chunk, the others find
+    the norm within bounds); step 1: torchtitan's recipe; step 2: the first chunk's only."""
+    if step % 3 == 0:
+        norms = [o.clip_grad_norm_(MAX_NORM) for o in optimizers]
+        return norms[0]
+    if step % 3 == 1:
+        return _torchtitan_clip(models, mesh)
+    return optimizers[0].clip_grad_norm_(MAX_NORM)
+
+
+def _schedule(name: str, stages, micro: int):
+    cls = SCHEDULES[name]
+    return cls(stages if len(stages) > 1 else stages[0], micro, loss_fn=lm_loss)
+
+
+def _reductions(model) -> int:
+    calls = model.comm_stats.calls
+    return calls["reduce_scatter"] if model.flatshard_state.policy.shards_grads else calls["all_reduce"]
+
+
+def _torchtitan_clip(models, mesh) -> torch.Tensor:
+    """torchtitan's clip for FSDP2 + PP: the norm of every local grad (each a ShardedGrad's
+    global norm over dp), summed in squares over pp, then clip with it."""
+    params = [p for m in models for p in m.parameters()]
+    total = torch.nn.utils.get_total_norm([p.grad for p in params]) ** 2
+    dist.all_reduce(total, group=mesh["pp"].get_group())
+    total = total.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, MAX_NORM, total)
+    return total
+
+
+def _mean_loss(losses: list[torch.Tensor], mesh, dp: int) -> float | None:
+    if not losses:
+        return None
+    mean = torch.stack(losses).mean().detach()
+    dist.all_reduce(mean, group=mesh["dp"].get_group())
+    return mean.item() / dp
+
+
+def _full_params(models, stage: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for m in models:
+        with m.summon_full_params() if stage == 3 else contextlib.nullcontext():
+            out.update({n: p.detach().clone() for n, p in m.named_parameters()})
+    return out
+
+
+def torch_stage_reductions(micro: int) -> list[int]:
+    """Reductions per step of a chunk at stage 2 under torch's own ``PipelineStage`` (GPipe,
+    ``micro`` micro-batches): one per micro-batch, the cost flatshard's stage avoids."""
+    mesh, models, _, stages = mesh_and_chunks("gpipe", 2, stage_class=TorchPipelineStage)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    run = _schedule("gpipe", stages, micro)
+    idx, targets = batches(1, 8)[0]
+    mine = slice(dp_rank * 8 // dp, (dp_rank + 1) * 8 // dp)
+    before = _reductions(models[0])
+    run.step(idx[mine], target=targets[mine])
+    return [_reductions(models[0]) - before]
+
+
+def refusals() -> dict[str, str]:
+    """What PP2 x DP1 refuses, each message by case (``"no error"`` where nothing raised)."""
+    out = {}
+    for case, attempt in (
+        ("plain chunk", _plain_chunk),
+        ("chunk without optimizer", _without_optimizer),
+        ("loss scaling", _loss_scaling),
+        ("lr differs on one rank", _lr_differs),
+    ):
+        try:
+            attempt()
+            out[case] = "no error"
+        except (TypeError, ValueError, NotImplementedError) as e:
+            out[case] = f"{type(e).__name__}: {e}"
+    return out
+
+
+def _step_once(schedule: str, stages, micro: int = 2) -> None:
+    idx, targets = batches(1, 2)[0]
+    _schedule(schedule, stages, micro).step(idx, target=targets)
+
+
+def _plain_chunk() -> None:
+    PipelineStage(pipeline_chunk(Llama(CFG), 0, 2), 0, 2, torch.device("cpu"))
+
+
+def _without_optimizer() -> None:
+    _, models, optimizers, stages = mesh_and_chunks("interleaved", 1)
+    models[1].flatshard_state.optimizer = None  # (as if the second chunk's were never built)
+    _step_once("interleaved", stages)
+    optimizers[0].step()
+
+
+def _loss_scaling() -> None:
+    _, models, _, stages = mesh_and_chunks("gpipe", 0)
+    models[0].flatshard_state.optimizer = None
+    scaled = flatshard.DistributedOptimizer(models[0], torch.optim.SGD, lr=LR, loss_scale=1024.0)
+    _step_once("gpipe", stages)
+    scaled.step()
+
+
+def _lr_differs() -> None:
+    mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+    pp = mesh["pp"].get_local_rank()
+    chunk = flatshard.shard(pipeline_chunk(Llama(CFG), pp, 2), group=mesh["dp"])
+    flatshard.DistributedOptimizer(chunk, torch.optim.SGD, lr=LR * (1 + pp))
