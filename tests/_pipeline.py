@@ -57,23 +57,23 @@ def reference(steps: int, batch: int) -> dict:
     return out
 
 
-def mesh_and_chunks(schedule: str, stage: int, stage_class=PipelineStage):
-    """This rank's chunks of the Llama (one, or two for the interleaved schedule) sharded at
-    ``stage`` over dp, with their optimizers and pipeline stages, on a (pp, dp) = (2, rest) mesh."""
-    mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("pp", "dp"))
-    pp = mesh["pp"].get_local_rank()
+def mesh_and_chunks(schedule: str, stage: int, stage_class=PipelineStage, pp: int = 2):
+    """This rank's chunks of the Llama (one, or two for the interleaved schedules) sharded at
+    ``stage`` over dp, with their optimizers and pipeline stages, on a (pp, dp) mesh."""
+    mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh["pp"].get_local_rank()
     per_rank = 2 if schedule in ("interleaved", "zero-bubble") else 1
     torch.manual_seed(0)
     whole = Llama(CFG)
     models, optimizers, stages = [], [], []
     for k in range(per_rank):
-        index = pp + 2 * k  # (interleaved: rank 0 runs chunks 0 and 2, rank 1 chunks 1 and 3)
-        chunk = pipeline_chunk(whole, index, 2 * per_rank)
+        index = pp_rank + pp * k  # (interleaved: rank 0 runs chunks 0 and 2, rank 1 chunks 1 and 3)
+        chunk = pipeline_chunk(whole, index, pp * per_rank)
         model = flatshard.shard(chunk, stage=stage, group=mesh["dp"])
         models.append(model)
         optimizers.append(flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9))
         pp_group = mesh["pp"].get_group()
-        stages.append(stage_class(model, index, 2 * per_rank, torch.device("cpu"), group=pp_group))
+        stages.append(stage_class(model, index, pp * per_rank, torch.device("cpu"), group=pp_group))
     return mesh, models, optimizers, stages
 
 
@@ -168,10 +168,12 @@ def torch_stage_reductions(micro: int) -> list[int]:
     return [_reductions(models[0]) - before]
 
 
-def refusals() -> dict[str, str]:
-    """What PP2 x DP1 refuses, each message by case (``"no error"`` where nothing raised)."""
+def refusals(path: str) -> dict[str, str]:
+    """What PP2 x DP1 refuses, each message by case (``"no error"`` where nothing raised);
+    nothing may appear at ``path``."""
     out = {}
     for case, attempt in (
+        ("checkpoint of two chunks a rank", lambda: _save_interleaved(path)),
         ("plain chunk", _plain_chunk),
         ("chunk without optimizer", _without_optimizer),
         ("loss scaling", _loss_scaling),
@@ -194,6 +196,11 @@ def _plain_chunk() -> None:
     PipelineStage(pipeline_chunk(Llama(CFG), 0, 2), 0, 2, torch.device("cpu"))
 
 
+def _save_interleaved(path: str) -> None:
+    _, models, optimizers, _ = mesh_and_chunks("interleaved", 1)
+    flatshard.save_checkpoint(path, models[0], optimizers[0])
+
+
 def _without_optimizer() -> None:
     _, models, optimizers, stages = mesh_and_chunks("interleaved", 1)
     models[1].flatshard_state.optimizer = None  # (as if the second chunk's were never built)
@@ -214,3 +221,48 @@ def _lr_differs() -> None:
     pp = mesh["pp"].get_local_rank()
     chunk = flatshard.shard(pipeline_chunk(Llama(CFG), pp, 2), group=mesh["dp"])
     flatshard.DistributedOptimizer(chunk, torch.optim.SGD, lr=LR * (1 + pp))
+
+
+def checkpoint_leg(path: str, pp: int, stage: int, save: bool, steps: int = 2, batch: int = 4) -> dict:
+    """One leg of a run that moves between layouts: the Llama as PP ``pp`` x DP (the rest of
+    the ranks) under GPipe, or (``pp`` 1) whole over every rank, at ``stage`` with SGD and
+    momentum. ``save``: train ``steps`` steps, save to ``path``, train ``steps`` more; else load
+    ``path`` and train the next ``steps``. Returns the mean losses after the save point and the
+    full params at the save point (saving leg) or after loading."""
+    world = dist.get_world_size()
+    if pp > 1:
+        mesh, models, optimizers, stages = mesh_and_chunks("gpipe", stage, pp=pp)
+        model, opt, dp_rank, dp = models[0], optimizers[0], mesh["dp"].get_local_rank(), world // pp
+        run = _schedule("gpipe", stages, 2)
+    else:
+        torch.manual_seed(0)
+        model = flatshard.shard(Llama(CFG), stage=stage)
+        opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+        mesh, run, dp_rank, dp = None, None, dist.get_rank(), world
+    data = batches(2 * steps, batch)
+    mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
+
+    def train(steps_data) -> list[float | None]:
+        losses = []
+        for idx, targets in steps_data:
+            if run is not None:
+                out: list[torch.Tensor] = []
+                run.step(idx[mine], target=targets[mine], losses=out)
+                losses.append(_mean_loss(out, mesh, dp))
+            else:
+                loss = model(idx[mine], targets[mine])
+                loss.backward()
+                mean = loss.detach().clone()
+                dist.all_reduce(mean)
+                losses.append(mean.item() / dp)
+            opt.step()
+            opt.zero_grad()
+        return losses
+
+    if save:
+        train(data[:steps])
+        flatshard.save_checkpoint(path, model, opt)
+    else:
+        flatshard.load_checkpoint(path, model, opt)
+    at_save = _full_params([model], stage)
+    return {"losses": train(data[steps:]), "params": at_save}

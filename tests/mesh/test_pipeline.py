@@ -59,13 +59,16 @@ def test_reductions_per_step_do_not_grow_with_micro_batches():
     assert [f[0] - t[0] for f, t in zip(torch_four, torch_two, strict=True)] == [2 * n for n in ours]
 
 
-def test_what_does_not_compose_is_refused_by_name():
-    """A chunk flatshard did not wrap, a chunk without its DistributedOptimizer (the norm needs every
+def test_what_does_not_compose_is_refused_by_name(tmp_path):
+    """A checkpoint of a rank's two chunks (an interleaved schedule), a chunk flatshard did
+    not wrap, a chunk without its DistributedOptimizer (the norm needs every
     chunk's), loss scaling, and ranks whose learning rates differ; while the param groups'
     members, which differ between pipeline stages by design, are compared only among ranks
     holding the same params (the other cases built their optimizers without a complaint)."""
-    results = run_distributed(refusals, 2, timeout=120)
+    results = run_distributed(refusals, 2, str(tmp_path / "ckpt"), timeout=120)
+    assert not list(tmp_path.iterdir())  # (the refused save wrote nothing)
     for r in results:
+        assert r["checkpoint of two chunks a rank"].startswith("ValueError: save_checkpoint takes one model")
         assert r["plain chunk"].startswith("TypeError: flatshard's PipelineStage takes a chunk flatshard")
         assert r["chunk without optimizer"].startswith("ValueError: pipeline stage ")
         assert "has no DistributedOptimizer" in r["chunk without optimizer"]

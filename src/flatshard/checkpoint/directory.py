@@ -81,6 +81,7 @@ from torch import nn
 
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint import state as cs
+from flatshard.checkpoint.chunks import check_covered, check_one_chunk, whole_model
 from flatshard.checkpoint.destination import (
     FORMAT,
     MANIFEST,
@@ -241,16 +242,22 @@ def _save(path: str, model: nn.Module, optimizer, extra) -> None:
     layout holds, straight into its storage), **apply** (the optimizer's state through its
     own ``load_state_dict``) and **restore** (RNG states, ``extra``)."""
     world = job_world(model)  # (checkpoints are collective over every rank)
+    check_one_chunk(model, "save_checkpoint")
     with save_lock(path, world.rank == 0) as lock_problem:
         with span("save agree"):
             save_id = _agree_on_destination(world, path, lock_problem)
         with cs.param_dtype_shards(model):
             with span("save collect"):
                 state = _collect(model, optimizer, extra, world.rank)
+                params, aliases, groups = whole_model(
+                    world, cs.model_shapes(model), cs.model_aliases(model), state.get(cs.GROUPS)
+                )
+                if cs.GROUPS in state:
+                    state[cs.GROUPS] = groups
             with span("save write"):
                 partial = _write(state, path, save_id, world)
         with span("save seal"):
-            _seal(partial, path, save_id, world, (model, optimizer))
+            _seal(partial, path, save_id, world, (model, optimizer, params, aliases))
 
 
 def _collect(model: nn.Module, optimizer, extra, rank: int) -> dict[str, Any]:
@@ -277,11 +284,13 @@ def _write(state: dict[str, Any], path: str, save_id: str, world: World) -> str:
     return partial
 
 
-def _seal(partial: str, path: str, save_id: str, world: World, saved: tuple[nn.Module, Any]) -> None:
-    """Rank 0 writes the manifest and publishes ``partial`` as ``path``; the others wait."""
+def _seal(partial: str, path: str, save_id: str, world: World, saved: tuple) -> None:
+    """Rank 0 writes the manifest (of ``saved``: model, optimizer, the whole model's params and
+    tied names) and publishes ``partial`` as ``path``; the others wait."""
     if world.rank == 0:
         os.remove(os.path.join(partial, PARTIAL_MARK))
-        _write_manifest(partial, *saved, world.size, save_id)
+        model, optimizer, params, aliases = saved
+        _write_manifest(partial, model, optimizer, params, aliases, world.size, save_id)
         publish(partial, path)
     barrier(world)
 
@@ -300,7 +309,10 @@ def _agree_on_destination(world: World, path: str, lock_problem: str | None) -> 
     return save_id
 
 
-def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int, save_id: str) -> None:
+def _write_manifest(
+    directory: str, model: nn.Module, optimizer, params: dict, aliases: dict, world_size: int, save_id: str
+) -> None:
+    """``params`` and ``aliases``: the whole model's ([Note: checkpoints of pipeline chunks])."""
     files = {name: os.path.getsize(os.path.join(directory, name)) for name in sorted(os.listdir(directory))}
     with open(os.path.join(directory, pieces.METADATA), "rb") as f:  # small: the index of the pieces
         metadata_crc = zlib.crc32(f.read())
@@ -310,8 +322,8 @@ def _write_manifest(directory: str, model: nn.Module, optimizer, world_size: int
         "world_size": world_size,
         "stage": _stage(model),
         "optimizer": None if optimizer is None else type(optimizer).__name__,
-        "params": cs.model_shapes(model),
-        "aliases": cs.model_aliases(model),
+        "params": params,
+        "aliases": aliases,
         "files": files,
         "crc32": {pieces.METADATA: metadata_crc},
     }
@@ -418,6 +430,7 @@ def load_checkpoint(
     if not isinstance(restore_rng, bool):
         raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
     path, model = resolve_checkpoint(path), uncompiled(model)
+    check_one_chunk(model, "load_checkpoint")
     with HERE.during(Phase.LOAD):
         return _load(path, model, optimizer, extra, restore_rng)
 
@@ -444,7 +457,10 @@ def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> d
 def _check(path: str, model: nn.Module, world: World) -> dict[str, Any]:
     """The manifest, once its files, the model's shapes and every rank's choice of save agree."""
     manifest = read_manifest(path)
-    cs.check_shapes(model, {n: shape for n, (shape, _) in manifest["params"].items()}, f"checkpoint {path}")
+    shapes = {n: shape for n, (shape, _) in manifest["params"].items()}
+    cs.check_shapes(model, shapes, f"checkpoint {path}", others=True)
+    held = set(cs.model_shapes(model)) | set(cs.model_aliases(model))
+    check_covered(world, shapes, held, f"checkpoint {path}")  # (by some rank: pipeline chunks)
     # Every rank loads the same save (within the deadline, before DCP's own collectives).
     save_id = manifest.get("save_id")
     which = f"save {save_id}" if save_id else f"checkpoint {os.path.abspath(path)}"

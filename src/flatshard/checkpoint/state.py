@@ -42,18 +42,19 @@ def model_shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
 
 
 def check_shapes(
-    model: nn.Module, shapes: dict[str, Any], where: str, *, strict: bool = True
+    model: nn.Module, shapes: dict[str, Any], where: str, *, strict: bool = True, others: bool = False
 ) -> tuple[list[str], list[str]]:
     """Compare the model's params and persistent buffers with ``shapes`` (name -> shape) of
     ``where`` (a checkpoint, a weights file): a shape that differs is an error, and with
-    ``strict`` so is a missing or an unexpected name (further names of tied params are
-    neither). Returns ``(missing, unexpected)``."""
+    ``strict`` so is a missing or (unless ``others``: other ranks' models may hold it) an
+    unexpected name (further names of tied params are neither). Returns ``(missing,
+    unexpected)``."""
     mine, aliases = model_shapes(model), model_aliases(model)
     missing = [n for n in mine if n not in shapes]
     unexpected = [n for n in shapes if n not in mine and n not in aliases]
     if strict and missing:
         raise KeyError(f"{where} has no {missing[0]!r} ({len(missing)} of the model's tensors missing)")
-    if strict and unexpected:
+    if strict and unexpected and not others:
         raise KeyError(f"{where} has {unexpected[0]!r}, which the model does not ({len(unexpected)} such)")
     for name, (shape, _) in mine.items():
         if name in shapes and tuple(shapes[name]) != tuple(shape):
@@ -283,8 +284,8 @@ def _apply_groups(groups: list[dict], saved: list[dict], names: list[list[str]],
     if len(saved) != len(groups):
         raise ValueError(f"the checkpoint has {len(saved)} param groups, {whose} optimizer {len(groups)}")
     for index, (group, record, mine) in enumerate(zip(groups, saved, names, strict=True)):
-        if set(record["params"]) != set(mine):
-            moved = sorted(set(record["params"]) ^ set(mine))
+        moved = sorted(set(mine) - set(record["params"]))  # (the saved group may hold other chunks')
+        if moved:
             raise ValueError(f"param group {index} holds other params in the checkpoint: {moved[:3]} differ")
         group.update(record["hyper"])
 
