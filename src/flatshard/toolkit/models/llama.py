@@ -6,7 +6,8 @@ Llama plan: sequence-parallel norms and residual stream (so replicated norm weig
 ``Partial`` grads), column-wise q/k/v and w1/w3, row-wise wo and w2, the embeddings split
 row-wise and the output gathered to every rank. ``pipeline_chunk(model, i, n)`` cuts the
 ``i``-th of ``n`` pipeline stages out of it, as torchtitan does (its params keep their names
-in the whole model)."""
+in the whole model); ``context_parallel(model, cp_group)`` splits each sequence over the
+ranks of ``cp_group`` (``sequence_slice``), attention gathering keys and values."""
 
 from __future__ import annotations
 
@@ -33,12 +34,50 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.dim // cfg.n_heads
         self.wq, self.wk, self.wv, self.wo = (nn.Linear(cfg.dim, cfg.dim, bias=False) for _ in range(4))
+        self.cp_group: object = None  # (context_parallel: the ranks holding the other positions)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
         q, k, v = (w(x).view(b, t, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (the heads of this tp rank)
+        if self.cp_group is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (the heads of this tp rank)
+        else:
+            y = _context_parallel_attention(q, k, v, self.cp_group)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group) -> torch.Tensor:
+    """Causal attention of this rank's positions (the ``rank``-th contiguous slice of the
+    sequence) over every earlier position: keys and values gathered over ``group``."""
+    import torch.distributed as dist
+
+    t, rank = q.shape[2], dist.get_rank(group)
+    k_all, v_all = (_GatherSequence.apply(z, group) for z in (k, v))
+    positions = torch.arange(t, device=q.device) + rank * t
+    mask = torch.arange(k_all.shape[2], device=q.device)[None, :] <= positions[:, None]
+    return F.scaled_dot_product_attention(q, k_all, v_all, attn_mask=mask)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """Every rank's slice of dim 2 (the sequence), in rank order; backward sums the grads of
+    the whole over the ranks and keeps this rank's slice (the grad of what it computed)."""
+
+    @staticmethod
+    def forward(ctx, part: torch.Tensor, group) -> torch.Tensor:  # type: ignore[override]
+        import torch.distributed as dist
+
+        ctx.group, ctx.rank, ctx.t = group, dist.get_rank(group), part.shape[2]
+        parts = [torch.empty_like(part) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, part.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
+        import torch.distributed as dist
+
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad[:, :, ctx.rank * ctx.t : (ctx.rank + 1) * ctx.t], None
 
 
 class FeedForward(nn.Module):
@@ -157,3 +196,24 @@ def pipeline_chunk(model: Llama, stage_index: int, num_stages: int) -> LlamaChun
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """``Llama``'s loss from the last chunk's logits: the mean next-token cross-entropy."""
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def context_parallel(model: nn.Module, cp_group) -> nn.Module:
+    """``model``'s attention layers (of a ``Llama`` or its chunks) context-parallel over the
+    process group ``cp_group``: each rank then takes the ``rank``-th contiguous slice of every
+    sequence (``sequence_slice``), and its attention reads the keys and values of all
+    earlier positions from the other ranks (an all-gather, as Llama 3's context parallelism
+    does). Returns ``model``."""
+    for module in model.modules():
+        if isinstance(module, Attention):
+            module.cp_group = cp_group
+    return model
+
+
+def sequence_slice(tokens: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+    """The positions of ``tokens`` (batch, sequence) that context-parallel rank ``rank`` of
+    ``size`` holds: the ``rank``-th of ``size`` equal contiguous slices."""
+    t = tokens.shape[1]
+    if t % size:
+        raise ValueError(f"a sequence of {t} positions does not split into {size} equal slices")
+    return tokens[:, rank * t // size : (rank + 1) * t // size]
