@@ -99,15 +99,17 @@ def _train(
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
     out: dict = {"loss": [], "norm": []}
     for step, (idx, targets) in enumerate(batches(steps, batch * dp)):
+        ref_loss = lm_loss(reference, idx, targets)
+        ref_loss.backward()
         loss = _backward(model, idx, targets, dp_rank * batch, batch, accumulate)
+        if step == 0:  # (the full grads summoned, as DTensors of the params' placements)
+            out["grads"] = _summoned_grad_error(model, reference)
         if step % 2:
             norm = opt.clip_grad_norm_(max_norm)
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         opt.step()
         opt.zero_grad()
-        ref_loss = lm_loss(reference, idx, targets)
-        ref_loss.backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm)
         ref_opt.step()
         ref_opt.zero_grad()
@@ -116,7 +118,9 @@ def _train(
             dist.all_reduce(mean_loss, group=mesh["dp"].get_group())
         out["loss"].append(abs(mean_loss.item() / dp - ref_loss.item()) / ref_loss.item())
         out["norm"].append(abs(float(norm) - ref_norm.item()) / ref_norm.item())
-    ours, theirs = full_values(model), dict(reference.named_parameters())
+    with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
+        ours = full_values(model)
+    theirs = dict(reference.named_parameters())
     out["params"] = {n: ((ours[n] - theirs[n]).abs().max() / theirs[n].abs().max()).item() for n in ours}
     out["ref_norm"] = ref_norm.item()
     out["dtensors"] = sum(isinstance(p, DTensor) for p in model.parameters())
@@ -124,6 +128,19 @@ def _train(
     out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     out["main pieces"] = (sum(mains), len(mains))  # (seeded with the fp32 values, all)
     return out
+
+
+def _summoned_grad_error(model, reference) -> float:
+    """The largest difference between a grad of ``summon_full_params(with_grads=True)`` (made
+    full over tp) and the one-process grad, relative to the latter's largest element."""
+    theirs = dict(reference.named_parameters())
+    with model.summon_full_params(with_grads=True):
+        grads = {
+            n: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad).float()
+            for n, p in model.named_parameters()
+        }
+    errors = [(g - theirs[n].grad).abs().max() / theirs[n].grad.abs().max() for n, g in grads.items()]
+    return max(e.item() for e in errors)
 
 
 def after_to_and_load(stage: int) -> dict:
@@ -142,7 +159,9 @@ def after_to_and_load(stage: int) -> dict:
         if step == 1:
             model.to(torch.float32)
             model.to("cpu")
-            model.load_state_dict({k: v.detach() * 0.5 for k, v in model.state_dict().items()})
+            with model.summon_full_params() if stage == 3 else contextlib.nullcontext():  # (stage 3: shards)
+                halved = {k: v.detach() * 0.5 for k, v in model.state_dict().items()}
+            model.load_state_dict(halved)
             reference.load_state_dict({k: v.detach() * 0.5 for k, v in reference.state_dict().items()})
         loss, ref_loss = model(idx, targets), reference(idx, targets)
         for value, optimizer in ((loss, opt), (ref_loss, ref_opt)):
@@ -150,7 +169,8 @@ def after_to_and_load(stage: int) -> dict:
             optimizer.step()
             optimizer.zero_grad()
         losses.append(abs(loss.item() - ref_loss.item()) / ref_loss.item())
-    ours = full_values(model)
+    with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
+        ours = full_values(model)
     return {
         "loss": losses,
         "params": max((ours[n] - p).abs().max().item() for n, p in reference.named_parameters()),
@@ -198,7 +218,8 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
         flatshard.save_checkpoint(path, model, opt)
     else:
         flatshard.load_checkpoint(path, model, opt)
-    at_save_point = full_values(model)
+    with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
+        at_save_point = full_values(model)
     losses = []
     for idx, targets in data[steps:]:
         loss = model(idx[mine], targets[mine])
@@ -212,8 +233,8 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
     return {"losses": losses, "params": at_save_point}
 
 
-def gathered_state(path: str) -> dict:
-    """An HF Llama at TP2 x DP1, stage 1, bf16 params with fp32 main params, after one
+def gathered_state(path: str, stage: int) -> dict:
+    """An HF Llama at TP2 x DP1, ``stage``, bf16 params with fp32 main params, after one
     step: ``full_state_dict()`` and ``save_pretrained(path)``. Rank 0 returns the state
     dict, whether each entry rounds to the bf16 param gathered in full, and the model read
     back by ``from_pretrained``."""
@@ -222,13 +243,14 @@ def gathered_state(path: str) -> dict:
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = apply_tensor_parallel_plan(hf_llama(), mesh["tp"])
     bf16 = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
-    model = flatshard.shard(model, stage=1, group=mesh["dp"], mixed_precision=bf16)
+    model = flatshard.shard(model, stage=stage, group=mesh["dp"], mixed_precision=bf16)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2)
     idx, targets = batches(1, 2)[0]
     lm_loss(model, idx, targets).backward()
     opt.step()
     state = model.full_state_dict()
-    params = full_values(model)  # (the bf16 params, gathered in full)
+    with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
+        params = full_values(model)  # (the bf16 params, gathered in full)
     flatshard.save_pretrained(model, path)
     if dist.get_rank() != 0:
         return {}

@@ -27,7 +27,9 @@ def saved(tmp_path_factory):
 
 
 @pytest.mark.parametrize(
-    ("world", "tp", "stage"), [(4, 0, 2), (2, 2, 0), (1, 0, 0)], ids=["tp1xdp4", "tp2xdp1", "one-process"]
+    ("world", "tp", "stage"),
+    [(4, 0, 2), (2, 2, 0), (1, 0, 0), (4, 2, 3)],
+    ids=["tp1xdp4", "tp2xdp1", "one-process", "tp2xdp2-stage3"],
 )
 def test_a_tensor_parallel_checkpoint_loads_at_another_layout_and_continues(saved, world, tp, stage):
     path, before = saved
@@ -48,12 +50,13 @@ def test_a_tensor_parallel_checkpoint_exports_whole_tensors(saved, tmp_path):
         assert torch.equal(exported[name], value), name
 
 
-def test_full_state_dict_and_save_pretrained_of_a_tensor_parallel_model_hold_whole_fp32_values(tmp_path):
+@pytest.mark.parametrize("stage", [1, 3])
+def test_full_state_dict_and_save_pretrained_of_a_tp_model_hold_whole_fp32_values(tmp_path, stage):
     """Before, ``full_state_dict()`` gave DTensors (fp32) or failed viewing a tp shard's
     main params in the full param's shape (bf16). Now every entry is a plain tensor of the
     full shape, a trained param's is its fp32 main params gathered over tp (which round to
     the bf16 param exactly), and ``save_pretrained`` writes what ``from_pretrained`` reads."""
-    r = run_distributed(gathered_state, 2, str(tmp_path / "pretrained"), timeout=240)[0]
+    r = run_distributed(gathered_state, 2, str(tmp_path / "pretrained"), stage, timeout=240)[0]
     assert r["rounds"] and all(r["rounds"].values()), r["rounds"]
     for name, value in r["state"].items():
         assert type(value) is torch.Tensor, name

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from _early import Early
+from _early import WAIT_S, Early
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,9 @@ def _mypy(*args: str) -> subprocess.CompletedProcess | None:
     if importlib.util.find_spec("mypy") is None:
         return None  # (in the dev extras: CI has it)
     command = [sys.executable, "-m", "mypy", "--no-incremental", *args]
-    return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    # (about a minute alone; a hang guard, not a budget: two CI runs beside other work on the
+    # same 2 cores took over 600 s, so it waits as long as the early job's own wait)
+    return subprocess.run(command, capture_output=True, text=True, timeout=WAIT_S - 60, cwd=ROOT)
 
 
 MYPY = Early(__file__, lambda: _mypy(str(ROOT / "src")))  # ([Note: early starts] in _early.py)

@@ -449,8 +449,6 @@ def _plan(args: argparse.Namespace) -> int:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
         title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
         print(plan.format_plan(plans, title))
-        if args.tp > 1:
-            print("(stage 3 with tensor parallelism: not yet offered by flatshard, docs/parallelism.md)")
         if args.model is not None:
             print(units)
     return 0

@@ -141,7 +141,7 @@ class FlatBuffer:
                 f"param {slot.name!r} has a .grad; call zero_grad(set_to_none=True) before stage 3"
             )
         if not param.is_meta:
-            self.load_param(slot, param)
+            self.load_param(slot, local(param))
         param.main_grad = None
 
     def load_param(self, slot, values: torch.Tensor) -> None:

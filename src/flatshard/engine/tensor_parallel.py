@@ -46,9 +46,15 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   piece of a local shard is a set of runs of it (``global_runs``: a ``Shard(d)`` shard is
 #   contiguous in the full param over its dims from ``d`` on), so a checkpoint written at any
 #   tp x dp layout is the one the plain model writes, and loads at any other layout.
-# * **Refused for now, by name** (``refuse``): stage 3 (its gathers and placeholders are of
-#   plain tensors), ``whole_params`` (Muon's whole matrix is split by tp), loading weight
-#   files (``load_weights``, ``load_pretrained``: full tensors into local shards), the
+# * **Stage 3 gathers local shards.** A stage-3 unit gathers each DTensor param's local shard
+#   over dp, and the param's ``_local_tensor`` is rebound to its view of the full bucket while
+#   the unit is gathered and to its NaN placeholder between (``rebind``: the DTensor object,
+#   its class and its placements stay); a state dict loaded at stage 3 gives each rank its
+#   local shard of every value (``local_values``), and ``summon_full_params(with_grads=True)``
+#   gives DTensor grads of the params' placements (``as_grad_of``).
+# * **Refused for now, by name** (``refuse``): a meta-device model (its placeholders would
+#   take the full shape), ``whole_params`` (Muon's whole matrix is split
+#   by tp), loading weight files (``load_weights``, ``load_pretrained``: full tensors into local shards), the
 #   hybrid and owner optimizers (they size params by their global shape).
 #   ``full_state_dict()`` and ``save_pretrained`` gather each param full over tp (``full_value``,
 #   on every rank), from the fp32 main params where the optimizer keeps them.
@@ -189,6 +195,29 @@ def global_runs(param: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, i
         runs.append((outer * full[dim] * after + base + inner, start, end))
         start = end
     return runs
+
+
+def as_grad_of(param: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``values`` (local shape) as a ``.grad`` of ``param``: a DTensor's grad is a DTensor
+    of its placements, over ``values``."""
+    if not isinstance(param, DTensor):
+        return values
+    return DTensor.from_local(
+        values, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+    )
+
+
+def local_values(param: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+    """What this rank's local shard of ``param`` holds of ``value`` (a state dict's entry for
+    it: a DTensor, or the full tensor); ``value`` itself for a plain param."""
+    if not isinstance(param, DTensor):
+        return value
+    if isinstance(value, DTensor):
+        return value.redistribute(param.device_mesh, param.placements).to_local()
+    shape = local_shape(param)
+    flat = value.reshape(-1)
+    runs = global_runs(param, 0, shape.numel())
+    return torch.cat([flat[start : start + hi - lo] for start, lo, hi in runs]).view(shape)
 
 
 def _check_param(name: str, p: DTensor) -> None:

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from flatshard.engine.buffer import FlatBuffer, refill, release
+from flatshard.engine.tensor_parallel import local_shape
 from flatshard.planner.layout import BucketLayout
 from flatshard.units.placeholder import hide, show
 
@@ -51,8 +52,9 @@ class FullBuckets:
             pointers = {}
             for slot in bucket.params:
                 param = params[slot.index]
-                view = full[slot.start - bucket.start : slot.end - bucket.start].view(param.shape)
-                pointers[slot.index] = (param, view, nan.expand(param.shape))
+                shape = local_shape(param)  # (a DTensor's local shard)
+                view = full[slot.start - bucket.start : slot.end - bucket.start].view(shape)
+                pointers[slot.index] = (param, view, nan.expand(shape))
             self._full.append(release(full))
             self._pointers.append(pointers)
             self.point(bucket, full=False)

@@ -29,6 +29,7 @@ import torch
 from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Grads
+from flatshard.engine.tensor_parallel import as_grad_of, local, local_shape, local_values
 from flatshard.units.unshard import Part, Unsharder
 
 
@@ -131,8 +132,8 @@ def _write_back(parts: list[Part]) -> None:
                     full[slot.start - bucket.start : slot.end - bucket.start],
                     part.params[slot.index],
                 )
-                if param.data_ptr() != view.data_ptr():
-                    view.copy_(param.data.reshape(-1))
+                if local(param).data_ptr() != view.data_ptr():
+                    view.copy_(local(param).reshape(-1))
             buffer.param_shard(bucket).copy_(buffer.own_part(full, bucket))
 
 
@@ -162,8 +163,10 @@ def _gather_grads(parts: list[Part], grads: Grads | None) -> list[torch.Tensor |
     for part, full in zip(parts, out, strict=True):
         for slot in part.bucket.params:
             param = part.params[slot.index]
-            grad = full[slot.start - part.bucket.start : slot.end - part.bucket.start].view(param.shape)
-            param.grad = grad.to(param.dtype)
+            grad = full[slot.start - part.bucket.start : slot.end - part.bucket.start].view(
+                local_shape(param)
+            )
+            param.grad = as_grad_of(param, grad.to(param.dtype))
     return previous
 
 
@@ -243,7 +246,8 @@ def load_full_state_dict(
                     f"load_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict, "
                     f"{tuple(param.shape)} in the model"
                 )
-            buffer.load_param(slot, value)  # (main params, if they hold the shard, at full precision)
+            # (main params, if they hold the shard, at full precision; a DTensor's local shard)
+            buffer.load_param(slot, local_values(param, value))
     result = plain_load(rest, strict=False)
     missing += [k for k in result.missing_keys if k not in by_key]
     if strict and (missing or result.unexpected_keys):

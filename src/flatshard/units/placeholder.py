@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from flatshard.engine.tensor_parallel import local, rebind
 from flatshard.errors import ShardedParamError
 
 Tensor = torch.Tensor
@@ -128,8 +129,9 @@ def label(param: nn.Parameter, where: str) -> None:
 
 
 def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
-    """Make ``param`` a ``Placeholder`` over ``placeholder``."""
-    param.data = placeholder
+    """Make ``param`` a ``Placeholder`` over ``placeholder`` (a DTensor param: its local
+    shard the placeholder, its class kept)."""
+    rebind(param, placeholder)
     if type(param) is nn.Parameter:
         param.__class__ = Placeholder
 
@@ -139,7 +141,7 @@ def show(param: nn.Parameter, view: torch.Tensor, placeholder: torch.Tensor) -> 
     ``.data`` rebound while sharded (neither placeholder nor view) would be overwritten
     here without a word: refused instead."""
     with torch._C.DisableTorchFunctionSubclass():
-        where = param.data_ptr()
+        where = local(param).data_ptr()
     if where not in (placeholder.data_ptr(), view.data_ptr()):
         name = getattr(param, "sharded_where", "a stage-3 param")
         raise ShardedParamError(
@@ -150,4 +152,4 @@ def show(param: nn.Parameter, view: torch.Tensor, placeholder: torch.Tensor) -> 
         )
     if type(param) is Placeholder:
         setattr(param, "__class__", nn.Parameter)  # noqa: B010 (mypy narrows the class otherwise)
-    param.data = view
+    rebind(param, view)

@@ -177,8 +177,9 @@ def _check_tensor_parallel(module: nn.Module, policy: StagePolicy, kept_whole: f
     name = next((n for n, p in module.named_parameters() if is_distributed(p)), None)
     if name is None:
         return
-    if policy.gathers_units:
-        raise refuse("stage 3", name, "shard a tensor-parallel model at stage 0, 1 or 2")
+    meta = next((n for n, p in module.named_parameters() if is_distributed(p) and p.is_meta), None)
+    if meta is not None:
+        raise refuse("a meta-device model", meta, "build the model on a device before parallelize_module")
     whole = [n for n, p in module.named_parameters() if n in kept_whole and is_distributed(p)]
     if whole:
         raise refuse("whole_params", whole[0], "leave tensor-parallel params out of whole_params")

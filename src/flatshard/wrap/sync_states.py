@@ -26,7 +26,7 @@ def broadcast_before_binding(
     worlds: tuple[World, World],
 ) -> None:
     """Stage 3 ``sync_module_states``: rank 0's full values, before each rank keeps its shards."""
-    pairs = [(p.data, w) for part in parts for _, p in part.named for w in (part.world, part.replicate)]
+    pairs = [(local(p), w) for part in parts for _, p in part.named for w in (part.world, part.replicate)]
     in_parts = {id(p) for part in parts for _, p in part.named}
     pairs += [(t, w) for t in unsharded_tensors(module) if id(t) not in in_parts for w in worlds]
     pairs += [(t, w) for t in originals.values() for w in worlds]
