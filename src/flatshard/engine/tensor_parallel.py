@@ -53,8 +53,8 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   local shard of every value (``local_values``), and ``summon_full_params(with_grads=True)``
 #   gives DTensor grads of the params' placements (``as_grad_of``).
 # * **Refused for now, by name** (``refuse``): a meta-device model (its placeholders would
-#   take the full shape), ``whole_params`` (Muon's whole matrix is split
-#   by tp), loading weight files (``load_weights``, ``load_pretrained``: full tensors into local shards), the
+#   take the full shape), ``whole_params`` (Muon's whole matrix is split by tp), loading
+#   weight files (``load_weights``, ``load_pretrained``: full tensors into local shards), the
 #   hybrid and owner optimizers (they size params by their global shape).
 #   ``full_state_dict()`` and ``save_pretrained`` gather each param full over tp (``full_value``,
 #   on every rank), from the fp32 main params where the optimizer keeps them.
