@@ -145,6 +145,19 @@ def test_plan_with_tensor_parallelism_is_the_plan_of_one_tp_ranks_part():
     assert refused.returncode == 2 and "--tp applies to --params only" in refused.stderr
 
 
+def test_plan_with_pipeline_stages_is_the_plan_of_one_stage_of_a_tp_ranks_part():
+    """``--tp 2 --pp 4 -n 8`` plans what each of 64 ranks holds: a quarter (its pipeline
+    stage) of half of every param (its tp slice), sharded over the 8 data-parallel ranks."""
+    ours = json.loads(cli("plan", "--params", "8e9", "-n", "8", "--tp", "2", "--pp", "4", "--json").stdout)
+    assert ours["stages"] == json.loads(cli("plan", "--params", "1e9", "-n", "8", "--json").stdout)["stages"]
+    uneven = json.loads(cli("plan", "--params", "7", "-n", "1", "--pp", "2", "--json").stdout)["stages"]
+    assert uneven == json.loads(cli("plan", "--params", "4", "-n", "1", "--json").stdout)["stages"]
+    table = cli("plan", "--params", "8e9", "-n", "8", "--tp", "2", "--pp", "4").stdout
+    assert "split over 2 tensor-parallel ranks in 4 pipeline stages, 8 ranks" in table, table
+    refused = cli("plan", "--model", "tiny", "--pp", "2")
+    assert refused.returncode == 2 and "--pp applies to --params only" in refused.stderr
+
+
 def test_plan_help_lists_every_option():
     assert not missing_from_help(
         "plan",

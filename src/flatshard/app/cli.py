@@ -296,6 +296,13 @@ def _add_plan(sub) -> None:
         help="with --params: tensor-parallel ranks every param is split over (each holds 1/TP "
         "of it); --world-size is then the data-parallel ranks (default 1)",
     )
+    plan.add_argument(
+        "--pp",
+        type=_positive_int,
+        default=1,
+        help="with --params: pipeline stages the params are cut into evenly (each rank holds one "
+        "stage's, after the --tp split; default 1)",
+    )
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
     plan.add_argument("--json", action="store_true", help='print {"stages": {"0": {...}, ...}} instead')
 
@@ -408,8 +415,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     precision = OptimizerPrecision(plan.DTYPES[args.main_dtype], plan.DTYPES[args.state_dtype])
     if args.params is not None:
+        per_tp_rank = (args.params + args.tp - 1) // args.tp  # (the larger part of an uneven split)
         plans = plan.plan_from_count(
-            -(-args.params // args.tp),  # (a tp rank's part, the larger one of an uneven split)
+            (per_tp_rank + args.pp - 1) // args.pp,  # (one pipeline stage's part of it)
             world_size=args.world_size,
             param_dtype=args.param_dtype,
             grad_dtype=args.grad_dtype or "fp32",
@@ -419,8 +427,13 @@ def _plan(args: argparse.Namespace) -> int:
         title = f"{args.params:,} params" + (
             f" split over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
         )
+        title += f" in {args.pp} pipeline stages" if args.pp > 1 else ""
     else:
-        for option, given in (("--grad-dtype", args.grad_dtype is not None), ("--tp", args.tp > 1)):
+        for option, given in (
+            ("--grad-dtype", args.grad_dtype is not None),
+            ("--tp", args.tp > 1),
+            ("--pp", args.pp > 1),
+        ):
             if given:
                 print(f"flatshard plan: {option} applies to --params only", file=sys.stderr)
                 return 2
