@@ -57,7 +57,7 @@ def reference(steps: int, batch: int) -> dict:
     return out
 
 
-def mesh_and_chunks(schedule: str, stage: int, stage_class=PipelineStage, pp: int = 2):
+def mesh_and_chunks(schedule: str, stage: int, stage_class=PipelineStage, pp: int = 2, **opt_kwargs):
     """This rank's chunks of the Llama (one, or two for the interleaved schedules) sharded at
     ``stage`` over dp, with their optimizers and pipeline stages, on a (pp, dp) mesh."""
     mesh = init_device_mesh("cpu", (pp, dist.get_world_size() // pp), mesh_dim_names=("pp", "dp"))
@@ -71,7 +71,8 @@ def mesh_and_chunks(schedule: str, stage: int, stage_class=PipelineStage, pp: in
         chunk = pipeline_chunk(whole, index, pp * per_rank)
         model = flatshard.shard(chunk, stage=stage, group=mesh["dp"])
         models.append(model)
-        optimizers.append(flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9))
+        opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9, **opt_kwargs)
+        optimizers.append(opt)
         pp_group = mesh["pp"].get_group()
         stages.append(stage_class(model, index, pp * per_rank, torch.device("cpu"), group=pp_group))
     return mesh, models, optimizers, stages
@@ -266,3 +267,32 @@ def checkpoint_leg(path: str, pp: int, stage: int, save: bool, steps: int = 2, b
         flatshard.load_checkpoint(path, model, opt)
     at_save = _full_params([model], stage)
     return {"losses": train(data[steps:]), "params": at_save}
+
+
+def planned_and_measured(stage: int, micro: int) -> dict:
+    """This rank's chunk at PP2 x DP2 under GPipe with ``micro`` micro-batches: what
+    ``plan_from_specs`` says of it (memory by role, bytes sent a step) and what a steady step
+    measures (``memory_report``; the bytes of the schedule's step and the optimizer's, no norm
+    taken: ``nonfinite="step"``, no clipping)."""
+    from flatshard.planner.plan import plan_from_specs
+    from flatshard.planner.stage import DEFAULT_BUCKET_SIZE
+    from flatshard.wrap.specs import model_specs
+
+    mesh, models, optimizers, stages = mesh_and_chunks("gpipe", stage, nonfinite="step")
+    model, opt, run = models[0], optimizers[0], _schedule("gpipe", stages, micro)
+    dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
+    for idx, targets in batches(2, 4 * micro):  # (the second step is a steady one)
+        opt.zero_grad()
+        model.comm_stats.reset()
+        mine = slice(dp_rank * 2 * micro, (dp_rank + 1) * 2 * micro)
+        run.step(idx[mine], target=targets[mine])
+        opt.step()
+    sent = model.comm_stats.total_wire_bytes
+    model.wait_for_params()
+    with torch.device("meta"):
+        chunk = pipeline_chunk(Llama(CFG), mesh["pp"].get_local_rank(), 2)
+    specs = model_specs(chunk)
+    plan = plan_from_specs(
+        specs, world_size=dp, bucket_size=DEFAULT_BUCKET_SIZE, optimizer="sgd-momentum", rank=dp_rank
+    )[stage]
+    return {"plan": plan.as_dict(), "measured": flatshard.memory_report(model, opt).as_dict(), "sent": sent}

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from _pipeline import reference, refusals, torch_stage_reductions, train_pipelined
+from _pipeline import planned_and_measured, reference, refusals, torch_stage_reductions, train_pipelined
 from flatshard.toolkit.testing import run_distributed
 
 # fp32 throughout. Against the one-process run the pipelined one sums each grad over 2
@@ -57,6 +57,18 @@ def test_reductions_per_step_do_not_grow_with_micro_batches():
     torch_two = run_distributed(torch_stage_reductions, 4, 2, timeout=300)
     torch_four = run_distributed(torch_stage_reductions, 4, 4, timeout=300)
     assert [f[0] - t[0] for f, t in zip(torch_four, torch_two, strict=True)] == [2 * n for n in ours]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_each_chunks_memory_and_bytes_a_step_equal_the_plan_of_its_params(stage):
+    """Each chunk's memory_report equals plan_from_specs of the chunk's params over dp, role by
+    role, and the bytes it sends in a steady step (4 micro-batches) equal the plan's: one
+    backward's reduction and one step's gathers, the ring theory over dp, whatever the number
+    of micro-batches. (Stage 3 gathers once per micro-batch: not the plan's one step.)"""
+    for r in run_distributed(planned_and_measured, 4, stage, 4, timeout=300):
+        for role in ("params", "grads", "main_params", "optimizer_state"):
+            assert r["plan"][role] == r["measured"][role], (role, r["plan"], r["measured"])
+        assert r["plan"]["comm_bytes_per_step"] == r["sent"], (r["plan"], r["sent"])
 
 
 def test_what_does_not_compose_is_refused_by_name(tmp_path):
