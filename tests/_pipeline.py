@@ -21,7 +21,7 @@ from torch.distributed.pipelining import (
 
 import flatshard
 from flatshard.hosts.pipelining import PipelineStage
-from flatshard.toolkit.models.llama import Llama, LlamaConfig, lm_loss, pipeline_chunk
+from flatshard.toolkit.models.llama import Llama, LlamaConfig, lm_loss, parallelize, pipeline_chunk
 
 CFG = LlamaConfig(n_layers=4)
 LR, MAX_NORM = 0.5, 0.5
@@ -296,3 +296,38 @@ def planned_and_measured(stage: int, micro: int) -> dict:
         specs, world_size=dp, bucket_size=DEFAULT_BUCKET_SIZE, optimizer="sgd-momentum", rank=dp_rank
     )[stage]
     return {"plan": plan.as_dict(), "measured": flatshard.memory_report(model, opt).as_dict(), "sent": sent}
+
+
+def train_tp_pp(stages: list[int], steps: int = 3, batch: int = 4) -> dict:
+    """At each of ``stages``: each pipeline chunk of the Llama made tensor-parallel by
+    torchtitan's plan, on a (pp, dp, tp) = (2, 1, 2) mesh, under 1F1B with 2 micro-batches,
+    clipped by the optimizer. Per stage: each step's loss (last pipeline stage) and norm, and
+    the chunk's params gathered in full over tp."""
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp = mesh["pp"].get_local_rank()
+    out = {}
+    for stage in stages:
+        torch.manual_seed(0)
+        chunk = parallelize(pipeline_chunk(Llama(CFG), pp, 2), mesh["tp"])
+        model = flatshard.shard(chunk, stage=stage, group=mesh["dp"])
+        opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+        pipeline = PipelineStage(model, pp, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+        run = Schedule1F1B(pipeline, 2, loss_fn=lm_loss)
+        r: dict = {"loss": [], "norm": []}
+        for idx, targets in batches(steps, batch):
+            losses: list[torch.Tensor] = []
+            run.step(idx, target=targets, losses=losses)
+            r["norm"].append(opt.clip_grad_norm_(MAX_NORM).item())
+            opt.step()
+            opt.zero_grad()
+            r["loss"].append(torch.stack(losses).mean().item() if losses else None)
+        with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
+            r["params"] = {
+                n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in model.named_parameters()
+            }
+        r["dtensors"] = sum(isinstance(p, DTensor) for p in model.parameters())
+        out[stage] = r
+    return out

@@ -7,7 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from _pipeline import planned_and_measured, reference, refusals, torch_stage_reductions, train_pipelined
+from _pipeline import (
+    planned_and_measured,
+    reference,
+    refusals,
+    torch_stage_reductions,
+    train_pipelined,
+    train_tp_pp,
+)
 from flatshard.toolkit.testing import run_distributed
 
 # fp32 throughout. Against the one-process run the pipelined one sums each grad over 2
@@ -57,6 +64,26 @@ def test_reductions_per_step_do_not_grow_with_micro_batches():
     torch_two = run_distributed(torch_stage_reductions, 4, 2, timeout=300)
     torch_four = run_distributed(torch_stage_reductions, 4, 4, timeout=300)
     assert [f[0] - t[0] for f, t in zip(torch_four, torch_two, strict=True)] == [2 * n for n in ours]
+
+
+def test_tensor_parallel_pipeline_chunks_follow_one_process_at_every_stage():
+    """PP2 x TP2: each chunk made tensor-parallel (every param a DTensor, the residual stream
+    each tp rank's slice of the sequence between chunks), then sharded by flatshard: losses,
+    the optimizer's norm (summed over tp, then over pp) and every param after 3 clipped steps
+    follow the one-process run at stages 0-3 (the RELATIVE bound)."""
+    expected = reference(STEPS, BATCH)
+    results = run_distributed(train_tp_pp, 4, [0, 1, 2, 3], timeout=300)
+    for rank, by_stage in enumerate(results):
+        for stage, r in by_stage.items():
+            assert r["dtensors"] == len(r["params"]) > 0, (rank, stage)
+            norms = [abs(a - b) / b for a, b in zip(r["norm"], expected["norm"], strict=True)]
+            assert max(norms) < RELATIVE, (rank, stage, r["norm"], expected["norm"])
+            if rank >= 2:
+                losses = [abs(a - b) / b for a, b in zip(r["loss"], expected["loss"], strict=True)]
+                assert max(losses) < RELATIVE, (rank, stage, r["loss"], expected["loss"])
+            for name, value in r["params"].items():
+                want = expected["params"][name]
+                assert ((value - want).abs().max() / want.abs().max()).item() < RELATIVE, (rank, stage, name)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])

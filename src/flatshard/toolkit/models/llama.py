@@ -122,10 +122,11 @@ class Llama(nn.Module):
         return lm_loss(self.output(self.norm(x)), targets)
 
 
-def parallelize(model: Llama, tp_mesh) -> Llama:
-    """``model`` tensor-parallel over the 1-D ``tp_mesh`` by torchtitan's Llama plan (the
-    sequence length must divide by the mesh's size; every rank must have built the model
-    from the same seed). Returns ``model``."""
+def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
+    """``model`` (a ``Llama`` or a ``LlamaChunk``) tensor-parallel over the 1-D ``tp_mesh`` by
+    torchtitan's Llama plan (the sequence length must divide by the mesh's size; every rank
+    must have built the model from the same seed). Between blocks, and between pipeline
+    chunks, the residual stream is each tp rank's slice of the sequence. Returns ``model``."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -141,7 +142,7 @@ def parallelize(model: Llama, tp_mesh) -> Llama:
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
-    parallelize_module(model, tp_mesh, root)
+    parallelize_module(model, tp_mesh, {k: v for k, v in root.items() if getattr(model, k) is not None})
     block = {
         "attention_norm": SequenceParallel(),
         "attention": PrepareModuleInput(input_layouts=sequence, desired_input_layouts=(Replicate(),)),
@@ -155,7 +156,8 @@ def parallelize(model: Llama, tp_mesh) -> Llama:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
-    for layer in model.layers:
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for layer in layers:
         parallelize_module(layer, tp_mesh, block)
     return model
 
