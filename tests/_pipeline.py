@@ -199,7 +199,7 @@ def _plain_chunk() -> None:
 
 def _save_interleaved(path: str) -> None:
     _, models, optimizers, _ = mesh_and_chunks("interleaved", 1)
-    flatshard.save_checkpoint(path, models[0], optimizers[0])
+    flatshard.save_checkpoint(path, models[0], optimizers[0])  # (the rank's other chunk left out)
 
 
 def _without_optimizer() -> None:
@@ -224,21 +224,24 @@ def _lr_differs() -> None:
     flatshard.DistributedOptimizer(chunk, torch.optim.SGD, lr=LR * (1 + pp))
 
 
-def checkpoint_leg(path: str, pp: int, stage: int, save: bool, steps: int = 2, batch: int = 4) -> dict:
+def checkpoint_leg(
+    path: str, pp: int, stage: int, save: bool, steps: int = 2, batch: int = 4, schedule: str = "gpipe"
+) -> dict:
     """One leg of a run that moves between layouts: the Llama as PP ``pp`` x DP (the rest of
-    the ranks) under GPipe, or (``pp`` 1) whole over every rank, at ``stage`` with SGD and
-    momentum. ``save``: train ``steps`` steps, save to ``path``, train ``steps`` more; else load
-    ``path`` and train the next ``steps``. Returns the mean losses after the save point and the
-    full params at the save point (saving leg) or after loading."""
+    the ranks) under ``schedule`` (interleaved: two chunks a rank, saved and loaded as lists),
+    or (``pp`` 1) whole over every rank, at ``stage`` with SGD and momentum. ``save``: train
+    ``steps`` steps, save to ``path``, train ``steps`` more; else load ``path`` and train the next
+    ``steps``. Returns the mean losses after the save point and the full params at the save
+    point (saving leg) or after loading."""
     world = dist.get_world_size()
     if pp > 1:
-        mesh, models, optimizers, stages = mesh_and_chunks("gpipe", stage, pp=pp)
-        model, opt, dp_rank, dp = models[0], optimizers[0], mesh["dp"].get_local_rank(), world // pp
-        run = _schedule("gpipe", stages, 2)
+        mesh, models, optimizers, stages = mesh_and_chunks(schedule, stage, pp=pp)
+        dp_rank, dp = mesh["dp"].get_local_rank(), world // pp
+        run = _schedule(schedule, stages, 2)
     else:
         torch.manual_seed(0)
-        model = flatshard.shard(Llama(CFG), stage=stage)
-        opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=LR, momentum=0.9)
+        models = [flatshard.shard(Llama(CFG), stage=stage)]
+        optimizers = [flatshard.DistributedOptimizer(models[0], torch.optim.SGD, lr=LR, momentum=0.9)]
         mesh, run, dp_rank, dp = None, None, dist.get_rank(), world
     data = batches(2 * steps, batch)
     mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
@@ -251,21 +254,23 @@ def checkpoint_leg(path: str, pp: int, stage: int, save: bool, steps: int = 2, b
                 run.step(idx[mine], target=targets[mine], losses=out)
                 losses.append(_mean_loss(out, mesh, dp))
             else:
-                loss = model(idx[mine], targets[mine])
+                loss = models[0](idx[mine], targets[mine])
                 loss.backward()
                 mean = loss.detach().clone()
                 dist.all_reduce(mean)
                 losses.append(mean.item() / dp)
-            opt.step()
-            opt.zero_grad()
+            for opt in optimizers:
+                opt.step()
+                opt.zero_grad()
         return losses
 
+    model, opt = (models, optimizers) if len(models) > 1 else (models[0], optimizers[0])
     if save:
         train(data[:steps])
         flatshard.save_checkpoint(path, model, opt)
     else:
         flatshard.load_checkpoint(path, model, opt)
-    at_save = _full_params([model], stage)
+    at_save = _full_params(models, stage)
     return {"losses": train(data[steps:]), "params": at_save}
 
 

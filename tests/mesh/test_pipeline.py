@@ -99,7 +99,7 @@ def test_each_chunks_memory_and_bytes_a_step_equal_the_plan_of_its_params(stage)
 
 
 def test_what_does_not_compose_is_refused_by_name(tmp_path):
-    """A checkpoint of a rank's two chunks (an interleaved schedule), a chunk flatshard did
+    """A checkpoint of one of a rank's two chunks (an interleaved schedule), a chunk flatshard did
     not wrap, a chunk without its DistributedOptimizer (the norm needs every
     chunk's), loss scaling, and ranks whose learning rates differ; while the param groups'
     members, which differ between pipeline stages by design, are compared only among ranks
@@ -107,7 +107,8 @@ def test_what_does_not_compose_is_refused_by_name(tmp_path):
     results = run_distributed(refusals, 2, str(tmp_path / "ckpt"), timeout=120)
     assert not list(tmp_path.iterdir())  # (the refused save wrote nothing)
     for r in results:
-        assert r["checkpoint of two chunks a rank"].startswith("ValueError: save_checkpoint takes one model")
+        assert r["checkpoint of two chunks a rank"].startswith("ValueError: save_checkpoint was given 1 of")
+        assert "stages [" in r["checkpoint of two chunks a rank"]
         assert r["plain chunk"].startswith("TypeError: flatshard's PipelineStage takes a chunk flatshard")
         assert r["chunk without optimizer"].startswith("ValueError: pipeline stage ")
         assert "has no DistributedOptimizer" in r["chunk without optimizer"]

@@ -46,6 +46,23 @@ def test_a_pipeline_checkpoint_moves_between_layouts_and_one_process(tmp_path, s
     assert _close(back[-1]["losses"], by_whole[-1]["losses"]), (back[-1]["losses"], by_whole[-1]["losses"])
 
 
+def test_an_interleaved_pipelines_chunks_save_together_and_load_at_another_layout(tmp_path):
+    """Two chunks a rank (interleaved 1F1B at PP2 x DP2, stage 2) saved as lists: loaded at
+    PP2 x DP2 under GPipe (one chunk a rank of two layers), and in one process, every param
+    bit-exact and the next 2 steps' losses on the saving run's curve."""
+    path = str(tmp_path / "ckpt")
+    saved = run_distributed(checkpoint_leg, 4, path, 2, 2, True, schedule="interleaved", timeout=300)
+    expected = {n: p for r in saved for n, p in r["params"].items()}
+    for leg in (
+        run_distributed(checkpoint_leg, 4, path, 2, 1, False, timeout=300),
+        run_distributed(checkpoint_leg, 1, path, 1, 0, False, timeout=300),
+    ):
+        loaded = {n: p for r in leg for n, p in r["params"].items()}
+        assert loaded.keys() == expected.keys()
+        assert all(torch.equal(loaded[n], expected[n]) for n in loaded)
+        assert _close(leg[-1]["losses"], saved[-1]["losses"]), (leg[-1]["losses"], saved[-1]["losses"])
+
+
 def test_a_model_smaller_than_its_checkpoint_on_every_rank_is_refused(tmp_path):
     """Loading a PP2 checkpoint into the first chunk alone, on every rank, leaves the other
     chunk's params unread: refused naming one of them."""

@@ -20,8 +20,9 @@ The reasoning is [Note: checkpoints of pipeline chunks] below."""
 #   checkpoint is an error naming a param no rank loads, not a silent partial load. A param
 #   group's saved members may include other chunks' params; each of the rank's own must be in
 #   the group it was saved in.
-# * **One model a rank.** ``save_checkpoint`` and ``load_checkpoint`` take one model: a rank
-#   running several chunks (an interleaved schedule) is refused by name before anything is
+# * **Every chunk of a rank.** A rank running several chunks (an interleaved schedule) passes
+#   them as a list, with their optimizers; their pieces go into one save, their param groups
+#   united. A chunk given without the rank's others is refused by name before anything is
 #   written or read.
 #
 # So a checkpoint moves between pipeline layouts and one process: it is the file the whole
@@ -36,18 +37,37 @@ from typing import Any
 from torch import nn
 
 from flatshard.comm.world import World, all_gather_bytes
+from flatshard.engine.dynamo import uncompiled
+
+Part = tuple[nn.Module, Any]  # a model this rank saves or loads, and its optimizer (or None)
 
 
-def check_one_chunk(model: nn.Module, what: str) -> None:
-    """Refuse a model that is one of several pipeline chunks on this rank."""
-    state = getattr(model, "flatshard_state", None)
-    pipeline = None if state is None else state.pipeline
-    if pipeline is not None and len(pipeline.chunks) > 1:
-        raise ValueError(
-            f"{what} takes one model a rank, and this rank runs {len(pipeline.chunks)} pipeline chunks "
-            f"(stages {sorted(pipeline.chunks)}): a schedule with one chunk a rank (GPipe, 1F1B) is "
-            "checkpointed as it is; an interleaved one is not yet"
-        )
+def chunk_parts(model: Any, optimizer: Any, what: str) -> list[Part]:
+    """``model`` and ``optimizer`` as (model, optimizer) pairs: one, or a list of each (the
+    pipeline chunks this rank runs, in the same order). A rank's pipeline chunk given without
+    the others it runs is refused, naming their stages (one would be left out of the
+    checkpoint)."""
+    models = list(model) if isinstance(model, (list, tuple)) else [model]
+    if isinstance(optimizer, (list, tuple)):
+        optimizers = list(optimizer)
+    else:
+        optimizers = [None] * len(models) if optimizer is None else [optimizer]
+    if not models or len(optimizers) != len(models):
+        raise ValueError(f"{what} takes a model and its optimizer, or a list of each of the same length")
+    models = [uncompiled(m) for m in models]
+    given = {id(getattr(m, "flatshard_state", None)) for m in models}
+    for m in models:
+        pipeline = getattr(getattr(m, "flatshard_state", None), "pipeline", None)
+        if pipeline is None:
+            continue
+        left = sorted(i for i, s in pipeline.chunks.items() if id(s) not in given)
+        if left:
+            raise ValueError(
+                f"{what} was given {len(models)} of this rank's {len(pipeline.chunks)} pipeline chunks: "
+                f"stages {left} are missing. Pass every chunk the rank runs as a list (and their "
+                "optimizers in the same order)"
+            )
+    return list(zip(models, optimizers, strict=True))
 
 
 def _distinct(world: World, blob: bytes) -> list[bytes]:
@@ -75,11 +95,12 @@ def whole_model(
     for p, a, _ in kinds:
         all_params.update(p)
         all_aliases.update(a)
-    return all_params, all_aliases, _united_groups([g for _, _, g in kinds])
+    return all_params, all_aliases, united_groups([g for _, _, g in kinds])
 
 
-def _united_groups(kinds: list[list[dict] | None]) -> list[dict] | None:
-    """Each param group with every rank's members (rank 0's hyperparameters)."""
+def united_groups(kinds: list[list[dict] | None]) -> list[dict] | None:
+    """Each param group with the members of every one of ``kinds`` (the first's
+    hyperparameters): ranks', or one rank's chunks' optimizers'."""
     first = kinds[0]
     if first is None:
         return None

@@ -65,6 +65,7 @@ The reasoning is [Note: checkpoints] below."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
@@ -81,7 +82,7 @@ from torch import nn
 
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint import state as cs
-from flatshard.checkpoint.chunks import check_covered, check_one_chunk, whole_model
+from flatshard.checkpoint.chunks import Part, check_covered, chunk_parts, united_groups, whole_model
 from flatshard.checkpoint.destination import (
     FORMAT,
     MANIFEST,
@@ -96,7 +97,6 @@ from flatshard.comm.collectives import barrier
 from flatshard.comm.deadline import HERE, Phase
 from flatshard.comm.trace import span
 from flatshard.comm.world import World, all_gather_bytes, check_ranks_agree, timed_group
-from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError, ChecksumError
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
@@ -218,16 +218,18 @@ def save_checkpoint(
     Each rank writes only what it holds; nothing is gathered. ``extra`` is a dict of
     picklable values or of objects with ``state_dict()`` (LR schedulers, samplers): the step,
     the data position, ... Every rank's RNG states are saved too. ``path`` appears only when
-    the checkpoint is complete; a checkpoint already there is replaced only then.
+    the checkpoint is complete; a checkpoint already there is replaced only then. A rank
+    running several pipeline chunks passes them as a list, and their optimizers as a list
+    ([Note: checkpoints of pipeline chunks] in ``checkpoint/chunks.py``).
     """
-    path, model = os.fspath(path), uncompiled(model)
+    path, parts = os.fspath(path), chunk_parts(model, optimizer, "save_checkpoint")
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict of values to save with the checkpoint, got {extra!r}")
     with HERE.during(Phase.SAVE):
-        _save(path, model, optimizer, extra)
+        _save(path, parts, extra)
 
 
-def _save(path: str, model: nn.Module, optimizer, extra) -> None:
+def _save(path: str, parts: list[Part], extra) -> None:
     """Agree, collect, write, seal.
 
     [Note: checkpoint pipelines]
@@ -241,30 +243,46 @@ def _save(path: str, model: nn.Module, optimizer, extra) -> None:
     model's shapes; every rank opened the same save), **read** (the pieces this rank's
     layout holds, straight into its storage), **apply** (the optimizer's state through its
     own ``load_state_dict``) and **restore** (RNG states, ``extra``)."""
-    world = job_world(model)  # (checkpoints are collective over every rank)
-    check_one_chunk(model, "save_checkpoint")
+    world = job_world(parts[0][0])  # (checkpoints are collective over every rank)
     with save_lock(path, world.rank == 0) as lock_problem:
         with span("save agree"):
             save_id = _agree_on_destination(world, path, lock_problem)
-        with cs.param_dtype_shards(model):
+        with _param_dtype_shards(parts):
             with span("save collect"):
-                state = _collect(model, optimizer, extra, world.rank)
-                params, aliases, groups = whole_model(
-                    world, cs.model_shapes(model), cs.model_aliases(model), state.get(cs.GROUPS)
-                )
+                state = _collect(parts, extra, world.rank)
+                shapes = {n: s for m, _ in parts for n, s in cs.model_shapes(m).items()}
+                aliases = {a: n for m, _ in parts for a, n in cs.model_aliases(m).items()}
+                params, aliases, groups = whole_model(world, shapes, aliases, state.get(cs.GROUPS))
                 if cs.GROUPS in state:
                     state[cs.GROUPS] = groups
             with span("save write"):
                 partial = _write(state, path, save_id, world)
         with span("save seal"):
-            _seal(partial, path, save_id, world, (model, optimizer, params, aliases))
+            _seal(partial, path, save_id, world, (*parts[0], params, aliases))
 
 
-def _collect(model: nn.Module, optimizer, extra, rank: int) -> dict[str, Any]:
-    """What this rank writes: its model pieces, its optimizer entries, its ``extra`` and RNG."""
-    state = cs.model_pieces(model, load=False)
-    state.update(_optimizer_entries(model, optimizer, load=False)[0])
-    cs.globalize(state, model)
+def _param_dtype_shards(parts: list[Part]) -> contextlib.ExitStack:
+    """``cs.param_dtype_shards`` of every model of ``parts`` at once."""
+    stack = contextlib.ExitStack()
+    for model, _ in parts:
+        stack.enter_context(cs.param_dtype_shards(model))
+    return stack
+
+
+def _collect(parts: list[Part], extra, rank: int) -> dict[str, Any]:
+    """What this rank writes: its models' pieces, their optimizers' entries (the param groups
+    of several united), its ``extra`` and RNG."""
+    state: dict[str, Any] = {}
+    groups = []
+    for model, optimizer in parts:
+        part = cs.model_pieces(model, load=False)
+        part.update(_optimizer_entries(model, optimizer, load=False)[0])
+        cs.globalize(part, model)
+        if cs.GROUPS in part:
+            groups.append(part.pop(cs.GROUPS))
+        state.update(part)
+    if groups:
+        state[cs.GROUPS] = united_groups(groups)
     state[f"{EXTRA}/{rank}"] = _extra_to_save(extra)
     state[f"rng/{rank}"] = _rng_state()
     return state
@@ -425,27 +443,27 @@ def load_checkpoint(
 
     Each entry of ``extra`` that has ``load_state_dict`` (an LR scheduler, ...) is loaded
     from the saved value of the same key. RNG states are restored when the checkpoint was
-    written by as many ranks as there are now (``restore_rng=False``: never).
+    written by as many ranks as there are now (``restore_rng=False``: never). A rank running
+    several pipeline chunks passes them as a list, and their optimizers as a list.
     """
     if not isinstance(restore_rng, bool):
         raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
-    path, model = resolve_checkpoint(path), uncompiled(model)
-    check_one_chunk(model, "load_checkpoint")
+    path, parts = resolve_checkpoint(path), chunk_parts(model, optimizer, "load_checkpoint")
     with HERE.during(Phase.LOAD):
-        return _load(path, model, optimizer, extra, restore_rng)
+        return _load(path, parts, extra, restore_rng)
 
 
-def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> dict[str, Any]:
+def _load(path: str, parts: list[Part], extra, restore_rng: bool) -> dict[str, Any]:
     """check -> read -> apply -> restore ([Note: checkpoint pipelines])."""
-    world = job_world(model)  # (checkpoints are collective over every rank)
+    world = job_world(parts[0][0])  # (checkpoints are collective over every rank)
     with span("load check"):
-        manifest = _check(path, model, world)
+        manifest = _check(path, [model for model, _ in parts], world)
     rng = restore_rng and manifest["world_size"] == world.size
-    with cs.param_dtype_shards(model):
+    with _param_dtype_shards(parts):
         with span("load read"):
-            state, finish, extra_keys = _read(path, manifest, world, (model, optimizer), rng)
+            state, finishes, extra_keys = _read(path, manifest, world, parts, rng)
         with span("load apply"):
-            if finish is not None:
+            for finish in finishes:
                 finish(state)
     with span("load restore"):
         if rng:
@@ -454,12 +472,14 @@ def _load(path: str, model: nn.Module, optimizer, extra, restore_rng: bool) -> d
         return _restore_extra(path, read, manifest["world_size"], world.size, extra)
 
 
-def _check(path: str, model: nn.Module, world: World) -> dict[str, Any]:
-    """The manifest, once its files, the model's shapes and every rank's choice of save agree."""
+def _check(path: str, models: list[nn.Module], world: World) -> dict[str, Any]:
+    """The manifest, once its files, the models' shapes and every rank's choice of save agree."""
     manifest = read_manifest(path)
     shapes = {n: shape for n, (shape, _) in manifest["params"].items()}
-    cs.check_shapes(model, shapes, f"checkpoint {path}", others=True)
-    held = set(cs.model_shapes(model)) | set(cs.model_aliases(model))
+    held: set[str] = set()
+    for model in models:
+        cs.check_shapes(model, shapes, f"checkpoint {path}", others=True)
+        held |= set(cs.model_shapes(model)) | set(cs.model_aliases(model))
     check_covered(world, shapes, held, f"checkpoint {path}")  # (by some rank: pipeline chunks)
     # Every rank loads the same save (within the deadline, before DCP's own collectives).
     save_id = manifest.get("save_id")
@@ -468,16 +488,19 @@ def _check(path: str, model: nn.Module, world: World) -> dict[str, Any]:
     return manifest
 
 
-def _read(path: str, manifest: dict[str, Any], world: World, into: tuple[nn.Module, Any], rng: bool):
+def _read(path: str, manifest: dict[str, Any], world: World, parts: list[Part], rng: bool):
     """Read what this rank's layout holds: model pieces (into their storage), optimizer
     entries, ``extra`` and (``rng``) this rank's RNG states. Returns the read state, the
-    optimizer's finishing step (or None) and the ``extra`` keys read."""
-    model, optimizer = into
+    optimizers' finishing steps and the ``extra`` keys read."""
     saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    state = cs.model_pieces(model, load=True)
-    optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
-    state.update(optimizer_entries)
-    cs.globalize(state, model)
+    state: dict[str, Any] = {}
+    finishes = []
+    for model, optimizer in parts:
+        part = cs.model_pieces(model, load=True)
+        optimizer_entries, finish = _optimizer_entries(model, optimizer, load=True, saved=saved)
+        part.update(optimizer_entries)
+        state.update(cs.globalize(part, model))
+        finishes += [finish] if finish is not None else []
     extra_keys = _extra_keys(saved, world.rank, manifest["world_size"] == world.size)
     state.update(dict.fromkeys(extra_keys))
     if rng:
@@ -485,4 +508,4 @@ def _read(path: str, manifest: dict[str, Any], world: World, into: tuple[nn.Modu
     pieces.load(
         state, path, save_id=manifest.get("save_id"), group=timed_group(world), single_process=world.size == 1
     )
-    return state, finish, extra_keys
+    return state, finishes, extra_keys

@@ -156,8 +156,9 @@ def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
         "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
     }
-    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
-    for layer in layers:
+    layers = model.layers
+    assert isinstance(layers, (nn.ModuleDict, nn.ModuleList))  # (a Llama's, or a chunk's)
+    for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
         parallelize_module(layer, tp_mesh, block)
     return model
 
