@@ -10,34 +10,21 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+import _pipeline as pipeline_runs
 import flatshard
+from _pipeline import LR, MAX_NORM
 from flatshard.toolkit.models.llama import Llama, LlamaConfig, context_parallel, sequence_slice
 
 CFG = LlamaConfig()
-LR, MAX_NORM = 0.5, 0.5
 
 
 def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, CFG.vocab_size, (steps, batch, CFG.seq_len + 1), generator=g)
-    return [(t[:, :-1], t[:, 1:]) for t in tokens]
+    return pipeline_runs.batches(steps, batch, CFG)
 
 
 def reference(steps: int, batch: int) -> dict:
     """The whole model in one process on the whole batch and whole sequences."""
-    torch.manual_seed(0)
-    model = Llama(CFG)
-    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
-    out: dict = {"loss": [], "norm": []}
-    for idx, targets in batches(steps, batch):
-        loss = model(idx, targets)
-        loss.backward()
-        out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
-        opt.step()
-        opt.zero_grad()
-        out["loss"].append(loss.item())
-    out["params"] = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return out
+    return pipeline_runs.reference(steps, batch, CFG)
 
 
 def train_cp_dp(stages: list[int], steps: int = 3, batch: int = 4, cp_in_group: bool = True) -> dict:

@@ -33,20 +33,20 @@ SCHEDULES = {
 }
 
 
-def batches(steps: int, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches(steps: int, batch: int, cfg: LlamaConfig = CFG) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
-    tokens = torch.randint(0, CFG.vocab_size, (steps, batch, CFG.seq_len + 1), generator=g)
+    tokens = torch.randint(0, cfg.vocab_size, (steps, batch, cfg.seq_len + 1), generator=g)
     return [(t[:, :-1], t[:, 1:]) for t in tokens]
 
 
-def reference(steps: int, batch: int) -> dict:
-    """The whole model in one process on the whole batch: each step's loss and (clipped)
-    grad norm, and the params at the end."""
+def reference(steps: int, batch: int, cfg: LlamaConfig = CFG) -> dict:
+    """The whole Llama of ``cfg`` in one process on the whole batch: each step's loss and
+    (clipped) grad norm, and the params at the end."""
     torch.manual_seed(0)
-    model = Llama(CFG)
+    model = Llama(cfg)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9)
     out: dict = {"loss": [], "norm": []}
-    for idx, targets in batches(steps, batch):
+    for idx, targets in batches(steps, batch, cfg):
         loss = model(idx, targets)
         loss.backward()
         out["norm"].append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
