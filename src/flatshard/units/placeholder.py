@@ -131,9 +131,11 @@ def label(param: nn.Parameter, where: str) -> None:
 def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
     """Make ``param`` a ``Placeholder`` over ``placeholder`` (a DTensor param: its local
     shard the placeholder, its class kept)."""
-    rebind(param, placeholder)
-    if type(param) is nn.Parameter:
+    if type(param) is nn.Parameter:  # (the common case: one .data assignment, no dispatch)
+        param.data = placeholder
         param.__class__ = Placeholder
+    else:  # (another Parameter subclass keeps its class; a DTensor its object)
+        rebind(param, placeholder)
 
 
 def show(param: nn.Parameter, view: torch.Tensor, placeholder: torch.Tensor) -> None:
@@ -152,4 +154,6 @@ def show(param: nn.Parameter, view: torch.Tensor, placeholder: torch.Tensor) -> 
         )
     if type(param) is Placeholder:
         setattr(param, "__class__", nn.Parameter)  # noqa: B010 (mypy narrows the class otherwise)
-    rebind(param, view)
+        param.data = view
+    else:  # (another Parameter subclass, a DTensor)
+        rebind(param, view)
