@@ -18,22 +18,19 @@ the same ranks:
 - ``flatshard-2+torch-stage``: the stage-2 chunk in torch's own ``PipelineStage``, which
   reduces after every micro-batch, with the same optimizer and clip (its norm the chunk's).
 
-Each round times every peer for ``--steps`` steps after one untimed step, in a rotating
-order; a step's time is the slowest rank's. A peer's figure is its median step time over the
-rounds, with the spread (min-max) of its per-round medians; model state is rank 0's
+Peers are timed in rotating rounds (``side_by_side.py``); model state is rank 0's
 ``flatshard.memory_report``. Prints a table; writes JSON to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import time
 
 import torch
 import torch.distributed as dist
+
+from side_by_side import report, time_rounds
 
 WORLD, PP, MICRO, BATCH = 4, 2, 4, 16
 PEERS = ["fsdp2+pp", "flatshard-0+pp", "flatshard-1+pp", "flatshard-2+pp", "flatshard-2+torch-stage"]
@@ -99,21 +96,7 @@ def _rank(steps: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(100 + mesh["dp"].get_local_rank())  # (each dp rank its own data)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:])
-    times: dict[str, list[float]] = {p: [] for p in PEERS}
-    losses: dict[str, float] = {}
-    for r in range(rounds):
-        for peer in PEERS[r % len(PEERS) :] + PEERS[: r % len(PEERS)]:
-            _, opt, clip, schedule, _ = built[peer]
-            _step(opt, clip, schedule, batch, last)  # (untimed: caches and gathers settle)
-            per_step = []
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                losses[peer] = _step(opt, clip, schedule, batch, last)
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                per_step.append(elapsed.item())
-            times[peer].append(statistics.median(per_step))
+    times, losses = time_rounds(PEERS, lambda peer: _step(*built[peer][1:4], batch, last), steps, rounds)
     memory = {peer: memory_report(m, o).as_dict() for peer, (m, o, _, _, _) in built.items()}
     return {"times": times, "memory": memory, "losses": losses}
 
@@ -128,40 +111,9 @@ def main() -> None:
     args = parser.parse_args()
     results = testing.run_distributed(_rank, WORLD, args.steps, args.rounds, timeout=3000, reuse=False)
     result, last = results[0], results[-1]  # (the last pipeline stage's ranks have the losses)
-    base = statistics.median(result["times"]["fsdp2+pp"])
-    rows = []
-    print(f"PP{PP} x DP{WORLD // PP}, 1F1B, {MICRO} micro-batches, gloo, {args.rounds} x {args.steps} steps")
-    print(f"{'peer':<25}{'step vs fsdp2+pp':>18}{'spread':>16}{'step (s)':>10}{'state/rank':>13}{'loss':>9}")
-    for peer in PEERS:
-        rounds = result["times"][peer]
-        median = statistics.median(rounds)
-        state = result["memory"][peer]["total"]
-        spread = f"{min(rounds) / base:.3f}-{max(rounds) / base:.3f}"
-        print(
-            f"{peer:<25}{median / base:>18.3f}{spread:>16}{median:>10.4f}"
-            f"{state / 2**20:>10.2f} MiB{last['losses'][peer]:>9.4f}"
-        )
-        rows.append(
-            {
-                "peer": peer,
-                "ratio": median / base,
-                "round_medians_s": rounds,
-                "memory_rank0": result["memory"][peer],
-                "final_loss": last["losses"][peer],
-            }
-        )
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads here, torch {torch.__version__}",
-        "world": WORLD,
-        "pp": PP,
-        "micro_batches": MICRO,
-        "steps": args.steps,
-        "rounds": args.rounds,
-    }
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "peers": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    title = f"PP{PP} x DP{WORLD // PP}, 1F1B, {MICRO} micro-batches, gloo, {args.rounds} x {args.steps} steps"
+    meta = {"world": WORLD, "pp": PP, "micro_batches": MICRO, "steps": args.steps, "rounds": args.rounds}
+    report(title, result["times"], result["memory"], last["losses"], meta, args.out)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,7 @@ The peers, all in the same ranks:
 - ``flatshard-0/1/2+tp``: ``flatshard.shard(model, stage=N, group=mesh["dp"])`` with
   ``DistributedOptimizer(model, torch.optim.AdamW)`` and its ``clip_grad_norm_``.
 
-Each round times every peer for ``--steps`` steps after one untimed step, in a rotating
-order; a step's time is the slowest rank's. A peer's figure is its median step time over the
-rounds, with the spread (min-max) of its per-round medians; model state is rank 0's
+Peers are timed in rotating rounds (``side_by_side.py``); model state is rank 0's
 ``flatshard.memory_report`` (unique storages: params, grads, main params, optimizer state).
 Prints a table; writes JSON to ``--out``.
 """
@@ -24,13 +22,11 @@ Prints a table; writes JSON to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import time
 
 import torch
-import torch.distributed as dist
+
+from side_by_side import report, time_rounds
 
 WORLD, TP = 4, 2
 PEERS = ["fsdp2+tp", "fsdp2-keep+tp", "flatshard-0+tp", "flatshard-1+tp", "flatshard-2+tp"]
@@ -84,22 +80,7 @@ def _rank(steps: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(100 + dp_rank)  # (each dp rank its own data, tp ranks alike)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:])
-    times: dict[str, list[float]] = {p: [] for p in PEERS}
-    losses: dict[str, float] = {}
-    for r in range(rounds):
-        order = PEERS[r % len(PEERS) :] + PEERS[: r % len(PEERS)]
-        for peer in order:
-            model, opt, clip, _ = built[peer]
-            _step(model, opt, clip, batch)  # (untimed: caches and gathers settle)
-            per_step = []
-            for _ in range(steps):
-                dist.barrier()
-                start = time.perf_counter()
-                losses[peer] = _step(model, opt, clip, batch)
-                elapsed = torch.tensor([time.perf_counter() - start])
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-                per_step.append(elapsed.item())
-            times[peer].append(statistics.median(per_step))
+    times, losses = time_rounds(PEERS, lambda peer: _step(*built[peer][:3], batch), steps, rounds)
     memory = {peer: memory_report(m, o).as_dict() for peer, (m, o, _, _) in built.items()}
     return {"times": times, "memory": memory, "losses": losses}
 
@@ -115,39 +96,9 @@ def main() -> None:
     )
     args = parser.parse_args()
     result = testing.run_distributed(_rank, WORLD, args.steps, args.rounds, timeout=3000, reuse=False)[0]
-    base = statistics.median(result["times"]["fsdp2+tp"])
-    rows = []
-    print(f"TP{TP} x DP{WORLD // TP}, gloo, {args.rounds} rounds x {args.steps} steps")
-    print(f"{'peer':<16}{'step vs fsdp2+tp':>18}{'spread':>16}{'step (s)':>10}{'state/rank':>13}{'loss':>9}")
-    for peer in PEERS:
-        rounds = result["times"][peer]
-        median = statistics.median(rounds)
-        state = result["memory"][peer]["total"]
-        spread = f"{min(rounds) / base:.3f}-{max(rounds) / base:.3f}"
-        print(
-            f"{peer:<16}{median / base:>18.3f}{spread:>16}{median:>10.4f}"
-            f"{state / 2**20:>10.2f} MiB{result['losses'][peer]:>9.4f}"
-        )
-        rows.append(
-            {
-                "peer": peer,
-                "ratio": median / base,
-                "round_medians_s": rounds,
-                "memory": result["memory"][peer],
-                "final_loss": result["losses"][peer],
-            }
-        )
-    meta = {
-        "date": time.strftime("%Y-%m-%d"),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads here, torch {torch.__version__}",
-        "world": WORLD,
-        "tp": TP,
-        "steps": args.steps,
-        "rounds": args.rounds,
-    }
-    with open(args.out, "w") as f:
-        json.dump({"meta": meta, "peers": rows}, f, indent=1)
-    print(f"wrote {args.out}")
+    title = f"TP{TP} x DP{WORLD // TP}, gloo, {args.rounds} rounds x {args.steps} steps"
+    meta = {"world": WORLD, "tp": TP, "steps": args.steps, "rounds": args.rounds}
+    report(title, result["times"], result["memory"], result["losses"], meta, args.out)
 
 
 if __name__ == "__main__":
