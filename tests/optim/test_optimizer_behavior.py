@@ -498,7 +498,7 @@ def _expert_case(stage: int) -> list[float]:
     for name, q in plain.named_parameters():
         g = q.grad.clone()
         dist.all_reduce(g, group=pair if name.startswith("expert.") else None)
-        g /= 2 if name.startswith("expert.") else 4
+        g /= 4  # (experts too: the main params' 1 / dp, [Note: expert parallelism])
         if name.startswith("expert."):
             expert_sq += g.double().square().sum()
         else:

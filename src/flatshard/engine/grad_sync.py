@@ -52,7 +52,7 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, all_reduce
 from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
-from flatshard.engine.grad_view import GradViews, Piece, ShardedGrad
+from flatshard.engine.grad_view import ExpertSpread, GradViews, Piece, ShardedGrad
 from flatshard.engine.lifecycle import Backward, Grads, advance
 from flatshard.engine.reduction import Reduction, ScratchPool
 from flatshard.engine.tensor_parallel import TensorParallel, local_grad
@@ -158,6 +158,7 @@ class GradSync:
         stats: CommStats,
         gathers: BackwardGathers | None = None,
         tensor_parallel: TensorParallel | None = None,
+        experts: ExpertSpread | None = None,
     ) -> None:
         """``gathers``: at stage 3, the unsharder whose param gathers backward issues (one
         hook per param serves both); ``tensor_parallel``: the tp dimension of a model with
@@ -171,6 +172,7 @@ class GradSync:
         self.reductions = list(reductions)
         self.find_unused_parameters = find_unused_parameters
         self.tensor_parallel = tensor_parallel
+        self.experts = experts  # (expert params' grads are always hidden: their norms span ep)
         self.stats = stats
         self.sync_enabled = True
         self.grads = Grads.EMPTY  # since the last zero_grad ([Note: lifecycles])
@@ -183,7 +185,12 @@ class GradSync:
         self._name: dict[int, str] = {}
         for reduction in self.reductions:
             layout = reduction.buffer.layout
-            exposed = layout.dtype == layout.grad_dtype and not reduction.sharded and tensor_parallel is None
+            exposed = (
+                layout.dtype == layout.grad_dtype
+                and not reduction.sharded
+                and tensor_parallel is None
+                and (experts is None or reduction.world is not experts.world)
+            )
             for name, p in zip(reduction.names, reduction.params, strict=True):
                 self._reduction_of[id(p)] = reduction
                 self._name[id(p)] = name
@@ -230,6 +237,7 @@ class GradSync:
             gathers_units=self.policy.gathers_units,
             exposed=exposed,
             tensor_parallel=self.tensor_parallel,
+            experts=self.experts,
         )
 
     def _grads_written(self) -> None:

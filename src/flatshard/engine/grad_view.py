@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -51,7 +52,7 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, all_reduce
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
-from flatshard.engine.tensor_parallel import TensorParallel, is_distributed
+from flatshard.engine.tensor_parallel import TensorParallel, check_alike_over_tp, is_distributed
 from flatshard.errors import ShardedGradError
 
 
@@ -109,6 +110,18 @@ class DistributedShardedGrad(ShardedGrad):
 Piece = tuple[FlatBuffer, Any, slice]  # (buffer, bucket, the param's elements in its grad shard)
 
 
+@dataclass(frozen=True)
+class ExpertSpread:
+    """Where the expert params' grads lie beyond their own world (the expert-data-parallel
+    group), [Note: expert parallelism] in ``wrap/plan.py``: an expert param's whole grad is
+    its grads on every rank of ``world`` and of ``over``, which is the expert-parallel group,
+    or (``in_main``) the main data-parallel world, made of copies of ``world``."""
+
+    world: World
+    over: World
+    in_main: bool
+
+
 class GradViews:
     """The ``ShardedGrad`` of every hidden param of one wrapped module, and the pieces of
     its grad this rank holds."""
@@ -125,6 +138,7 @@ class GradViews:
         gathers_units: bool,
         exposed: Sequence[tuple[str, FlatParam]] = (),
         tensor_parallel: TensorParallel | None = None,
+        experts: ExpertSpread | None = None,
     ) -> None:
         """``params``: (name, param, its world, whether its grads are sharded over the
         world, the dtype its grad is held in); ``gathers_units``: stage 3's policy (params
@@ -132,8 +146,10 @@ class GradViews:
         ``main_grad`` itself; ``reduced``: whether the grads are reduced now; ``changed``:
         called after a write (the optimizer's cached norm is stale); ``tensor_parallel``: the
         tp dimension over which the norms of params it splits are summed too ([Note:
-        tensor-parallel params])."""
+        tensor-parallel params]); ``experts``: where the expert params' grads lie beyond
+        their world."""
         self.names = {id(p): name for name, p, *_ in params}
+        self._experts = experts
         self.stage = stage
         self._gathers_units = gathers_units
         self._params = [p for _, p, *_ in params]
@@ -213,8 +229,8 @@ class GradViews:
         return torch.promote_types(grad.dtype, self._held[grad._key])
 
     def _global_norms(self, ord: float) -> dict[int, torch.Tensor]:
-        """Every param's norm, from one all-reduce of the partial norms per world (and one
-        over tp of those of the params tp splits)."""
+        """Every param's norm, from one all-reduce of the partial norms per world (an expert
+        param's over its world and the expert-parallel group) and one over tp."""
         by_world: dict[int, tuple[World, bool, list[nn.Parameter]]] = {}
         for p in self._params:
             world, sharded = self._world[id(p)]
@@ -223,18 +239,32 @@ class GradViews:
         sums: dict[int, torch.Tensor] = {}
         for world, sharded, params in by_world.values():
             partial = torch.stack([_partial(self.pieces(id(p)), ord, p) for p in params])
-            if sharded and world.size > 1:
-                all_reduce(partial, world, stats=self._stats, op=op).wait()
+            experts = self._experts if self._experts is not None and world is self._experts.world else None
+            _reduce_partials(partial, world, sharded, experts, op, self._stats)
             sums.update(zip((id(p) for p in params), partial.unbind(), strict=True))
         tp = self._tensor_parallel
-        split = [key for key in sums if tp is not None and self.names[key] in tp.split]
-        if tp is not None and split and tp.world.size > 1:  # (the same params, in order, on every tp rank)
-            joined = torch.stack([sums[key] for key in split])
-            all_reduce(joined, tp.world, stats=self._stats, op=op).wait()
-            sums.update(zip(split, joined.unbind(), strict=True))
+        if tp is not None and tp.world.size > 1:  # (the same params, in order, on every tp rank)
+            self._over_tp(sums, tp, op)
         if math.isinf(ord) or ord in (0.0, 1.0):
             return sums
         return {key: total.pow(1.0 / ord) for key, total in sums.items()}
+
+    def _over_tp(self, sums: dict[int, torch.Tensor], tp: TensorParallel, op: str) -> None:
+        """The partial norms of the params tp splits summed over tp; those of the others
+        checked alike on every tp rank (a sum: their total and its square ride along)."""
+        split = [key for key in sums if self.names[key] in tp.split]
+        rest = [sums[key] for key in sums if self.names[key] not in tp.split]
+        total = torch.stack(rest).sum() if rest and op == "sum" else None
+        parts = [sums[key] for key in split]
+        if not parts and total is None:
+            return
+        joined = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        if total is not None:
+            joined = torch.cat([joined, torch.stack([total, total.square()]).to(joined.device)])
+        all_reduce(joined, tp.world, stats=self._stats, op=op).wait()
+        if total is not None:
+            check_alike_over_tp(joined[-2], joined[-1], tp)
+        sums.update(zip(split, joined[: len(split)].unbind(), strict=True))
 
     def write(self, key: int, op: str, apply: Callable[[torch.Tensor], Any]) -> None:
         """``apply`` to each of this rank's pieces of the param's grad."""
@@ -259,6 +289,29 @@ class GradViews:
             "flatshard.DistributedOptimizer; to read the full grad, use "
             "`with model.summon_full_params(with_grads=True):`"
         )
+
+
+def _reduce_partials(
+    partial: torch.Tensor,
+    world: World,
+    sharded: bool,
+    experts: ExpertSpread | None,
+    op: str,
+    stats: CommStats,
+) -> None:
+    """One world's partial norms made whole in place: summed (or maxed) over the world where
+    its grads are sharded; expert params' also over the expert-parallel group, or over the
+    main world whose copies of ``world`` each hold whole grads at stage 0."""
+    if experts is not None and experts.in_main:
+        if experts.over.size > 1:
+            all_reduce(partial, experts.over, stats=stats, op=op).wait()
+        if not sharded and op == "sum":
+            partial /= world.size
+        return
+    if sharded and world.size > 1:
+        all_reduce(partial, world, stats=stats, op=op).wait()
+    if experts is not None and experts.over.size > 1:
+        all_reduce(partial, experts.over, stats=stats, op=op).wait()
 
 
 def _partial(pieces: list[torch.Tensor], ord: float, param: nn.Parameter) -> torch.Tensor:

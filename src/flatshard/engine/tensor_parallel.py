@@ -172,6 +172,26 @@ def mesh_of(named: Sequence[tuple[str, nn.Parameter]], worlds: Sequence[World]) 
     return TensorParallel(world, tuple(dims), split)
 
 
+SPREAD = 1e-4
+"""How far a sum of squares of grads replicated over tp may differ between the tp ranks,
+relative to it: rounding gives 1e-7, experts spread over tp O(1) ([Note: expert parallelism]
+in ``wrap/plan.py``)."""
+
+
+def check_alike_over_tp(total: torch.Tensor, total_sq: torch.Tensor, tp: TensorParallel) -> None:
+    """Raise unless the values whose sum over tp is ``total`` (and of their squares
+    ``total_sq``) were alike on every tp rank: every rank decides alike from the same sums."""
+    n = tp.world.size
+    spread = float((n * total_sq - total.square()).clamp(min=0).sqrt())  # sqrt(sum_{i<j} (x_i - x_j)^2)
+    if spread > SPREAD * abs(float(total)):
+        raise ValueError(
+            f"the grads of params that are not split over tp {tp.mesh_dims} differ between the tp ranks "
+            f"(their norms spread by {spread / abs(float(total)):.2g} of their sum): params that hold "
+            "different values on each tp rank, such as experts spread over tp, need their "
+            "expert-parallel group named, shard(expert=flatshard.Experts(group, match, ep=...))"
+        )
+
+
 def global_runs(param: torch.Tensor, lo: int, hi: int) -> list[tuple[int, int, int]]:
     """Elements ``[lo, hi)`` of ``param``'s flattened local shard as runs of its flattened
     full tensor: ``(offset in the full tensor, lo, hi)`` each, contiguous in both (a plain or

@@ -26,13 +26,17 @@ def check_arguments(module, grad_scale) -> None:
         raise TypeError(f"shard() takes an nn.Module, got {type(module).__name__}")
     if isinstance(module, ShardedModule):
         raise ValueError(f"{type(module).__name__} is already sharded")
+    check_grad_scale(grad_scale, "grad_scale")
+    _check_not_wrapped(module)
+
+
+def check_grad_scale(grad_scale: object, what: str) -> None:
     if grad_scale is not None and (
         isinstance(grad_scale, bool)
         or not isinstance(grad_scale, numbers.Real)
         or not (math.isfinite(grad_scale) and float(grad_scale) > 0)
     ):
-        raise ValueError(f"grad_scale must be a positive finite number or None, got {grad_scale!r}")
-    _check_not_wrapped(module)
+        raise ValueError(f"{what} must be a positive finite number or None, got {grad_scale!r}")
 
 
 def check_flags(**flags: object) -> None:

@@ -14,6 +14,7 @@ from datetime import timedelta
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from flatshard.comm.deadline import HERE, Phase, as_timeout, publish_positions
@@ -24,24 +25,72 @@ from flatshard.planner.mixed_precision import MixedPrecision, cast_params
 from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
 from flatshard.units.build import is_meta_model, replace_meta_params
 from flatshard.units.unit_tree import Unit
-from flatshard.wrap.arguments import bucket_options, check_arguments, check_devices, check_flags
+from flatshard.wrap.arguments import (
+    bucket_options,
+    check_arguments,
+    check_devices,
+    check_flags,
+    check_grad_scale,
+)
 from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
 
 FROZEN = "frozen"
 """The key of stage 3's frozen params' ``ParamPart`` (a buffer set without grads)."""
 
+# [Note: expert parallelism]
+#
+# A mixture-of-experts model under expert parallelism holds each expert on some ranks only:
+# the expert-parallel group ``ep`` holds one copy of every expert between its ranks and
+# dispatches tokens among them (the model's all-to-all, not flatshard's); the
+# expert-data-parallel group ``edp`` holds copies of the same experts. The dense params are
+# data-parallel over the main group ``dp`` as ever. flatshard is told both groups
+# (``Experts(group=edp, match, ep=ep)``) and keeps, as Megatron-Core's buffers do:
+#
+# * **The experts' own buffers over edp.** They are reduced, sharded (stages 1-2) and gathered
+#   (stage 3) over edp only, never over dp: the ranks of a dp group hold different experts.
+#   Names alike on every ep rank (``layers.0.moe.w1`` of this rank's experts) are no clash.
+# * **The main params' scale, 1 / dp.** An expert's grad on a rank already sums what every
+#   dispatched token contributed to the loss of the dp rank it came from, each loss a mean
+#   over that rank's batch; the mean over dp of those losses -- what DDP trains on the whole
+#   model -- has the sum over edp times 1 / dp as its grad. (Megatron-Core's factor is
+#   edp / dp after an average over edp: the same number.) ``1 / edp``, the default before,
+#   was dp / edp = ep times too large.
+# * **Each expert counted once in the norm.** The experts' squares are summed over edp (each
+#   shard once; a stage-0 copy divided by edp) and then over ep, apart from the dense params'
+#   sum over dp. Without ``ep`` they are summed over dp with the rest, which is right when
+#   dp holds every expert once over edp x ep (no tensor parallelism).
+# * **In a tensor-parallel model**, sequence parallelism gives each tp rank its own tokens,
+#   so ep or edp may lie along tp (Megatron-Core's "MoE parallel folding"): the experts are
+#   plain params there, not DTensors, and only the parts holding DTensors are checked
+#   against the tp mesh (``mesh_of``). Their squares, and any param's that is replicated over
+#   tp, must come out alike on every tp rank; the sum over tp that the norm runs anyway
+#   carries them with their squares, and a spread above 1e-4 of the value (rounding is 1e-7)
+#   is a ``ValueError`` naming tp and ``Experts(ep=...)`` on every rank alike: experts that
+#   differ over tp without ``ep`` would otherwise clip each tp rank by its own norm and
+#   split the replicated params apart.
+# * **Refused:** ``ep`` sharing a rank other than this one with ``group`` (one would count
+#   twice); checkpoints of a model with experts (names alike across ep would collide,
+#   ``checkpoint/state.py``).
+
 
 @dataclass(frozen=True)
 class Experts:
-    """Params that are data-parallel over another group (e.g. mixture-of-experts experts).
+    """Params that are data-parallel over another group: mixture-of-experts experts under
+    expert parallelism ([Note: expert parallelism]).
 
-    ``match(name, param)`` selects them; they get their own buffers, reduce over ``group``
-    and scale their grads by ``grad_scale`` (None: ``1 / size of group``).
+    ``match(name, param)`` selects them; they get their own buffers and reduce over ``group``,
+    the expert-data-parallel group (the ranks holding the same experts). ``ep``, the
+    expert-parallel group (the ranks holding the *other* experts, over which tokens are
+    dispatched), is where the grad norm sums the experts' squares; None sums them over the
+    main data-parallel group. ``grad_scale`` multiplies their summed grads; None: the main
+    params' scale (``1 / data-parallel size``, or ``shard``'s ``grad_scale``), which is
+    Megatron-Core's expert-dp size / dp size applied after an average over ``group``.
     """
 
     group: object
     match: Callable[[str, nn.Parameter], bool]
     grad_scale: float | None = None
+    ep: object = None
 
     def __post_init__(self) -> None:
         if not callable(self.match):
@@ -80,6 +129,7 @@ class WrapPlan:
     sync_module_states: bool
     broadcast_buffers: bool
     tensor_parallel: TensorParallel | None = None  # DTensor params' tp dimension
+    expert_parallel: World | None = None  # Experts.ep ([Note: expert parallelism])
 
     @property
     def worlds(self) -> tuple[World, World]:
@@ -106,6 +156,8 @@ def plan_wrap(
     buckets = bucket_options(buckets)
     policy = StagePolicy.build(stage, stage3)
     check_arguments(module, grad_scale)
+    if expert is not None:
+        check_grad_scale(expert.grad_scale, "Experts.grad_scale")
     check_flags(
         find_unused_parameters=find_unused_parameters,
         sync_module_states=sync_module_states,
@@ -131,7 +183,7 @@ def plan_wrap(
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     parts += _frozen_part(module, replicated, unit_of, world, replicate) if policy.shards_params else []
     parts = [replace(part, specs=tuple(specs_of(part.named))) for part in parts]
-    tp = mesh_of(named, [w for part in parts for w in (part.world, part.replicate)])
+    tp = mesh_of(named, [w for part in parts if _holds_dtensors(part) for w in (part.world, part.replicate)])
     options = {
         "bucket_size": buckets.size,
         "buckets_per_launch": buckets.per_launch,
@@ -161,7 +213,12 @@ def plan_wrap(
         sync_module_states,
         broadcast_buffers,
         tp,
+        expert_parallel_world(expert, world.timeout),
     )
+
+
+def _holds_dtensors(part: ParamPart) -> bool:
+    return any(is_distributed(p) for _, p in part.named)
 
 
 def agreement_lines(plan: WrapPlan, part: ParamPart) -> list[str]:
@@ -267,21 +324,38 @@ def _default_device() -> torch.device:
 def _split_worlds(
     named, world: World, replicate: World, grad_scale, expert: Experts | None
 ) -> list[ParamPart]:
-    """The main params and the expert params, each with its worlds and grad scale."""
+    """The main params and the expert params, each with its worlds and grad scale (the
+    experts' default is the main params' scale, [Note: expert parallelism])."""
     parts: list[ParamPart] = []
     if expert is not None:
         is_expert = [bool(expert.match(n, p)) for n, p in named]
         chosen = [np for np, e in zip(named, is_expert, strict=True) if e]
         named = [np for np, e in zip(named, is_expert, strict=True) if not e]
         if chosen:
-            parts.append(
-                ParamPart(
-                    "expert", resolve_world(expert.group, world.timeout), ONE, chosen, expert.grad_scale
-                )
-            )
+            main_scale = 1.0 / (world.size * replicate.size) if grad_scale is None else grad_scale
+            scale = main_scale if expert.grad_scale is None else expert.grad_scale
+            parts.append(ParamPart("expert", resolve_world(expert.group, world.timeout), ONE, chosen, scale))
     if named:
         parts.insert(0, ParamPart("main", world, replicate, named, grad_scale))
     return parts
+
+
+def expert_parallel_world(expert: Experts | None, timeout) -> World | None:
+    """``expert.ep`` as a world (None when not given), checked to share no rank but this one
+    with ``expert.group``: a rank holding the same experts is not one holding others."""
+    if expert is None or expert.ep is None:
+        return None
+    ep = resolve_world(expert.ep, timeout)
+    edp = resolve_world(expert.group, timeout)
+    if ep.group is not None and edp.group is not None:
+        shared = set(dist.get_process_group_ranks(ep.group)) & set(dist.get_process_group_ranks(edp.group))
+        if shared - {dist.get_rank()}:
+            raise ValueError(
+                f"Experts: the expert-parallel group ep and the expert-data-parallel group share ranks "
+                f"{sorted(shared)}: ep holds the other experts and group the same ones, two dimensions "
+                "of the mesh (e.g. ep=mesh['ep'], group=mesh['edp'])"
+            )
+    return ep
 
 
 def _frozen_part(

@@ -22,6 +22,7 @@ from flatshard.comm.world import check_ranks_agree
 from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import eager
 from flatshard.engine.grad_sync import GradSync, build_reductions
+from flatshard.engine.grad_view import ExpertSpread
 from flatshard.engine.param_gather import ParamGather
 from flatshard.planner.layout import plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, input_cast_hook
@@ -133,6 +134,11 @@ def build_sets(module: nn.Module, plan: WrapPlan) -> dict[str, BufferSet]:
         lines = agreement_lines(plan, part)
         for w in (part.world, part.replicate):
             check_ranks_agree(w, lines, f"the {part.key} params")
+        if part.key == "expert":  # (each expert param's norm is summed over ep, or the main world)
+            over = plan.expert_parallel or plan.world
+            check_ranks_agree(
+                over, lines, "the expert params (each rank's share of the same stacked experts)"
+            )
     sync, sharded = plan.sync_module_states, plan.policy.shards_params
     if sync and sharded and not plan.meta:  # rank 0's full values, then each rank keeps its shards
         broadcast_before_binding(module, plan.parts, plan.originals, plan.worlds)
@@ -166,6 +172,7 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
         stats=stats,
         gathers=unsharder,
         tensor_parallel=plan.tensor_parallel,
+        experts=_expert_spread(plan, trained),
     )
     originals = plan.originals or None
     state = ShardState(
@@ -182,6 +189,16 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
         initialize_units(module, unsharder, init_fn, plan.device, worlds)
     _add_forward_pre_hooks(sharded, plan.mixed_precision, plan.worlds if plan.broadcast_buffers else None)
     return sharded
+
+
+def _expert_spread(plan: WrapPlan, sets: Mapping[str, BufferSet]) -> ExpertSpread | None:
+    """Where the expert params' grads lie beyond their world ([Note: expert parallelism])."""
+    if "expert" not in sets:
+        return None
+    world = sets["expert"].world
+    if plan.expert_parallel is not None:
+        return ExpertSpread(world, plan.expert_parallel, in_main=False)
+    return ExpertSpread(world, sets["main"].world if "main" in sets else world, in_main=True)
 
 
 def _unsharder(plan: WrapPlan, sets: list[BufferSet], stats: CommStats) -> Unsharder:

@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from flatshard.toolkit.models.moe import MoE
+
 
 @dataclass(frozen=True)
 class LlamaConfig:
@@ -27,6 +29,8 @@ class LlamaConfig:
     seq_len: int = 8
     hidden_mult: int = 2
     init_std: float = 0.2  # (norm weights too, around 1, so their grads are not all alike)
+    n_experts: int = 0  # > 0: every feed-forward is an ``MoE`` of that many experts
+    top_k: int = 2
 
 
 class Attention(nn.Module):
@@ -95,7 +99,12 @@ class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig) -> None:
         super().__init__()
         self.attention_norm, self.ffn_norm = nn.RMSNorm(cfg.dim), nn.RMSNorm(cfg.dim)
-        self.attention, self.feed_forward = Attention(cfg), FeedForward(cfg)
+        self.attention = Attention(cfg)
+        self.feed_forward: nn.Module = (
+            MoE(cfg.dim, cfg.hidden_mult * cfg.dim, cfg.n_experts, cfg.top_k)
+            if cfg.n_experts
+            else FeedForward(cfg)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x))
@@ -159,8 +168,29 @@ def parallelize(model: nn.Module, tp_mesh) -> nn.Module:
     layers = model.layers
     assert isinstance(layers, (nn.ModuleDict, nn.ModuleList))  # (a Llama's, or a chunk's)
     for layer in layers.values() if isinstance(layers, nn.ModuleDict) else layers:
-        parallelize_module(layer, tp_mesh, block)
+        plan = dict(block)
+        if isinstance(layer.feed_forward, MoE):
+            plan = {k: v for k, v in block.items() if not k.startswith("feed_forward")}
+            plan.update(_moe_plan())
+        parallelize_module(layer, tp_mesh, plan)
     return model
+
+
+def _moe_plan() -> dict:
+    """An ``MoE`` under sequence parallelism: it works on this tp rank's own tokens (its slice
+    of the sequence, as a local tensor, the residual stream's form), its router replicated
+    over tp (a ``Partial`` grad, as a norm's), its experts plain params (spread by
+    ``expert_parallel``, not by tp)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import PrepareModuleInput, SequenceParallel
+
+    sequence = (Shard(1),)
+    return {
+        "feed_forward": PrepareModuleInput(
+            input_layouts=sequence, desired_input_layouts=sequence, use_local_output=True
+        ),
+        "feed_forward.router": SequenceParallel(use_local_output=True),
+    }
 
 
 class LlamaChunk(nn.Module):
