@@ -78,3 +78,24 @@ def _ep_sharing_the_expert_group() -> str:
 def test_an_expert_parallel_group_sharing_ranks_with_the_expert_group_is_refused():
     for message in run_distributed(_ep_sharing_the_expert_group, 2, timeout=60):
         assert "share ranks [0, 1]" in message and "ep" in message
+
+
+def test_experts_spread_without_telling_flatshard_are_refused():
+    """Experts spread by ``expert_parallel`` but sharded as dense params would be averaged
+    with other ranks' experts: the model's first forward refuses it on every rank."""
+    with pytest.raises(RankError, match=r"would average different experts.*Experts\(edp_group") as info:
+        run_distributed(_experts_not_told, 4, timeout=60)
+    assert "failed too" in str(info.value)
+
+
+def _experts_not_told() -> None:
+    from _tensor_parallel import batches
+
+    from flatshard.toolkit.models.moe import expert_parallel
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
+    torch.manual_seed(0)
+    model = expert_parallel(Llama(LlamaConfig(n_experts=4)), mesh["ep"].get_group())
+    model = flatshard.shard(model, stage=1)
+    (idx, targets), *_ = batches(1, 2)
+    model(idx, targets)

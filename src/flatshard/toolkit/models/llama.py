@@ -236,11 +236,39 @@ def context_parallel(model: nn.Module, cp_group) -> nn.Module:
     process group ``cp_group``: each rank then takes the ``rank``-th contiguous slice of every
     sequence (``sequence_slice``), and its attention reads the keys and values of all
     earlier positions from the other ranks (an all-gather, as Llama 3's context parallelism
-    does). Returns ``model``."""
+    does). Once ``model`` is sharded, its first forward checks that flatshard's group holds
+    the cp ranks (``group=mesh["dp", "cp"]._flatten()``): over ``mesh["dp"]`` alone the cp
+    ranks' replicated params would drift apart. Returns ``model``."""
     for module in model.modules():
         if isinstance(module, Attention):
             module.cp_group = cp_group
+    import torch.distributed as dist
+
+    ranks = dist.get_process_group_ranks(cp_group)
+    if len(ranks) > 1:
+        handle = model.register_forward_pre_hook(lambda module, args: _check_cp_reduced(module, ranks, handle))
     return model
+
+
+@torch._dynamo.disable
+def _check_cp_reduced(model: nn.Module, ranks: list[int], handle) -> None:
+    """Raise unless flatshard (once it shards ``model``) reduces over every rank of ``ranks``."""
+    import torch.distributed as dist
+
+    state = getattr(model, "flatshard_state", None)
+    if state is None:
+        return  # (not sharded yet, or not by flatshard)
+    main = next(iter(state.sets.values()))
+    reduced = {dist.get_rank()}
+    for world in (main.world, main.replicate):  # (ranks a reduction reaches in one dimension)
+        reduced |= set(dist.get_process_group_ranks(world.group)) if world.group is not None else set()
+    if not set(ranks) <= set(reduced):
+        raise ValueError(
+            f"the model is context-parallel over the ranks {ranks}, but flatshard reduces its grads over "
+            f"{sorted(reduced)} only: each cp rank's params would drift from the others'. Shard over the "
+            'flattened dp x cp group, group=mesh["dp", "cp"]._flatten()'
+        )
+    handle.remove()
 
 
 def sequence_slice(tokens: torch.Tensor, rank: int, size: int) -> torch.Tensor:

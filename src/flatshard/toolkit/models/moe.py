@@ -123,8 +123,13 @@ def expert_parallel(model: nn.Module, ep_group) -> nn.Module:
     ``r`` of ``size`` keeps experts ``[r * n / size, (r + 1) * n / size)`` (``n`` must divide
     by ``size``; every rank must have built the model from the same seed) and exchanges
     tokens with the others. Each rank's tokens must be its own (sequence parallelism gives
-    tp ranks theirs). Returns ``model``."""
+    tp ranks theirs). Once ``model`` is sharded, its first forward checks that flatshard was
+    told (``Experts(edp, is_expert, ep=ep_group)``): otherwise it would reduce different
+    experts together as one dense param. Returns ``model``."""
     size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
+    if size > 1 and any(isinstance(m, MoE) for m in model.modules()):
+        ranks = dist.get_process_group_ranks(ep_group)
+        handle = model.register_forward_pre_hook(lambda module, args: _check_told(module, ranks, handle))
     for name, module in model.named_modules():
         if isinstance(module, MoE):
             if module.n_experts % size:
@@ -136,3 +141,29 @@ def expert_parallel(model: nn.Module, ep_group) -> nn.Module:
                 setattr(experts, key, nn.Parameter(share, requires_grad=param.requires_grad))
             module.ep_group = ep_group
     return model
+
+
+@torch._dynamo.disable
+def _check_told(model: nn.Module, ranks: list[int], handle) -> None:
+    """Raise unless flatshard holds every expert param of ``model`` (once sharded) in its
+    expert buffers, with ``ranks`` as the expert-parallel group where one is named."""
+    state = getattr(model, "flatshard_state", None)
+    if state is None:
+        return  # (not sharded yet, or not by flatshard)
+    held = {id(p) for p in state.sets["expert"].params} if "expert" in state.sets else set()
+    for name, param in model.named_parameters():
+        if is_expert(name, param) and param.requires_grad and id(param) not in held:
+            raise ValueError(
+                f"{name!r} holds this rank's share of experts spread over the expert-parallel ranks "
+                f"{ranks}, but flatshard holds it as a dense param reduced over its group, which would "
+                "average different experts: shard(model, expert=flatshard.Experts(edp_group, is_expert, "
+                "ep=ep_group))"
+            )
+    spread = state.grad_sync.experts
+    if spread is not None and not spread.in_main and spread.over.group is not None:
+        named = dist.get_process_group_ranks(spread.over.group)
+        if sorted(named) != sorted(ranks):
+            raise ValueError(
+                f"Experts(ep=...) names the ranks {sorted(named)}, but the experts are spread over {ranks}"
+            )
+    handle.remove()
