@@ -12,8 +12,9 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import flatshard
 from _experts import LAYOUTS, train_experts
+from _tensor_parallel import batches
 from flatshard.toolkit.models.llama import Llama, LlamaConfig
-from flatshard.toolkit.models.moe import is_expert
+from flatshard.toolkit.models.moe import expert_parallel, is_expert
 from flatshard.toolkit.ranks import RankError
 from flatshard.toolkit.testing import run_distributed
 
@@ -89,10 +90,6 @@ def test_experts_spread_without_telling_flatshard_are_refused():
 
 
 def _experts_not_told() -> None:
-    from _tensor_parallel import batches
-
-    from flatshard.toolkit.models.moe import expert_parallel
-
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("edp", "ep"))
     torch.manual_seed(0)
     model = expert_parallel(Llama(LlamaConfig(n_experts=4)), mesh["ep"].get_group())

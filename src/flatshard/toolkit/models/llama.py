@@ -246,7 +246,8 @@ def context_parallel(model: nn.Module, cp_group) -> nn.Module:
 
     ranks = dist.get_process_group_ranks(cp_group)
     if len(ranks) > 1:
-        handle = model.register_forward_pre_hook(lambda module, args: _check_cp_reduced(module, ranks, handle))
+        check = lambda module, args: _check_cp_reduced(module, ranks, handle)  # noqa: E731
+        handle = model.register_forward_pre_hook(check)
     return model
 
 
