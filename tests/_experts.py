@@ -27,6 +27,8 @@ LAYOUTS = {
     "tp2xdp2-ep-on-tp": ((2, 2), ("dp", "tp"), "dp", "tp", "dp", "tp"),
     # TP2 x DP2, experts spread over dp, copies over tp (the expert-dp group is the tp one)
     "tp2xdp2-ep-on-dp": ((2, 2), ("dp", "tp"), "dp", "dp", "tp", "tp"),
+    # one expert a rank, no copies (checkpoints move here)
+    "ep4": ((1, 4), ("edp", "ep"), None, "ep", "edp", None),
 }
 
 
@@ -107,3 +109,57 @@ def _full_values(model, ep_group) -> dict[str, torch.Tensor]:
             value = torch.cat(parts)
         values[n] = value
     return values
+
+
+def checkpoint_leg(
+    path: str, layout: str | None, stage: int, save: bool, steps: int = 2, batch: int = 4
+) -> dict:
+    """One leg of a run that moves between layouts: the MoE Llama in ``layout`` (None: one
+    process, every expert its own) at ``stage`` with SGD and momentum. ``save``: train
+    ``steps`` steps, save to ``path``, train ``steps`` more; else load ``path`` and train the
+    next ``steps``. The global batch is ``batch`` sequences a step, split over dp. Returns
+    the mean losses after the save point and the full params there (experts gathered)."""
+    torch.manual_seed(0)
+    model = Llama(CFG)
+    group = ep_group = experts = None
+    dp_rank, dp = 0, 1
+    if layout is not None:
+        shape, dims, dp_dim, ep_dim, edp_dim, tp_dim = LAYOUTS[layout]
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
+        if tp_dim is not None:
+            parallelize(model, mesh[tp_dim])
+        ep_group = mesh[ep_dim].get_group()
+        expert_parallel(model, ep_group)
+        experts = flatshard.Experts(mesh[edp_dim], is_expert, ep=mesh[ep_dim])
+        group = mesh[dp_dim] if dp_dim is not None else None
+        dp_rank = mesh[dp_dim].get_local_rank() if dp_dim is not None else dist.get_rank()
+        dp = mesh[dp_dim].size() if dp_dim is not None else dist.get_world_size()
+    model = flatshard.shard(model, stage=stage, group=group, expert=experts)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
+    data = batches(2 * steps, batch)
+    mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
+    if save:
+        for idx, targets in data[:steps]:
+            model(idx[mine], targets[mine]).backward()
+            opt.step()
+            opt.zero_grad()
+        flatshard.save_checkpoint(path, model, opt)
+    else:
+        flatshard.load_checkpoint(path, model, opt)
+    with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
+        at_save_point = (
+            _full_values(model, ep_group)
+            if ep_group is not None
+            else {n: p.detach().clone() for n, p in model.named_parameters()}
+        )
+    losses = []
+    for idx, targets in data[steps:]:
+        loss = model(idx[mine], targets[mine])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        if dist.is_initialized() and dp > 1:
+            dist.all_reduce(mean, group=None if group is None else group.get_group())
+        losses.append(mean.item() / dp)
+    return {"losses": losses, "params": at_save_point}

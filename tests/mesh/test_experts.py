@@ -96,3 +96,26 @@ def _experts_not_told() -> None:
     model = flatshard.shard(model, stage=1)
     (idx, targets), *_ = batches(1, 2)
     model(idx, targets)
+
+
+def _whole_values_refused(path: str) -> list[str]:
+    mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("edp", "ep"))
+    messages = []
+    for ep in (mesh["ep"], None):
+        torch.manual_seed(0)
+        model = expert_parallel(Llama(LlamaConfig(n_experts=4)), mesh["ep"].get_group())
+        model = flatshard.shard(model, expert=flatshard.Experts(mesh["edp"], is_expert, ep=ep))
+        try:
+            model.full_state_dict() if ep is not None else flatshard.save_checkpoint(path, model)
+        except NotImplementedError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_whole_values_an_expert_parallel_model_cannot_give_are_refused(tmp_path):
+    """``full_state_dict()`` would give rank 0's experts only: refused, naming the checkpoint
+    and export that give them all; a checkpoint needs the ep group to stack the shares."""
+    for full, save in run_distributed(_whole_values_refused, 2, str(tmp_path / "ckpt"), timeout=60):
+        assert "each rank holds only its own experts" in full and "export_checkpoint" in full
+        assert "no expert-parallel group" in save and "ep=" in save
+    assert not (tmp_path / "ckpt").exists()

@@ -36,9 +36,37 @@ def param_names(model: nn.Module) -> dict[int, str]:
 
 
 def model_shapes(model: nn.Module) -> dict[str, tuple[list[int], str]]:
-    """Every param and persistent buffer: name -> (shape, dtype), as the manifest keeps them."""
+    """Every param and persistent buffer: name -> (shape, dtype), as the manifest keeps them
+    (an expert param whole: its ep ranks' shares stacked along dim 0)."""
     tensors = [*_unwrap(model).named_parameters(), *_persistent_buffers(model)]
-    return {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors}
+    shapes = {name: (list(t.shape), str(t.dtype).removeprefix("torch.")) for name, t in tensors}
+    for name, (_, size) in expert_shares(model).items():
+        shape, dtype = shapes[name]
+        shapes[name] = ([shape[0] * size, *shape[1:]], dtype)
+    return shapes
+
+
+def expert_shares(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """Expert param name -> (this rank's place in the expert-parallel group, its size): a
+    checkpoint keeps each expert param whole, the shares of the ep ranks stacked along dim 0
+    in rank order, as torchtitan's and the toolkit's stacked experts are ([Note: expert
+    parallelism] in ``wrap/plan.py``)."""
+    state = model.flatshard_state if isinstance(model, ShardedModule) else None
+    spread = state.grad_sync.experts if state is not None else None
+    if state is None or spread is None:
+        return {}
+    if spread.in_main:
+        raise NotImplementedError(
+            "checkpoints of a model whose experts have no expert-parallel group: name it, "
+            "shard(expert=flatshard.Experts(group, match, ep=...)), and each expert param is saved "
+            "whole (the ep ranks' shares stacked along dim 0)"
+        )
+    shares = {}
+    for name, param in zip(state.sets["expert"].names, state.sets["expert"].params, strict=True):
+        if param.dim() == 0 or is_distributed(param):
+            raise NotImplementedError(f"checkpoints of a 0-d or tensor-parallel expert param ({name!r})")
+        shares[name] = (spread.over.rank, spread.over.size)
+    return shares
 
 
 def check_shapes(
@@ -90,13 +118,8 @@ def _numels(layout) -> dict[str, int]:
 def _sharded_sets(model: nn.Module):
     if not isinstance(model, ShardedModule):
         return None
-    state = model.flatshard_state
-    if "expert" in state.sets:
-        raise NotImplementedError(
-            "checkpoints of models with expert params (shard(expert=...)) are not supported yet: "
-            "expert params share names across expert ranks"
-        )
-    return state
+    expert_shares(model)  # (refuses experts without their ep group)
+    return model.flatshard_state
 
 
 def param_dtype_shards(model: nn.Module) -> AbstractContextManager:
@@ -372,18 +395,24 @@ def param_optimizer_to_load(
 # -- tensor-parallel params ([Note: tensor-parallel params]) ---------------------------------------
 def globalize(state: dict[str, Any], model: nn.Module) -> dict[str, Any]:
     """``state`` with every piece of a tensor-parallel param (elements of its flattened
-    local shard) as runs of the flattened full param: what a checkpoint keeps, so that one
-    written at any tp x dp layout loads at any other, or into the plain model."""
+    local shard) as runs of the flattened full param, and of an expert param as a run of
+    the stacked whole (``expert_shares``): what a checkpoint keeps, so that one written at
+    any tp x dp (x ep) layout loads at any other, or into the plain model."""
     split = {n: p for n, p in _unwrap(model).named_parameters(remove_duplicate=False) if is_distributed(p)}
-    if not split:
+    shares = expert_shares(model)
+    if not split and not shares:
         return state
     for key, value in state.items():
-        param = split.get(_param_name(key)) if isinstance(value, Piece) else None
-        if param is None:
+        if not isinstance(value, Piece):
             continue
-        lo, hi = value.offset, value.offset + value.tensor.numel()
-        runs = tuple((start, a - lo, b - lo) for start, a, b in global_runs(param, lo, hi))
-        state[key] = Piece(param.numel(), 0, value.tensor, runs)
+        name, lo, hi = _param_name(key), value.offset, value.offset + value.tensor.numel()
+        if name in split:
+            runs = tuple((start, a - lo, b - lo) for start, a, b in global_runs(split[name], lo, hi))
+            state[key] = Piece(split[name].numel(), 0, value.tensor, runs)
+        elif name in shares:  # (this rank's share: one run of the stacked whole)
+            rank, size = shares[name]
+            runs = ((rank * value.numel + lo, 0, hi - lo),) if hi > lo else ()
+            state[key] = Piece(value.numel * size, 0, value.tensor, runs)
     return state
 
 

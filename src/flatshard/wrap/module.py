@@ -234,6 +234,12 @@ class ShardedModule(nn.Module):
         ``wrap/record.py``); ``dtype`` casts every floating-point entry."""
         state = self._flatshard
         check_dtype(dtype)  # (on every rank, before any gather)
+        if "expert" in state.sets:
+            raise NotImplementedError(
+                "full_state_dict of a model with experts: each rank holds only its own experts. "
+                "save_checkpoint stores them whole (with shard(expert=Experts(..., ep=...))), and "
+                "flatshard.export_checkpoint writes the full model from that checkpoint"
+            )
         state.wait_for_params()
         rank0 = state.param_sets()[0].world.rank == 0 and replicate_rank(state) == 0
         with HERE.during(Phase.GATHER):

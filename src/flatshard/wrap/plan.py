@@ -68,9 +68,16 @@ FROZEN = "frozen"
 #   is a ``ValueError`` naming tp and ``Experts(ep=...)`` on every rank alike: experts that
 #   differ over tp without ``ep`` would otherwise clip each tp rank by its own norm and
 #   split the replicated params apart.
+# * **Checkpoints keep each expert param whole**: the shares of the ep ranks stacked along
+#   dim 0 in rank order (``expert_shares`` in ``checkpoint/state.py``), the layout of
+#   torchtitan's stacked experts, so a checkpoint moves between ep sizes and one process as a
+#   tp one does. Names alike on every ep rank with shapes that do not stack (a rank's own
+#   experts as modules numbered from 0) load back at the same ep size; at another the
+#   stacked shape is refused by name.
 # * **Refused:** ``ep`` sharing a rank other than this one with ``group`` (one would count
-#   twice); checkpoints of a model with experts (names alike across ep would collide,
-#   ``checkpoint/state.py``).
+#   twice); a checkpoint without ``ep`` (nothing says how the shares stack);
+#   ``full_state_dict()`` of a model with experts (rank 0 holds only its own: the
+#   checkpoint and ``export_checkpoint`` give them all).
 
 
 @dataclass(frozen=True)

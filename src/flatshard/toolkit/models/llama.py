@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from flatshard.toolkit.models.moe import MoE
+from flatshard.toolkit.models.moe import MoE, check_when_sharded
 
 
 @dataclass(frozen=True)
@@ -246,19 +246,14 @@ def context_parallel(model: nn.Module, cp_group) -> nn.Module:
 
     ranks = dist.get_process_group_ranks(cp_group)
     if len(ranks) > 1:
-        check = lambda module, args: _check_cp_reduced(module, ranks, handle)  # noqa: E731
-        handle = model.register_forward_pre_hook(check)
+        check_when_sharded(model, lambda state: _check_cp_reduced(state, ranks))
     return model
 
 
-@torch._dynamo.disable
-def _check_cp_reduced(model: nn.Module, ranks: list[int], handle) -> None:
-    """Raise unless flatshard (once it shards ``model``) reduces over every rank of ``ranks``."""
+def _check_cp_reduced(state, ranks: list[int]) -> None:
+    """Raise unless flatshard reduces the model's grads over every rank of ``ranks``."""
     import torch.distributed as dist
 
-    state = getattr(model, "flatshard_state", None)
-    if state is None:
-        return  # (not sharded yet, or not by flatshard)
     main = next(iter(state.sets.values()))
     reduced = {dist.get_rank()}
     for world in (main.world, main.replicate):  # (ranks a reduction reaches in one dimension)
@@ -269,7 +264,6 @@ def _check_cp_reduced(model: nn.Module, ranks: list[int], handle) -> None:
             f"{sorted(reduced)} only: each cp rank's params would drift from the others'. Shard over the "
             'flattened dp x cp group, group=mesh["dp", "cp"]._flatten()'
         )
-    handle.remove()
 
 
 def sequence_slice(tokens: torch.Tensor, rank: int, size: int) -> torch.Tensor:

@@ -129,7 +129,7 @@ def expert_parallel(model: nn.Module, ep_group) -> nn.Module:
     size, rank = dist.get_world_size(ep_group), dist.get_rank(ep_group)
     if size > 1 and any(isinstance(m, MoE) for m in model.modules()):
         ranks = dist.get_process_group_ranks(ep_group)
-        handle = model.register_forward_pre_hook(lambda module, args: _check_told(module, ranks, handle))
+        check_when_sharded(model, lambda state: _check_told(model, state, ranks))
     for name, module in model.named_modules():
         if isinstance(module, MoE):
             if module.n_experts % size:
@@ -143,13 +143,23 @@ def expert_parallel(model: nn.Module, ep_group) -> nn.Module:
     return model
 
 
-@torch._dynamo.disable
-def _check_told(model: nn.Module, ranks: list[int], handle) -> None:
-    """Raise unless flatshard holds every expert param of ``model`` (once sharded) in its
-    expert buffers, with ``ranks`` as the expert-parallel group where one is named."""
-    state = getattr(model, "flatshard_state", None)
-    if state is None:
-        return  # (not sharded yet, or not by flatshard)
+def check_when_sharded(model: nn.Module, check) -> None:
+    """Call ``check(flatshard_state)`` before ``model``'s first forward after flatshard
+    sharded it (then never again); before that, every forward looks."""
+
+    @torch._dynamo.disable
+    def hook(module: nn.Module, args) -> None:
+        state = getattr(module, "flatshard_state", None)
+        if state is not None:  # (sharded by flatshard now)
+            check(state)
+            handle.remove()
+
+    handle = model.register_forward_pre_hook(hook)
+
+
+def _check_told(model: nn.Module, state, ranks: list[int]) -> None:
+    """Raise unless flatshard holds every expert param of ``model`` in its expert buffers,
+    with ``ranks`` as the expert-parallel group where one is named."""
     held = {id(p) for p in state.sets["expert"].params} if "expert" in state.sets else set()
     for name, param in model.named_parameters():
         if is_expert(name, param) and param.requires_grad and id(param) not in held:
@@ -166,4 +176,3 @@ def _check_told(model: nn.Module, ranks: list[int], handle) -> None:
             raise ValueError(
                 f"Experts(ep=...) names the ranks {sorted(named)}, but the experts are spread over {ranks}"
             )
-    handle.remove()
