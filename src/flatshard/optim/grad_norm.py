@@ -8,6 +8,7 @@ import torch
 
 from flatshard.comm.collectives import all_reduce
 from flatshard.comm.world import World
+from flatshard.engine.grad_view import norm_chunks
 from flatshard.engine.tensor_parallel import TensorParallel, check_alike_over_tp
 from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.shards import BufferShards
@@ -91,5 +92,6 @@ def _squares(shards: BufferShards, tp: TensorParallel | None) -> torch.Tensor:
     kinds = (grads, []) if tp is None else shards.grad_pieces(tp.split)
     for i, pieces in enumerate(kinds):
         if pieces:
-            out[i] = torch.stack(torch._foreach_norm(pieces, 2, dtype=wide)).double().square().sum()
+            norms = torch._foreach_norm(norm_chunks(pieces), 2, dtype=wide)  # (NORM_CHUNK elements each)
+            out[i] = torch.stack(norms).double().square().sum()
     return out
