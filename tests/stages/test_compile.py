@@ -154,5 +154,7 @@ def _checkpoint_of_compiled(path: str) -> bool:
 def test_checkpoints_and_reports_take_the_compiled_wrapper(tmp_path):
     same_report = run_distributed(_checkpoint_of_compiled, 2, str(tmp_path / "ckpt"), timeout=300)
     assert same_report == [True, True]
-    keys = set(flatshard.checkpoint.directory.read_manifest(str(tmp_path / "ckpt"))["params"])
+    from flatshard.checkpoint.directory import read_manifest  # (not an attribute until imported)
+
+    keys = set(read_manifest(str(tmp_path / "ckpt"))["params"])
     assert keys and not any(k.startswith("_orig_mod") for k in keys), sorted(keys)[:3]
