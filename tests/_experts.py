@@ -40,20 +40,24 @@ def train_experts(
     batch: int = 2,
     name_ep: bool = True,
     expert_scale: float | None = None,
+    compile: bool = False,
 ) -> dict:
     """At each of ``stages``: the MoE Llama in ``layout`` (``LAYOUTS``) under flatshard with
-    ``Experts(edp, is_expert, expert_scale, ep=ep)`` (``name_ep`` False: without ``ep``), SGD with momentum,
+    ``Experts(edp, is_expert, expert_scale, ep=ep)`` (``name_ep`` False: without ``ep``;
+    ``compile``: the forward through ``torch.compile``), SGD with momentum,
     grads clipped by the optimizer on odd steps and by torch's ``clip_grad_norm_`` on even
     ones, beside the same model in one process on the whole batch. Per stage: each step's
     loss and norm differences, each param's largest difference relative to its largest
     value, the reference's last norm."""
     shape, dims, dp_dim, ep_dim, edp_dim, tp_dim = LAYOUTS[layout]
     mesh = init_device_mesh("cpu", shape, mesh_dim_names=dims)
-    run = (mesh, dp_dim, ep_dim, edp_dim, tp_dim, steps, batch, name_ep, expert_scale)
+    run = (mesh, dp_dim, ep_dim, edp_dim, tp_dim, steps, batch, name_ep, expert_scale, compile)
     return {stage: _train(stage, *run) for stage in stages}
 
 
-def _train(stage, mesh, dp_dim, ep_dim, edp_dim, tp_dim, steps, batch, name_ep, expert_scale) -> dict:
+def _train(
+    stage, mesh, dp_dim, ep_dim, edp_dim, tp_dim, steps, batch, name_ep, expert_scale, compile
+) -> dict:
     torch.manual_seed(0)
     reference = Llama(CFG)
     model = copy.deepcopy(reference)
@@ -70,12 +74,13 @@ def _train(stage, mesh, dp_dim, ep_dim, edp_dim, tp_dim, steps, batch, name_ep, 
     )
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
+    run = torch.compile(model) if compile else model
     out: dict = {"loss": [], "norm": []}
     for step, (idx, targets) in enumerate(batches(steps, batch * dp)):
         ref_loss = reference(idx, targets)
         ref_loss.backward()
         mine = slice(dp_rank * batch, (dp_rank + 1) * batch)
-        loss = model(idx[mine], targets[mine])
+        loss = run(idx[mine], targets[mine])
         loss.backward()
         if step % 2:
             norm = opt.clip_grad_norm_(0.5)

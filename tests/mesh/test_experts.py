@@ -48,6 +48,15 @@ def test_expert_parallel_follows_one_process_at_every_stage(layout):
     assert all(r == results[0] for r in results[1:])  # (every rank measured the same)
 
 
+def test_compiled_expert_parallelism_follows_one_process():
+    """The same at stage 3, EP2 x EDP2, with the model's forward through ``torch.compile``
+    (the dispatcher's ``tolist`` of token counts and the all-to-all included)."""
+    (r, *_) = run_distributed(train_experts, 4, "ep2xedp2", [3], compile=True, timeout=600)
+    for key in ("loss", "norm"):
+        assert max(r[3][key]) < RELATIVE, (key, r[3][key])
+    assert max(r[3]["params"].values()) < RELATIVE
+
+
 def test_experts_scaled_by_their_own_group_leave_the_curve():
     """The sensitivity of the parity above: expert grads scaled 1 / edp (flatshard's default
     before, dp / edp = 2x the mean over dp that DDP trains on) leave the one-process curve."""
