@@ -303,15 +303,17 @@ def planned_and_measured(stage: int, micro: int) -> dict:
     return {"plan": plan.as_dict(), "measured": flatshard.memory_report(model, opt).as_dict(), "sent": sent}
 
 
-def train_tp_pp(stages: list[int], steps: int = 3, batch: int = 4) -> dict:
+def train_tp_pp(stages: list[int], steps: int = 3, batch: int = 4, dp: int = 1) -> dict:
     """At each of ``stages``: each pipeline chunk of the Llama made tensor-parallel by
-    torchtitan's plan, on a (pp, dp, tp) = (2, 1, 2) mesh, under 1F1B with 2 micro-batches,
-    clipped by the optimizer. Per stage: each step's loss (last pipeline stage) and norm, and
-    the chunk's params gathered in full over tp."""
+    torchtitan's plan, on a (pp, dp, tp) = (2, ``dp``, 2) mesh (each dp rank its slice of
+    the batch), under 1F1B with 2 micro-batches, clipped by the optimizer. Per stage: each
+    step's loss (the mean over dp, on the last pipeline stage) and norm, and the chunk's
+    params gathered in full over tp."""
     from torch.distributed.tensor import DTensor
 
-    mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("pp", "dp", "tp"))
-    pp = mesh["pp"].get_local_rank()
+    mesh = init_device_mesh("cpu", (2, dp, 2), mesh_dim_names=("pp", "dp", "tp"))
+    pp, dp_rank = mesh["pp"].get_local_rank(), mesh["dp"].get_local_rank()
+    mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
     out = {}
     for stage in stages:
         torch.manual_seed(0)
@@ -323,11 +325,11 @@ def train_tp_pp(stages: list[int], steps: int = 3, batch: int = 4) -> dict:
         r: dict = {"loss": [], "norm": []}
         for idx, targets in batches(steps, batch):
             losses: list[torch.Tensor] = []
-            run.step(idx, target=targets, losses=losses)
+            run.step(idx[mine], target=targets[mine], losses=losses)
             r["norm"].append(opt.clip_grad_norm_(MAX_NORM).item())
             opt.step()
             opt.zero_grad()
-            r["loss"].append(torch.stack(losses).mean().item() if losses else None)
+            r["loss"].append(_mean_loss(losses, mesh, dp))
         with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
             r["params"] = {
                 n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
