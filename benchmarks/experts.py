@@ -27,13 +27,10 @@ Prints a table; writes JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 import torch.distributed as dist
 
-from side_by_side import report, time_rounds
+from side_by_side import arguments, report, time_rounds, train_step
 
 WORLD, EP = 4, 2
 PEERS = ["fsdp2", "flatshard-0", "flatshard-1", "flatshard-2", "flatshard-3"]
@@ -86,15 +83,6 @@ def _clip_with_ep(params, ep_group, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def _step(model, opt, clip, batch) -> float:
-    loss = model(*batch)
-    loss.backward()
-    clip()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
-
-
 def _rank(steps: int, rounds: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -107,7 +95,7 @@ def _rank(steps: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(100 + dist.get_rank())  # (each rank its own data)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:])
-    times, losses = time_rounds(PEERS, lambda peer: _step(*built[peer][:3], batch), steps, rounds)
+    times, losses = time_rounds(PEERS, lambda peer: train_step(*built[peer][:3], batch), steps, rounds)
     memory = {peer: memory_report(m, o).as_dict() for peer, (m, o, _, _) in built.items()}
     return {"times": times, "memory": memory, "losses": losses}
 
@@ -115,11 +103,7 @@ def _rank(steps: int, rounds: int) -> dict:
 def main() -> None:
     from flatshard.toolkit import testing
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}-experts.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, "experts")
     result = testing.run_distributed(_rank, WORLD, args.steps, args.rounds, timeout=3000, reuse=False)[0]
     title = f"EP{EP} x EDP{WORLD // EP} (dense over {WORLD}), gloo, {args.rounds} rounds x {args.steps} steps"
     meta = {"world": WORLD, "ep": EP, "steps": args.steps, "rounds": args.rounds}

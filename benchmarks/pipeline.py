@@ -24,13 +24,10 @@ Peers are timed in rotating rounds (``side_by_side.py``); model state is rank 0'
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 import torch.distributed as dist
 
-from side_by_side import report, time_rounds
+from side_by_side import arguments, report, time_rounds
 
 WORLD, PP, MICRO, BATCH = 4, 2, 4, 16
 PEERS = ["fsdp2+pp", "flatshard-0+pp", "flatshard-1+pp", "flatshard-2+pp", "flatshard-2+torch-stage"]
@@ -104,11 +101,7 @@ def _rank(steps: int, rounds: int) -> dict:
 def main() -> None:
     from flatshard.toolkit import testing
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument("--out", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}-pipeline.json")
-    args = parser.parse_args()
+    args = arguments(__doc__, "pipeline", steps=4)
     results = testing.run_distributed(_rank, WORLD, args.steps, args.rounds, timeout=3000, reuse=False)
     result, last = results[0], results[-1]  # (the last pipeline stage's ranks have the losses)
     title = f"PP{PP} x DP{WORLD // PP}, 1F1B, {MICRO} micro-batches, gloo, {args.rounds} x {args.steps} steps"

@@ -1,5 +1,6 @@
-"""What the mesh benchmarks (``tensor_parallel.py``, ``pipeline.py``) share: timing every peer
-in rotating rounds on the same ranks, and the table and JSON of the results.
+"""What the mesh benchmarks (``tensor_parallel.py``, ``pipeline.py``, ``experts.py``) share:
+their command line, one training step, timing every peer in rotating rounds on the same
+ranks, and the table and JSON of the results.
 
 A round times every peer for ``steps`` steps after one untimed step, starting at another
 peer each round; a step's time is the slowest rank's. A peer's figure is its median step
@@ -8,6 +9,7 @@ first peer's median."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -16,6 +18,25 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+
+
+def arguments(doc: str, name: str, steps: int = 5) -> argparse.Namespace:
+    """``--steps``, ``--rounds`` and ``--out`` (today's ``benchmarks/results/<date>-<name>.json``)."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=steps)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--out", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}-{name}.json")
+    return parser.parse_args()
+
+
+def train_step(model, opt, clip, batch) -> float:
+    """Forward and backward of ``batch`` (model inputs), ``clip()``, the step; the loss."""
+    loss = model(*batch)
+    loss.backward()
+    clip()
+    opt.step()
+    opt.zero_grad()
+    return loss.item()
 
 
 def time_rounds(

@@ -21,12 +21,9 @@ Prints a table; writes JSON to ``--out``.
 
 from __future__ import annotations
 
-import argparse
-import time
-
 import torch
 
-from side_by_side import report, time_rounds
+from side_by_side import arguments, report, time_rounds, train_step
 
 WORLD, TP = 4, 2
 PEERS = ["fsdp2+tp", "fsdp2-keep+tp", "flatshard-0+tp", "flatshard-1+tp", "flatshard-2+tp"]
@@ -59,15 +56,6 @@ def _build(peer: str, mesh):
     return model, opt, clip, cfg
 
 
-def _step(model, opt, clip, batch) -> float:
-    loss = model(*batch)
-    loss.backward()
-    clip()
-    opt.step()
-    opt.zero_grad()
-    return loss.item()
-
-
 def _rank(steps: int, rounds: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -80,7 +68,7 @@ def _rank(steps: int, rounds: int) -> dict:
     g = torch.Generator().manual_seed(100 + dp_rank)  # (each dp rank its own data, tp ranks alike)
     tokens = torch.randint(0, cfg.vocab_size, (BATCH, cfg.seq_len + 1), generator=g)
     batch = (tokens[:, :-1], tokens[:, 1:])
-    times, losses = time_rounds(PEERS, lambda peer: _step(*built[peer][:3], batch), steps, rounds)
+    times, losses = time_rounds(PEERS, lambda peer: train_step(*built[peer][:3], batch), steps, rounds)
     memory = {peer: memory_report(m, o).as_dict() for peer, (m, o, _, _) in built.items()}
     return {"times": times, "memory": memory, "losses": losses}
 
@@ -88,13 +76,7 @@ def _rank(steps: int, rounds: int) -> dict:
 def main() -> None:
     from flatshard.toolkit import testing
 
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--rounds", type=int, default=5)
-    parser.add_argument(
-        "--out", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}-tensor-parallel.json"
-    )
-    args = parser.parse_args()
+    args = arguments(__doc__, "tensor-parallel")
     result = testing.run_distributed(_rank, WORLD, args.steps, args.rounds, timeout=3000, reuse=False)[0]
     title = f"TP{TP} x DP{WORLD // TP}, gloo, {args.rounds} rounds x {args.steps} steps"
     meta = {"world": WORLD, "tp": TP, "steps": args.steps, "rounds": args.rounds}

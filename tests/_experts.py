@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -13,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import flatshard
-from _tensor_parallel import batches
+from _tensor_parallel import batches, save_or_load_and_continue
 from flatshard.toolkit.models.llama import Llama, LlamaConfig, parallelize
 from flatshard.toolkit.models.moe import expert_parallel, is_expert
 
@@ -141,30 +142,13 @@ def checkpoint_leg(
         dp = mesh[dp_dim].size() if dp_dim is not None else dist.get_world_size()
     model = flatshard.shard(model, stage=stage, group=group, expert=experts)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
-    data = batches(2 * steps, batch)
     mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
-    if save:
-        for idx, targets in data[:steps]:
-            model(idx[mine], targets[mine]).backward()
-            opt.step()
-            opt.zero_grad()
-        flatshard.save_checkpoint(path, model, opt)
-    else:
-        flatshard.load_checkpoint(path, model, opt)
-    with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
-        at_save_point = (
-            _full_values(model, ep_group)
-            if ep_group is not None
-            else {n: p.detach().clone() for n, p in model.named_parameters()}
-        )
-    losses = []
-    for idx, targets in data[steps:]:
-        loss = model(idx[mine], targets[mine])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mean = loss.detach().clone()
-        if dist.is_initialized() and dp > 1:
-            dist.all_reduce(mean, group=None if group is None else group.get_group())
-        losses.append(mean.item() / dp)
-    return {"losses": losses, "params": at_save_point}
+    dp_group = None if group is None else group.get_group()
+    values = partial(_full_values, ep_group=ep_group) if ep_group is not None else _plain_values
+    return save_or_load_and_continue(
+        path, model, opt, save, batches(2 * steps, batch), mine, dp_group, values
+    )
+
+
+def _plain_values(model) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters()}

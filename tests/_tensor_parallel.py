@@ -208,8 +208,18 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
         group, dp_rank, dp = None, dist.get_rank(), world
     model = flatshard.shard(model, stage=stage, group=group)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
-    data = batches(2 * steps, batch)
     mine = slice(dp_rank * batch // dp, (dp_rank + 1) * batch // dp)
+    dp_group = None if group is None else group.get_group()
+    return save_or_load_and_continue(
+        path, model, opt, save, batches(2 * steps, batch), mine, dp_group, full_values
+    )
+
+
+def save_or_load_and_continue(path, model, opt, save: bool, data, mine: slice, dp_group, values) -> dict:
+    """``save``: train on the first half of ``data`` (this rank's ``mine`` of each batch),
+    save to ``path``; else load it. Then train on the second half. Returns the mean losses
+    over dp of the second half and ``values(model)`` at the save point (gathered at stage 3)."""
+    steps = len(data) // 2
     if save:
         for idx, targets in data[:steps]:
             model(idx[mine], targets[mine]).backward()
@@ -218,8 +228,10 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
         flatshard.save_checkpoint(path, model, opt)
     else:
         flatshard.load_checkpoint(path, model, opt)
-    with model.summon_full_params() if stage == 3 else contextlib.nullcontext():
-        at_save_point = full_values(model)
+    stage3 = model.flatshard_state.policy.gathers_units
+    with model.summon_full_params() if stage3 else contextlib.nullcontext():
+        at_save_point = values(model)
+    dp = dist.get_world_size(dp_group) if dist.is_initialized() else 1
     losses = []
     for idx, targets in data[steps:]:
         loss = model(idx[mine], targets[mine])
@@ -228,7 +240,7 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
         opt.zero_grad()
         mean = loss.detach().clone()
         if dp > 1:
-            dist.all_reduce(mean, group=None if group is None else group.get_group())
+            dist.all_reduce(mean, group=dp_group)
         losses.append(mean.item() / dp)
     return {"losses": losses, "params": at_save_point}
 
