@@ -258,9 +258,10 @@ class GradViews:
         parts = [sums[key] for key in split]
         if not parts and total is None:
             return
-        joined = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64)
+        device = (parts or rest)[0].device
+        joined = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
         if total is not None:
-            joined = torch.cat([joined, torch.stack([total, total.square()]).to(joined.device)])
+            joined = torch.cat([joined, torch.stack([total, total.square()])])
         all_reduce(joined, tp.world, stats=self._stats, op=op).wait()
         if total is not None:
             check_alike_over_tp(joined[-2], joined[-1], tp)
