@@ -53,7 +53,9 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(n_experts, dim, hidden)
         self.ep_group: object = None  # (expert_parallel: the ranks holding the other experts)
 
+    @torch._dynamo.disable  # (routing sizes change every step: each would recompile)
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Eager under ``torch.compile``: how many tokens each expert gets changes every step."""
         scores = self.router(x)
         tokens = x.reshape(-1, x.shape[-1])
         probs = scores.reshape(-1, self.n_experts).float().softmax(-1)
