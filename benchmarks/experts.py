@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from side_by_side import arguments, report, time_rounds, train_step
+from side_by_side import arguments, llama_config, report, time_rounds, train_step
 
 WORLD, EP = 4, 2
 PEERS = ["fsdp2", "flatshard-0", "flatshard-1", "flatshard-2", "flatshard-3"]
@@ -39,13 +39,11 @@ BATCH = 8
 
 def _build(peer: str, mesh):
     import flatshard
-    from flatshard.toolkit.models.llama import Llama, LlamaConfig
+    from flatshard.toolkit.models.llama import Llama
     from flatshard.toolkit.models.moe import expert_parallel, is_expert
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512, dim=256, n_heads=8, n_layers=4, seq_len=64, hidden_mult=2, init_std=0.02, n_experts=8
-    )
+    cfg = llama_config(hidden_mult=2, n_experts=8)
     model = expert_parallel(Llama(cfg), mesh["ep"].get_group())
     if peer == "fsdp2":
         from torch.distributed.fsdp import fully_shard

@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from side_by_side import arguments, report, time_rounds
+from side_by_side import arguments, llama_config, report, time_rounds
 
 WORLD, PP, MICRO, BATCH = 4, 2, 4, 16
 PEERS = ["fsdp2+pp", "flatshard-0+pp", "flatshard-1+pp", "flatshard-2+pp", "flatshard-2+torch-stage"]
@@ -39,12 +39,10 @@ def _build(peer: str, mesh):
 
     import flatshard
     from flatshard.hosts.pipelining import PipelineStage
-    from flatshard.toolkit.models.llama import Llama, LlamaConfig, lm_loss, pipeline_chunk
+    from flatshard.toolkit.models.llama import Llama, lm_loss, pipeline_chunk
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512, dim=256, n_heads=8, n_layers=4, seq_len=64, hidden_mult=4, init_std=0.02
-    )
+    cfg = llama_config()
     pp = mesh["pp"].get_local_rank()
     chunk = pipeline_chunk(Llama(cfg), pp, PP)
     if peer.startswith("fsdp2"):

@@ -1,5 +1,5 @@
 """What the mesh benchmarks (``tensor_parallel.py``, ``pipeline.py``, ``experts.py``) share:
-their command line, one training step, timing every peer in rotating rounds on the same
+their command line, their model's size, one training step, timing every peer in rotating rounds on the same
 ranks, and the table and JSON of the results.
 
 A round times every peer for ``steps`` steps after one untimed step, starting at another
@@ -27,6 +27,15 @@ def arguments(doc: str, name: str, steps: int = 5) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--out", default=f"benchmarks/results/{time.strftime('%Y-%m-%d')}-{name}.json")
     return parser.parse_args()
+
+
+def llama_config(**changes):
+    """The toolkit Llama every mesh benchmark trains (4 layers, width 256, 8 heads, 512
+    tokens, sequences of 64, a feed-forward 4x wide), with ``changes``."""
+    from flatshard.toolkit.models.llama import LlamaConfig
+
+    size = dict(vocab_size=512, dim=256, n_heads=8, n_layers=4, seq_len=64, hidden_mult=4, init_std=0.02)
+    return LlamaConfig(**{**size, **changes})
 
 
 def train_step(model, opt, clip, batch) -> float:

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from side_by_side import arguments, report, time_rounds, train_step
+from side_by_side import arguments, llama_config, report, time_rounds, train_step
 
 WORLD, TP = 4, 2
 PEERS = ["fsdp2+tp", "fsdp2-keep+tp", "flatshard-0+tp", "flatshard-1+tp", "flatshard-2+tp"]
@@ -32,12 +32,10 @@ BATCH = 8
 
 def _build(peer: str, mesh):
     import flatshard
-    from flatshard.toolkit.models.llama import Llama, LlamaConfig, parallelize
+    from flatshard.toolkit.models.llama import Llama, parallelize
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(
-        vocab_size=512, dim=256, n_heads=8, n_layers=4, seq_len=64, hidden_mult=4, init_std=0.02
-    )
+    cfg = llama_config()
     model = parallelize(Llama(cfg), mesh["tp"])
     if peer.startswith("fsdp2"):
         from torch.distributed.fsdp import fully_shard
