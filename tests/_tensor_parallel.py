@@ -60,6 +60,7 @@ def train_tp_dp(
     steps: int = 4,
     batch: int = 2,
     max_norm: float = 0.5,
+    compile: bool = False,
 ) -> dict:
     """At each of ``stages``: ``model`` (``MODELS``) as TP x DP under flatshard
     (``DistributedOptimizer`` over SGD with momentum, grads clipped by torch's
@@ -69,17 +70,31 @@ def train_tp_dp(
     reference's last norm (clipping must bite: above ``max_norm``) and the number of DTensor
     params. ``bf16``: flatshard's run keeps bf16 params with fp32 main params (seeded with
     the fp32 values: ``main pieces``), the reference stays fp32. ``accumulate``: each rank's
-    batch goes through in that many micro-batches, all but the last under ``no_sync()``."""
+    batch goes through in that many micro-batches, all but the last under ``no_sync()``.
+    ``compile``: flatshard's model runs under ``torch.compile`` (``module.compile()``, so it
+    keeps its class), the reference eagerly."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     build, parallel = MODELS[model]
     mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
-    run = partial(_train, mesh=mesh, build=build, parallel=parallel, mp=mp, accumulate=accumulate)
+    run = partial(
+        _train, mesh=mesh, build=build, parallel=parallel, mp=mp, accumulate=accumulate, compile=compile
+    )
     return {stage: run(stage, steps=steps, batch=batch, max_norm=max_norm) for stage in stages}
 
 
 def _train(
-    stage: int, *, mesh, build, parallel, mp, accumulate: int, steps: int, batch: int, max_norm: float
+    stage: int,
+    *,
+    mesh,
+    build,
+    parallel,
+    mp,
+    accumulate: int,
+    compile: bool,
+    steps: int,
+    batch: int,
+    max_norm: float,
 ):
     torch.manual_seed(0)
     reference = build()
@@ -90,6 +105,11 @@ def _train(
     }
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
     model = flatshard.shard(model, stage=stage, group=mesh["dp"], mixed_precision=mp)
+    if compile:
+        from torch._dynamo.utils import counters
+
+        counters.clear()
+        model.compile()
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
     mains = [
         torch.equal(main, originals[piece.name].reshape(-1)[slice(*piece.in_param)])
@@ -127,6 +147,8 @@ def _train(
     out["plain"] = sum(not isinstance(p, DTensor) for p in model.parameters())
     out["dtypes"] = sorted({str(p.dtype) for p in model.parameters()})
     out["main pieces"] = (sum(mains), len(mains))  # (seeded with the fp32 values, all)
+    if compile:  # (graphs Dynamo made: the forward did run compiled)
+        out["graphs"] = counters["stats"]["unique_graphs"]
     return out
 
 

@@ -281,6 +281,10 @@ TORCH_PRIVATE = {
     # a DTensor's local shard: binding it to a flat buffer's view has no public spelling
     # (FSDP2 assigns it the same way; [Note: tensor-parallel params])
     "_local_tensor",
+    # a module's call with its hooks: what a module holding DTensor params runs as one eager
+    # piece under torch.compile (``nn.Module.compile()`` wraps the same; [Note: hooks and
+    # torch.compile])
+    "_call_impl",
 }
 # transformers' per-module initializer: its public init_weights() re-initializes the whole
 # model, where a meta model is initialized one unit at a time ([Note: default init])

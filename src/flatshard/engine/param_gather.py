@@ -30,7 +30,7 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, Handle, all_gather
 from flatshard.comm.deadline import HERE
 from flatshard.engine.buffer import BufferSet
-from flatshard.engine.dynamo import eager
+from flatshard.engine.dynamo import eager_pre_hook, whole_outside_graphs
 
 
 class ParamGather:
@@ -66,11 +66,12 @@ class ParamGather:
         for submodule in module.modules():
             for p in submodule.parameters(recurse=False):
                 needed.setdefault(id(waiter[id(submodule)]), set()).update(unit_of.get(id(p), []))
-        self._hooks = [
-            m.register_forward_pre_hook(eager(partial(self._pre_forward, sorted(needed[id(m)]))))
-            for m in module.modules()
-            if needed.get(id(m))
-        ]
+        self._hooks = []
+        for m in module.modules():
+            if needed.get(id(m)):
+                hook = eager_pre_hook(partial(self._pre_forward, sorted(needed[id(m)])))
+                self._hooks.append(m.register_forward_pre_hook(hook, with_kwargs=True))
+                whole_outside_graphs(m)
 
     def launch(self) -> None:
         """Start every bucket's all-gather (each rank's shard must be written first)."""
@@ -93,7 +94,7 @@ class ParamGather:
     def pending(self) -> int:
         return len(self._pending)
 
-    def _pre_forward(self, units: Sequence[int], module: nn.Module, args: object) -> None:
+    def _pre_forward(self, units: Sequence[int], module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._pending:
             HERE.forward()
             self.wait(units)

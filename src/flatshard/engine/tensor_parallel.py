@@ -109,6 +109,12 @@ def rebind(param: torch.Tensor, values: torch.Tensor) -> None:
     """Make ``values`` (the local shape and dtype) the tensor ``param`` reads and writes."""
     with torch.no_grad():
         if isinstance(param, DTensor):
+            # (the wrapper's own metadata takes the view's storage offset too: Dynamo fakes
+            # a DTensor by rebuilding it around its faked local tensor and refuses one whose
+            # offset differs from the wrapper's)
+            mesh, placements = param.device_mesh, param.placements
+            wrapper = DTensor.from_local(values, mesh, placements, shape=param.shape, stride=param.stride())
+            param.data = wrapper  # (run_check=False by default: no collective)
             param._local_tensor = values
         else:
             param.data = values

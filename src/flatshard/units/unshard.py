@@ -136,7 +136,7 @@ from flatshard.comm.deadline import HERE
 from flatshard.comm.trace import span
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
-from flatshard.engine.dynamo import eager
+from flatshard.engine.dynamo import eager, eager_pre_hook, whole_outside_graphs
 from flatshard.engine.lifecycle import Gather, advance
 from flatshard.errors import ShardedParamError
 from flatshard.planner.layout import BucketLayout
@@ -223,15 +223,17 @@ class Unsharder:
         for unit, unit_parts in zip(units, parts, strict=True):
             if unit_parts and unit.index != 0:
                 for member, module in enumerate(unit.modules):
-                    pre = eager(self._pre_forward_hook(unit.index))
+                    pre = eager_pre_hook(self._pre_forward_hook(unit.index))
                     self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
                     post = eager(self._post_forward_hook(unit.index, member))
                     self._hooks.append(module.register_forward_hook(post))
+                    whole_outside_graphs(module)
         # the root's hooks (which also end each forward) on every module a forward may begin at
         for module in entry_points(units):
-            pre = eager(self._entry_pre_hook(self._pre_forward_hook(0)))
+            pre = eager_pre_hook(self._entry_pre_hook(self._pre_forward_hook(0)))
             self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             self._hooks.append(module.register_forward_hook(eager(self._entry_post_hook())))
+            whole_outside_graphs(module)
         # grad sync tells each param's grad (grad_ready): no hook of its own per param
         self._unit_of_param = {key: u for u, keys in enumerate(self._params) for key in keys}
         for unit, unit_parts in zip(units, parts, strict=True):  # what a refused read names
