@@ -44,6 +44,9 @@ def hf_llama(vocab_size: int = VOCAB) -> nn.Module:
 
 MODELS = {
     "tiny": (Llama, parallelize),
+    # (width 256: a stage-3 unit of several buckets, one gathered into while a compiled
+    # graph holds a norm's local shard for backward)
+    "wide": (partial(Llama, LlamaConfig(dim=256, n_heads=8)), parallelize),
     "hf": (hf_llama, apply_tensor_parallel_plan),
     # (65 tokens: the embeddings and the head split unevenly over 2 tp ranks, 33 and 32 rows)
     "hf-odd-vocab": (partial(hf_llama, VOCAB + 1), apply_tensor_parallel_plan),
@@ -104,7 +107,10 @@ def _train(
         for n, p in model.named_parameters()
     }
     dp_rank, dp = mesh["dp"].get_local_rank(), mesh["dp"].size()
-    model = flatshard.shard(model, stage=stage, group=mesh["dp"], mixed_precision=mp)
+    # (compiled at stage 3: the first block freed after forward and gathered again for
+    # backward, as in a deeper model, where by default two blocks stay full)
+    stage3 = flatshard.Stage3(backward_prefetch="post") if compile and stage == 3 else None
+    model = flatshard.shard(model, stage=stage, group=mesh["dp"], mixed_precision=mp, stage3=stage3)
     if compile:
         from torch._dynamo.utils import counters
 

@@ -63,12 +63,15 @@ def test_accumulating_under_no_sync_with_tensor_parallelism_follows_one_process(
         assert max(r["params"].values()) < RELATIVE, (stage, r["params"])
 
 
-@pytest.mark.parametrize(("model", "stages"), [("tiny", [0, 3]), ("hf", [1])], ids=["tiny", "hf-llama"])
+@pytest.mark.parametrize(
+    ("model", "stages"), [("tiny", [0]), ("wide", [3]), ("hf", [1])], ids=["llama", "wide-llama", "hf-llama"]
+)
 def test_a_compiled_tensor_parallel_model_follows_one_process(model, stages):
     """The sharded TP2 x DP2 model under ``model.compile()`` (the whole model: flatshard's
     hooks break its graphs, [Note: hooks and torch.compile]) beside the eager one-process
-    run: the Llama with a vocab-parallel embedding at stage 0 (one graph) and 3 (hooks on
-    every block and on the embedding, norm and head), the transformers Llama through its
+    run: the Llama with a vocab-parallel embedding at stage 0 (one graph) and, 256 wide, at
+    stage 3 (hooks on every block and on the embedding, norm and head; a graph's saved local
+    shards must not count a gather into their buckets as a write), the transformers Llama through its
     own plan at stage 1 (the param gather's hooks). The RELATIVE bound: inductor's fused
     kernels round fp32 in yet another order, a few ulps per op as before."""
     results = run_distributed(train_tp_dp, 4, stages, 2, model, compile=True, timeout=240)

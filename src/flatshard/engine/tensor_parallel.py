@@ -58,8 +58,10 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   hybrid and owner optimizers (they size params by their global shape).
 #   ``full_state_dict()`` and ``save_pretrained`` gather each param full over tp (``full_value``,
 #   on every rank), from the fp32 main params where the optimizer keeps them.
-#   ``torch.compile`` of such a model fails inside Dynamo in torch 2.13, which cannot fake a
-#   DTensor whose local tensor starts at an offset of its storage (docs/parallelism.md).
+# * **Compiled**, each DTensor param's own metadata (its storage offset) follows its local
+#   shard's place in the flat buffer (``rebind`` sets both): Dynamo fakes a DTensor by
+#   rebuilding it around its faked local tensor and refuses one whose offset differs. The
+#   rest of what compiling such a model needs is in [Note: hooks and torch.compile].
 
 from __future__ import annotations
 
@@ -109,13 +111,18 @@ def rebind(param: torch.Tensor, values: torch.Tensor) -> None:
     """Make ``values`` (the local shape and dtype) the tensor ``param`` reads and writes."""
     with torch.no_grad():
         if isinstance(param, DTensor):
-            # (the wrapper's own metadata takes the view's storage offset too: Dynamo fakes
-            # a DTensor by rebuilding it around its faked local tensor and refuses one whose
-            # offset differs from the wrapper's)
+            # The local tensor aliases ``values`` with a version counter of its own, as a
+            # plain param's ``.data`` does: a compiled graph saves it for backward, and a
+            # view would count stage 3's gather into its bucket as a write to it. The
+            # wrapper's own metadata takes its storage offset too: Dynamo fakes a DTensor
+            # by rebuilding it around its faked local tensor and refuses a differing offset.
+            alias = values.new_empty(0).set_(
+                values.untyped_storage(), values.storage_offset(), values.size(), values.stride()
+            )
             mesh, placements = param.device_mesh, param.placements
-            wrapper = DTensor.from_local(values, mesh, placements, shape=param.shape, stride=param.stride())
+            wrapper = DTensor.from_local(alias, mesh, placements, shape=param.shape, stride=param.stride())
             param.data = wrapper  # (run_check=False by default: no collective)
-            param._local_tensor = values
+            param._local_tensor = alias
         else:
             param.data = values
 
