@@ -44,8 +44,8 @@ def hf_llama(vocab_size: int = VOCAB) -> nn.Module:
 
 MODELS = {
     "tiny": (Llama, parallelize),
-    # (width 256: a stage-3 unit of several buckets, one gathered into while a compiled
-    # graph holds a norm's local shard for backward)
+    # (width 256: compiled at stage 3 with a block gathered again for backward, a norm's
+    # local shard saved as a view of its bucket failed here, not at the default width 32)
     "wide": (partial(Llama, LlamaConfig(dim=256, n_heads=8)), parallelize),
     "hf": (hf_llama, apply_tensor_parallel_plan),
     # (65 tokens: the embeddings and the head split unevenly over 2 tp ranks, 33 and 32 rows)

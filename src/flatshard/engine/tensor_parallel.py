@@ -58,10 +58,12 @@ The reasoning is [Note: tensor-parallel params] below."""
 #   hybrid and owner optimizers (they size params by their global shape).
 #   ``full_state_dict()`` and ``save_pretrained`` gather each param full over tp (``full_value``,
 #   on every rank), from the fp32 main params where the optimizer keeps them.
-# * **Compiled**, each DTensor param's own metadata (its storage offset) follows its local
-#   shard's place in the flat buffer (``rebind`` sets both): Dynamo fakes a DTensor by
-#   rebuilding it around its faked local tensor and refuses one whose offset differs. The
-#   rest of what compiling such a model needs is in [Note: hooks and torch.compile].
+# * **Compiled**, a DTensor param's local shard is an alias of its buffer view with a
+#   version counter of its own (a compiled graph saves the local shard for backward, and a
+#   view would count stage 3's gather into its bucket as an in-place write), and the
+#   DTensor's own metadata (its storage offset) follows it (``rebind`` sets both): Dynamo
+#   fakes a DTensor by rebuilding it around its faked local tensor and refuses one whose
+#   offset differs. The rest is in [Note: hooks and torch.compile].
 
 from __future__ import annotations
 
