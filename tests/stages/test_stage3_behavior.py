@@ -80,6 +80,28 @@ def test_params_keep_names_and_shapes_and_layout_never_mixes_units():
     assert torch.zeros_like(sharded.blocks[0].fc.weight).shape == shapes["blocks.0.fc.weight"]
 
 
+class TaggedParam(nn.Parameter):
+    """A user's Parameter subclass (as some quantization and peft-like libraries make)."""
+
+
+def test_a_parameter_subclass_is_guarded_like_a_plain_param():
+    """Read outside its unit it gave NaN (only plain params became placeholders); now it
+    raises the same error and is its own class again inside summon_full_params and forward."""
+    torch.manual_seed(0)
+    model = GPT(DEEP)
+    fc = model.blocks[0].fc
+    fc.weight = TaggedParam(fc.weight.detach().clone())
+    want = fc.weight.detach().clone()
+    sharded = flatshard.shard(model, stage=3, stage3=flatshard.Stage3(unit_bytes=None))
+    with pytest.raises(flatshard.ShardedParamError, match=r"'blocks\.0\.fc\.weight' of unit 1 \(blocks\.0\)"):
+        fc.weight.sum()
+    assert isinstance(fc.weight, TaggedParam) and fc.weight.shape == want.shape
+    with sharded.summon_full_params():
+        assert type(fc.weight) is TaggedParam and torch.equal(fc.weight, want)
+    x = torch.randint(0, DEEP.vocab_size, (2, DEEP.seq_len))
+    assert torch.isfinite(sharded(x, x)).all()
+
+
 def test_shard_is_a_plan_then_its_buffers_then_the_module_attached():
     """``shard()`` = ``plan_wrap`` -> ``build_sets`` -> ``attach``: the plan alone says each
     part's params, specs and units; the buffers built from it lay out exactly those specs; the

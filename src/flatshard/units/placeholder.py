@@ -30,8 +30,10 @@ The reasoning is [Note: placeholders] below."""
 #   ``.data`` assignment, and new tensors of its shape (``torch.zeros_like(p)``,
 #   ``p.new_empty(...)``). So ``named_parameters()``, ``model.device`` and ``model.dtype``
 #   (as ``transformers`` computes them), counting params and ``zero_grad`` work as before.
-# * Only params whose class is exactly ``nn.Parameter`` are switched; a param of another
-#   subclass keeps its class and its NaN placeholder.
+# * A param of another ``nn.Parameter`` subclass is switched to a placeholder class of its
+#   own (``Placeholder`` mixed into its class, made once per class) and back to its class when
+#   shown, so it refuses the same reads (it computed on the NaN placeholder before). A DTensor
+#   param keeps its object and class: its local shard is the placeholder.
 
 from __future__ import annotations
 
@@ -93,12 +95,14 @@ _READS_NO_VALUES = frozenset(
 class Placeholder(nn.Parameter):
     """A stage-3 param whose values are not gathered: see [Note: placeholders]."""
 
+    shown_class: type = nn.Parameter  # the class the param has while gathered
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         if func in _READS_NO_VALUES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
-        param = next((a for a in _tensors(args, kwargs) if type(a) is Placeholder), None)
+        param = next((a for a in _tensors(args, kwargs) if isinstance(a, Placeholder)), None)
         where = getattr(param, "sharded_where", "a sharded param")
         op = getattr(func, "__name__", str(func))
         if op in ("__get__", "__set__"):  # (a property: name it, as in ``param.data``)
@@ -128,14 +132,33 @@ def label(param: nn.Parameter, where: str) -> None:
     setattr(param, "sharded_where", where)  # noqa: B010 (an attribute of our own on a torch param)
 
 
+_PLACEHOLDER_CLASSES: dict[type, type[Placeholder]] = {nn.Parameter: Placeholder}
+
+
+def placeholder_class(cls: type) -> type[Placeholder] | None:
+    """The placeholder class of params of class ``cls`` (None for a DTensor's, whose class is
+    DTensor's own)."""
+    if issubclass(cls, Placeholder):  # (hidden already)
+        return cls
+    found = _PLACEHOLDER_CLASSES.get(cls)
+    if found is None and issubclass(cls, nn.Parameter):
+        names = {"__module__": cls.__module__, "__qualname__": f"Placeholder[{cls.__qualname__}]"}
+        found = type(f"Placeholder[{cls.__name__}]", (Placeholder, cls), {**names, "shown_class": cls})
+        _PLACEHOLDER_CLASSES[cls] = found
+    return found
+
+
 def hide(param: nn.Parameter, placeholder: torch.Tensor) -> None:
     """Make ``param`` a ``Placeholder`` over ``placeholder`` (a DTensor param: its local
     shard the placeholder, its class kept)."""
     if type(param) is nn.Parameter:  # (the common case: one .data assignment, no dispatch)
         param.data = placeholder
         param.__class__ = Placeholder
-    else:  # (another Parameter subclass keeps its class; a DTensor its object)
-        rebind(param, placeholder)
+        return
+    switched = placeholder_class(type(param))
+    rebind(param, placeholder)  # (subclass dispatch off for a subclass of its own)
+    if switched is not None:
+        param.__class__ = switched
 
 
 def show(param: nn.Parameter, view: torch.Tensor, placeholder: torch.Tensor) -> None:
@@ -155,5 +178,8 @@ def show(param: nn.Parameter, view: torch.Tensor, placeholder: torch.Tensor) -> 
     if type(param) is Placeholder:
         setattr(param, "__class__", nn.Parameter)  # noqa: B010 (mypy narrows the class otherwise)
         param.data = view
-    else:  # (another Parameter subclass, a DTensor)
+    elif isinstance(param, Placeholder):  # (another Parameter subclass: its own class again)
+        setattr(param, "__class__", type(param).shown_class)  # noqa: B010
+        rebind(param, view)
+    else:  # (a DTensor)
         rebind(param, view)
