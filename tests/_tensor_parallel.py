@@ -273,16 +273,16 @@ def save_or_load_and_continue(path, model, opt, save: bool, data, mine: slice, d
     return {"losses": losses, "params": at_save_point}
 
 
-def gathered_state(path: str, stage: int) -> dict:
-    """An HF Llama at TP2 x DP1, ``stage``, bf16 params with fp32 main params, after one
-    step: ``full_state_dict()`` and ``save_pretrained(path)``. Rank 0 returns the state
-    dict, whether each entry rounds to the bf16 param gathered in full, and the model read
-    back by ``from_pretrained``."""
+def gathered_state(path: str, stage: int, precision: str = "bf16") -> dict:
+    """An HF Llama at TP2 x DP1, ``stage``, bf16 params with fp32 main params (or fp32
+    params, their own record), after one step: ``full_state_dict()`` and
+    ``save_pretrained(path)``. Rank 0 returns the state dict, whether each entry rounds to the
+    param gathered in full, and the model read back by ``from_pretrained``."""
     from transformers import AutoModelForCausalLM
 
     mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
     model = apply_tensor_parallel_plan(hf_llama(), mesh["tp"])
-    bf16 = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
+    bf16 = flatshard.MixedPrecision(param_dtype=torch.bfloat16) if precision == "bf16" else None
     model = flatshard.shard(model, stage=stage, group=mesh["dp"], mixed_precision=bf16)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2)
     idx, targets = batches(1, 2)[0]
@@ -294,6 +294,6 @@ def gathered_state(path: str, stage: int) -> dict:
     flatshard.save_pretrained(model, path)
     if dist.get_rank() != 0:
         return {}
-    rounds = {n: torch.equal(state[n].to(torch.bfloat16), params[n]) for n in params}
+    rounds = {n: torch.equal(state[n].to(params[n].dtype), params[n]) for n in params}
     read = AutoModelForCausalLM.from_pretrained(path).state_dict()
     return {"state": state, "rounds": rounds, "read": {k: v.clone() for k, v in read.items()}}

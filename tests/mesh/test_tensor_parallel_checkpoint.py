@@ -50,13 +50,15 @@ def test_a_tensor_parallel_checkpoint_exports_whole_tensors(saved, tmp_path):
         assert torch.equal(exported[name], value), name
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_full_state_dict_and_save_pretrained_of_a_tp_model_hold_whole_fp32_values(tmp_path, stage):
+@pytest.mark.parametrize("stage, precision", [(1, "bf16"), (3, "bf16"), (3, "fp32")])
+def test_full_state_dict_and_save_pretrained_of_a_tp_model_hold_whole_fp32_values(tmp_path, stage, precision):
     """Before, ``full_state_dict()`` gave DTensors (fp32) or failed viewing a tp shard's
-    main params in the full param's shape (bf16). Now every entry is a plain tensor of the
+    main params in the full param's shape (bf16), and at stage 3 in fp32 gave rank 0's own tp
+    shard (a (32, 32) local of a (64, 32) weight). Now every entry is a plain tensor of the
     full shape, a trained param's is its fp32 main params gathered over tp (which round to
-    the bf16 param exactly), and ``save_pretrained`` writes what ``from_pretrained`` reads."""
-    r = run_distributed(gathered_state, 2, str(tmp_path / "pretrained"), stage, timeout=240)[0]
+    the bf16 param exactly) or its fp32 values, and ``save_pretrained`` writes what
+    ``from_pretrained`` reads."""
+    r = run_distributed(gathered_state, 2, str(tmp_path / "pretrained"), stage, precision, timeout=240)[0]
     assert r["rounds"] and all(r["rounds"].values()), r["rounds"]
     for name, value in r["state"].items():
         assert type(value) is torch.Tensor, name

@@ -76,6 +76,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from flatshard.comm.collectives import all_reduce
 from flatshard.comm.world import World, resolve_world
 
 
@@ -181,10 +182,29 @@ def mesh_of(named: Sequence[tuple[str, nn.Parameter]], worlds: Sequence[World]) 
                 "different shards, which a data-parallel reduction would average. Pass the mesh's "
                 'data-parallel dimension (mesh["dp"], or Lightning\'s self.device_mesh["data_parallel"])'
             )
+        _check_same_coordinate(world, mesh, dims, first_name)
     timeout = next((w.timeout for w in worlds if w.group is not None), None)
     world = resolve_world(mesh.get_group(), timeout)
     split = frozenset(n for n, p in dist_named if any(isinstance(s, Shard) for s in p.placements))
     return TensorParallel(world, tuple(dims), split)
+
+
+def _check_same_coordinate(world: World, mesh, dims: tuple[str, ...], name: str) -> None:
+    """Every rank of a data-parallel ``world`` must hold the same tp shards (the same
+    coordinate in its tp mesh): a dp group across tp coordinates ({0, 3} beside tp groups
+    {0, 1} and {2, 3}) would average, and at wrap time broadcast, different shards."""
+    coordinate = (mesh.get_coordinate() or [0])[0]
+    spread = torch.tensor([coordinate, -coordinate], dtype=torch.int64, device=world.control_device)
+    all_reduce(spread, world, op="max").wait()
+    if int(spread[0]) != -int(spread[1]):
+        dp_ranks = sorted(dist.get_process_group_ranks(world.group))
+        raise ValueError(
+            f"group: the data-parallel ranks {dp_ranks} sit at tensor-parallel coordinates "
+            f"{-int(spread[1])} to {int(spread[0])} of the mesh {dims} of param {name!r} (this rank "
+            f"{dist.get_rank()}: {coordinate} in {sorted(_ranks(mesh))}): they hold different shards, "
+            "which a data-parallel reduction would average. The dp group must be orthogonal to tp: pass "
+            'the mesh\'s data-parallel dimension (mesh["dp"] of one init_device_mesh with "tp")'
+        )
 
 
 SPREAD = 1e-4

@@ -29,7 +29,7 @@ import torch
 from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Grads
-from flatshard.engine.tensor_parallel import as_grad_of, local, local_shape, local_values
+from flatshard.engine.tensor_parallel import as_grad_of, full_value, local, local_shape, local_values
 from flatshard.units.unshard import Part, Unsharder
 
 
@@ -193,9 +193,10 @@ def full_state_dict(
         if not keys:
             continue
         unsharder.wait(u)
-        if rank0:
-            for k in keys:
-                out[k] = entries[k].detach().to("cpu", copy=True)
+        for k in keys:  # (a tp shard is gathered full by every tp rank: [Note: tensor-parallel params])
+            value = full_value(entries[k], entries[k].detach())
+            if rank0:
+                out[k] = value.to("cpu", copy=True)
         unsharder.reshard(u)
     if not rank0:
         return {}
