@@ -15,6 +15,7 @@ import copy
 import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
@@ -298,12 +299,25 @@ def _train_alike(sides: list) -> bool:
     return not values[0] or all(torch.equal(values[0][k], values[1][k]) for k in values[1])
 
 
+def _load_around(model: nn.Module, weights: dict, how: str) -> None:
+    """A load that does not come through the sharded model's own ``load_state_dict``: a
+    wrapper's (``nn.Module.load_state_dict`` of it), or each child module's own."""
+    if how == "through nn.Module's":
+        nn.Module.load_state_dict(model, weights)
+        return
+    assert not model._parameters, list(model._parameters)  # (the children hold every param)
+    for name, child in model.named_children():
+        child.load_state_dict({k[len(name) + 1 :]: v for k, v in weights.items() if k.startswith(name + ".")})
+
+
 def _load_into_trained(stage: int, when: str = "after a step") -> dict:
     """bf16 params with fp32 main params: ``load_state_dict`` of fp32 weights into a model
     that has trained a step (or, ``when="before the optimizer"``, into the sharded model
     before its optimizer is built), then steps; against a model built from those weights.
     The main params used to stay at their trained values unless ``reload_model_params()``
-    was called (before the optimizer: at the values the model was built with)."""
+    was called (before the optimizer: at the values the model was built with; through a
+    wrapper's or a submodule's ``load_state_dict`` after a step: at their bf16 rounding, or,
+    at stage 1, under the step's gathers still in flight)."""
     mixed = flatshard.MixedPrecision(torch.bfloat16)
     torch.manual_seed(1)
     weights = {k: v.clone() for k, v in TiedGPT().state_dict().items()}
@@ -322,17 +336,30 @@ def _load_into_trained(stage: int, when: str = "after a step") -> dict:
             opt.step()
             opt.zero_grad()
             model.load_state_dict(weights)
+        if load_after and when in ("through nn.Module's", "module by module"):
+            _backward(model, 0)
+            opt.step()
+            opt.zero_grad()
+            try:
+                _load_around(model, weights, when)
+            except RuntimeError as e:  # (stage 3: the params are placeholders, torch wraps their error)
+                return {"refused": str(e)}
         sides.append((model, opt))
     return {"same": _train_alike(sides)}
 
 
 @pytest.mark.parametrize("stage, world_size", [(0, 2), (1, 3), (2, 2), (3, 3)])
-@pytest.mark.parametrize("when", ["after a step", "before the optimizer"])
+@pytest.mark.parametrize(
+    "when", ["after a step", "before the optimizer", "through nn.Module's", "module by module"]
+)
 def test_load_state_dict_reaches_the_main_params(stage, world_size, when):
     """Both sides start the step from the loaded fp32 values and compute the same sums in
     the same order: equal to the bit."""
     for result in run_distributed(_load_into_trained, world_size, stage, when, timeout=90):
-        assert result["same"]
+        if stage == 3 and when in ("through nn.Module's", "module by module"):  # (not its own method)
+            assert "while it is sharded" in result["refused"] and "summon_full_params" in result["refused"]
+        else:
+            assert result["same"], result
 
 
 def _rebind(stage: int, how: str) -> dict:

@@ -56,6 +56,7 @@ from flatshard.engine.grad_view import ExpertSpread, GradViews, Piece, ShardedGr
 from flatshard.engine.lifecycle import Backward, Grads, advance
 from flatshard.engine.reduction import Reduction, ScratchPool
 from flatshard.engine.tensor_parallel import TensorParallel, local_grad
+from flatshard.errors import ShardedGradError
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import StagePolicy
 
@@ -424,7 +425,7 @@ class GradSync:
             self._move(Backward.IDLE)
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
-        self.views.attach()
+        self.views.attach(lambda p: id(p) in self._written)
         if self.sync_enabled and not self.optimizer_attached:
             HERE.step_done()
         else:
@@ -461,8 +462,8 @@ class GradSync:
         self._done = len(self.reductions)
         self._set_grads(Grads.REDUCED)
         globally_unused = self._globally_unused(usage)
-        for param in locally_unused:
-            if id(param) not in globally_unused:
+        for param in locally_unused:  # (frozen through the backward: no grad, as in torch)
+            if id(param) not in globally_unused and param.requires_grad:
                 param.grad = param.main_grad
 
     def _holds_grad(self, param: FlatParam) -> bool:
@@ -501,6 +502,33 @@ class GradSync:
             id(p) for params, flags in usage for p, f in zip(params, flags.tolist(), strict=True) if not f
         }
 
+    def without_grads(self) -> list[str]:
+        """The params whose step skips them ([Note: params without a grad] in
+        ``optim/held.py``), after a zero_grad that bypassed flatshard's is taken as one."""
+        missing = self.views.without_grads()
+        if missing and len(missing) == self.views.count and self.grads is not Grads.EMPTY:
+            self.zero_grad(set_to_none=True)  # (nn.Module.zero_grad of a wrapper: every .grad is None)
+        return missing
+
+    def check_dropped(self) -> None:
+        """Before a forward: grads kept since the last backward must be kept whole. A
+        ``zero_grad`` that reached flatshard's params but not flatshard (torch.compile's
+        wrapper, a module holding the sharded one) set every ``.grad`` to None: it is taken as
+        one; some set to None while others were kept would be added to in the next backward:
+        refused, naming them."""
+        if self.grads is Grads.EMPTY or self.backward is not Backward.IDLE:
+            return
+        self.without_grads()
+        dropped = self.views.dropped_by_hand() if self.grads is not Grads.EMPTY else []
+        if dropped:
+            raise ShardedGradError(
+                f"the .grad of {dropped[:4]}{' ...' if len(dropped) > 4 else ''} was set to None by "
+                "hand while other params kept theirs, and a forward follows: flatshard holds the sums "
+                "in flat buffers and would add the next backward's grads to theirs. Clear them all "
+                "(model.zero_grad() or the optimizer's), or step before the next forward (the step "
+                "skips a param without a grad, as torch's optimizers do)"
+            )
+
     def pooled_scratch(self) -> list[torch.Tensor]:
         """Stage-2 scratch released in this backward and kept for reuse by later reductions."""
         return list(self._pool.free)
@@ -509,6 +537,8 @@ class GradSync:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
         self._written.clear()
+        if set_to_none:
+            self.views.detach()
         self._set_grads(Grads.EMPTY if set_to_none else Grads.REDUCED)  # (zeros, as torch steps on)
         self.generation += 1
         self.views.forget()

@@ -166,14 +166,43 @@ class GradViews:
             for p in self._params
         }
         self._norms: dict[float, dict[int, torch.Tensor]] = {}
+        self._attached: set[int] = set()  # params given their view since the last zero_grad
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def attach(self) -> None:
-        """Every hidden param's ``.grad`` becomes its ``ShardedGrad`` (end of a backward)."""
+    def attach(self, written: Callable[[FlatParam], bool]) -> None:
+        """A hidden param's ``.grad`` becomes its ``ShardedGrad`` (end of a backward) where
+        it has a grad as under torch: ``written`` (a grad reached it here), trainable (another
+        rank's grad reaches it through the reduction, as under DDP) or one already; a param
+        frozen through the backward keeps None ([Note: params without a grad])."""
         self._norms.clear()
         with torch._C.DisableTorchFunctionSubclass():  # (stage-3 placeholders: no dispatch)
             for p in self._params:
-                p.grad = self._grads[id(p)]
+                view = self._grads[id(p)]
+                if p.requires_grad or p.grad is view or written(p):
+                    p.grad = view
+                    self._attached.add(id(p))
+
+    def without_grads(self) -> list[str]:
+        """Names of the params whose ``.grad`` is None now (their step skips them: [Note:
+        params without a grad])."""
+        with torch._C.DisableTorchFunctionSubclass():
+            hidden = [self.names[id(p)] for p in self._params if p.grad is None]
+            return hidden + [name for name, p in self._exposed if p.grad is None]
+
+    @property
+    def count(self) -> int:
+        """How many params these grads are of (hidden and exposed)."""
+        return len(self._params) + len(self._exposed)
+
+    def dropped_by_hand(self) -> list[str]:
+        """Names of the params whose ``ShardedGrad`` was attached and has since been set to
+        None by code other than flatshard's ``zero_grad`` (while others kept theirs)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return [self.names[id(p)] for p in self._params if id(p) in self._attached and p.grad is None]
+
+    def detach(self) -> None:
+        """``zero_grad``: no view is attached any more."""
+        self._attached.clear()
 
     def forget(self) -> None:
         """The grads changed under the views (a new backward, ``zero_grad``)."""

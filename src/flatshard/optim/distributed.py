@@ -34,7 +34,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import math
 import warnings
 from collections import OrderedDict
@@ -54,9 +53,11 @@ from flatshard.errors import NonFiniteGradError, ShardedGradError
 from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.grad_norm import check_max_norm, global_norm_sq
+from flatshard.optim.held import HeldBack
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
+from flatshard.optim.rank_state import load_rank_state, rank_state
 from flatshard.optim.shards import BufferShards, build_shards, describe_nonfinite
 from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.wrap.arguments import check_flags
@@ -101,8 +102,8 @@ class DistributedOptimizer(torch.optim.Optimizer):
             ``optim/precision.py``); None keeps both in fp32.
         **defaults: the inner optimizer's keyword arguments (``lr``, ``weight_decay``, ...).
 
-    A param that got no grad in any backward still takes a step with a zero grad (torch
-    optimizers would skip a param whose ``.grad`` is None): freeze params you do not train.
+    A param without a grad (frozen through the backward, or its ``.grad`` set to None) keeps
+    its values and state, as torch's optimizers skip it ([Note: params without a grad]).
     """
 
     _step_supports_amp_scaling = True  # GradScaler.step hands step its check ([Note: grad scaler])
@@ -168,6 +169,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self.loss_scaler = make_loss_scaler(loss_scale)
         self.nonfinite = nonfinite
         self.skipped_steps = 0
+        self._held = HeldBack()  # params without a grad: [Note: params without a grad]
         self._prepared_at: int | None = None  # grad_sync.generation when grads were prepared
         self._found_inf = False
         self._scaler_checked = False  # a ShardedGradScaler checked the grads since the last step
@@ -377,6 +379,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
         return norm.clone()
 
     def _check_grads_synced(self) -> None:
+        self._sharded.grad_sync.without_grads()  # (a zero_grad that bypassed ours: taken as one)
         self._sharded.grad_sync.views.check_assigned()
         if self._sharded.grad_sync.grads is Grads.UNREDUCED:
             raise RuntimeError(
@@ -431,7 +434,11 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._norm_checked_settings = False
         self._apply_grad_factor()
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
-        self.inner.step()
+        held = self._sharded.grad_sync.without_grads()
+        with self._held.step(self.inner, self._buffer_shards, held):
+            self.inner.step()
+        if held:
+            self.main_params_changed()  # (an inner keeping its own copies stepped them)
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
         self._publish_params()
@@ -525,49 +532,16 @@ class DistributedOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         """This rank's optimizer state: the inner optimizer's, the fp32 main params, the
         loss scaler; loadable by the same rank of the same layout (world size and stage)."""
-        return {
-            "flatshard": "DistributedOptimizer/1",
-            "layout": self._describe_layout(),
-            "inner": self.inner.state_dict(),
-            "main_params": [s.main_data for s in self._buffer_shards],
-            "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict(),
-            "skipped_steps": self.skipped_steps,
-        }
+        return rank_state(
+            self._buffer_shards, self._sharded, self.inner, self.loss_scaler, self.skipped_steps
+        )
 
     @torch.no_grad()
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load ``state_dict()`` of this rank; every rank must call it (params are re-gathered)."""
-        if state_dict.get("flatshard") != "DistributedOptimizer/1":
-            raise ValueError("not a flatshard DistributedOptimizer state dict (no 'flatshard' key)")
-        mine, theirs = self._describe_layout(), state_dict["layout"]
-        if mine != theirs:
-            diff = [
-                f"{k}: saved {theirs.get(k)!r}, here {mine[k]!r}" for k in mine if theirs.get(k) != mine[k]
-            ]
-            raise ValueError("optimizer state was saved for another layout: " + "; ".join(diff))
-        if (self.loss_scaler is None) != (state_dict["loss_scaler"] is None):
-            raise ValueError("optimizer state and this optimizer disagree on whether the loss is scaled")
-        self._sharded.wait_for_params()
-        for shards, main in zip(self._buffer_shards, state_dict["main_params"], strict=True):
-            if shards.main_data is not None:
-                shards.main_data.copy_(main)
-        self.inner.load_state_dict(state_dict["inner"])  # after the main params it may copy
-        if self.loss_scaler is not None:
-            self.loss_scaler.load_state_dict(state_dict["loss_scaler"])
-        self.skipped_steps = int(state_dict.get("skipped_steps", 0))
+        shards, scaler = self._buffer_shards, self.loss_scaler
+        self.skipped_steps = load_rank_state(state_dict, shards, self._sharded, self.inner, scaler)
         self._publish_params()
-
-    def _describe_layout(self) -> dict[str, Any]:
-        digest = hashlib.sha256()
-        for shards in self._buffer_shards:
-            layout = shards.buffer.layout
-            digest.update(repr((str(layout.dtype), [b.range for b in layout.buckets], shards.runs)).encode())
-        return {
-            "stage": self._sharded.stage,
-            "world_sizes": {key: bset.world.size for key, bset in self._sharded.sets.items()},
-            "rank": self._buffer_shards[0].world.rank if self._buffer_shards else 0,
-            "digest": digest.hexdigest()[:16],
-        }
 
     def __repr__(self) -> str:
         runs = sum(len(s.runs) for s in self._buffer_shards)

@@ -59,6 +59,23 @@ class BufferShards:
                     names.append(piece.name)
         return names
 
+    def held_pieces(self, names: frozenset[str]) -> Iterator[tuple[torch.Tensor, dict[str, slice], bool]]:
+        """For each run holding a piece of a param named in ``names``: its tensor, those
+        pieces by name as slices of it (flat), and whether they are all of its params
+        ([Note: params without a grad] in ``optim/held.py``)."""
+        for run, tensor in zip(self.runs, self.tensors, strict=True):
+            lo, hi = run.in_shard
+            pieces = [
+                p
+                for p in self.buckets[run.bucket].local_ranges(self.buffer.rank)
+                if p.in_shard.start < hi and p.in_shard.end > lo
+            ]
+            held = {
+                p.name: slice(p.in_shard.start - lo, p.in_shard.end - lo) for p in pieces if p.name in names
+            }
+            if held:
+                yield tensor, held, len(held) == len(pieces)
+
     def load_main_from_params(self) -> None:
         if self.main_data is not None and not self.buffer.shard_dropped:
             for bucket in self.buckets:

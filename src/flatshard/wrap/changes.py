@@ -21,10 +21,10 @@ The reasoning is in [Note: changes after wrapping] and [Note: writes through the
 # A trainable param may be frozen for a while (peft's ``disable_adapter()`` sets its
 # adapters' ``requires_grad`` to False and back; DeepSpeed users train a different part of the
 # model each step): it stays in its buffer, gets no grad from a backward it is frozen in, and
-# that grad counts as zero in the step (DeepSpeed's rule: momentum and weight decay still
-# move it), on every rank alike. At stage 3 pass ``find_unused_parameters=True`` when a
-# backward runs with such params frozen (a unit's backward would otherwise wait for their
-# grads).
+# the step keeps its values and state, as torch's optimizers skip a param whose ``.grad`` is
+# None ([Note: params without a grad] in ``optim/held.py``), on every rank alike. At stage 3
+# pass ``find_unused_parameters=True`` when a backward runs with such params frozen (a unit's
+# backward would otherwise wait for their grads).
 
 # [Note: writes through the params]
 #
@@ -45,6 +45,12 @@ The reasoning is in [Note: changes after wrapping] and [Note: writes through the
 # otherwise land after the write, or under a read (an EMA taken right after the step averaged
 # half-written buffers). ``zero_grad`` does not wait, so the gathers still overlap the loop's
 # own work.
+#
+# A ``load_state_dict`` writes through torch too, but it must not reach the main params as
+# its 16-bit rounding, nor under a gather still in flight, and it need not come through the
+# sharded model's own method (a wrapper's ``nn.Module.load_state_dict``, a submodule's): so
+# every wrapped module carries load hooks (``LoadHooks``) that wait before torch writes its
+# params and hand the state dict's own values to ``rebound`` after.
 
 from __future__ import annotations
 
@@ -130,6 +136,41 @@ class WrappedTree:
 
     def hook(self, module: nn.Module, args: tuple) -> None:
         self.check()
+
+
+class LoadHooks:
+    """Any ``load_state_dict`` that reaches a wrapped module's params (the model's own, a
+    submodule's, ``nn.Module.load_state_dict`` called by a wrapper around it) at stages 0-2:
+    gathers in flight land first, and the loaded values reach the main params at their own
+    precision ([Note: writes through the params])."""
+
+    def __init__(self, tree: WrappedTree, wait: Callable[[], None]) -> None:
+        self.tree = tree
+        self.wait = wait  # (the param gathers a step left running, and earlier writes)
+        self.names: dict[int, str] = {}  # (a tied param by its first name, as the layout has it)
+        for name, p, _, _ in tree.bound:
+            self.names.setdefault(id(p), name)
+        self.loading: dict[str, torch.Tensor] = {}
+
+    def register(self, module: nn.Module) -> None:
+        for m in module.modules():
+            m.register_load_state_dict_pre_hook(self.before)
+            m.register_load_state_dict_post_hook(self.after)
+
+    def before(self, module: nn.Module, state_dict, prefix: str, *rest) -> None:
+        """Before torch copies values into ``module``'s own params: note them by name."""
+        self.wait()
+        for attr, p in module._parameters.items():
+            name = self.names.get(id(p))
+            if name is not None and prefix + attr in state_dict:
+                self.loading[name] = state_dict[prefix + attr]
+
+    def after(self, module: nn.Module, incompatible_keys) -> None:
+        """After: the loaded values (not their 16-bit rounding) are what the next step starts from."""
+        if self.loading and self.tree.rebound is not None:
+            loaded, self.loading = self.loading, {}
+            self.tree.forget_writes()  # (the load's own writes: taken at their own precision)
+            self.tree.rebound(loaded)
 
 
 def _qualified(module_name: str, attr: str) -> str:

@@ -130,6 +130,11 @@ class ShardState:
         if self.tree is not None:
             self.tree.absorb_writes()
 
+    def grads_hook(self, module: nn.Module, args: tuple) -> None:
+        """Before the root's forward: a ``zero_grad`` that bypassed flatshard's is taken as
+        one ([Note: params without a grad] in ``optim/held.py``)."""
+        self.grad_sync.check_dropped()
+
     def take_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Values written into params other than by a step (by name) reach what the next step
         starts from: the optimizer's main params, or, before one is built, the fp32 values
@@ -220,12 +225,8 @@ class ShardedModule(nn.Module):
             if state.optimizer is None:  # (the optimizer to come takes the pre-cast values)
                 state.take_values(state_dict)
             return _IncompatibleKeys(missing, unexpected)
-        state.wait_for_params()  # (earlier writes first: the load may cover only some params)
-        result = super().load_state_dict(state_dict, strict=strict)
-        if state.tree is not None:
-            state.tree.forget_writes()  # (the load's own writes: taken at their own precision below)
-        state.take_values(state_dict)
-        return result
+        # (its load hooks wait for gathers, and hand the values to the main params: LoadHooks)
+        return super().load_state_dict(state_dict, strict=strict)
 
     def full_state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A plain state dict on rank 0 (CPU tensors; other ranks get ``{}``), gathered one

@@ -31,7 +31,7 @@ from flatshard.toolkit.malloc import warn_once_without_tunables
 from flatshard.units.build import build_unsharder, initialize_units
 from flatshard.units.unit_tree import outer_blocks
 from flatshard.units.unshard import Unsharder
-from flatshard.wrap.changes import WrappedTree
+from flatshard.wrap.changes import LoadHooks, WrappedTree
 from flatshard.wrap.init import default_init
 from flatshard.wrap.module import ShardedModule, ShardState, make_sharded
 from flatshard.wrap.plan import FROZEN, Experts, ParamPart, WrapPlan, agreement_lines, plan_wrap
@@ -243,12 +243,16 @@ def _build_set(part: ParamPart, plan: WrapPlan) -> BufferSet:
 
 
 def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_worlds) -> None:
-    """The root's own: the check that nothing was replaced since wrapping (first), rank 0's
-    buffers (``broadcast_buffers``: ``buffer_worlds``), the mixed-precision input cast."""
+    """The root's own: the checks that grads were cleared whole and that nothing was replaced
+    since wrapping (first), rank 0's buffers (``broadcast_buffers``: ``buffer_worlds``), the
+    mixed-precision input cast."""
     state = sharded.flatshard_state
     tree = WrappedTree(sharded, None if state.policy.shards_params else state.take_values)
     state.tree = tree
+    if not state.policy.shards_params:
+        LoadHooks(tree, state.wait_for_params).register(sharded)
     sharded.register_forward_pre_hook(eager(tree.hook), prepend=True)
+    sharded.register_forward_pre_hook(eager(state.grads_hook), prepend=True)
     if buffer_worlds and any(w.size > 1 for w in buffer_worlds) and any(True for _ in sharded.buffers()):
         sharded.register_forward_pre_hook(eager(buffer_broadcast_hook(buffer_worlds)))
     if mp.param_dtype is not None:
