@@ -25,6 +25,9 @@ The reasoning is [Note: placeholders] below."""
 #   made there. Reading a placeholder's metadata costs a Python dispatch (2.4 µs against
 #   0.1 µs), so flatshard's own per-step reads of every param (the change check before a
 #   forward, ``zero_grad``) run with subclass dispatch off: no placeholder dispatch in a step.
+# * ``detach()`` gives a detached placeholder, labelled alike: a submodule's ``state_dict()``
+#   (peft reads its ``modules_to_save`` copy's for the keys) has entries that refuse reads
+#   as the param does, instead of failing where nothing is read.
 # * What stays allowed is what reads no values: shape, dtype, device, ``numel()``,
 #   ``requires_grad`` (get, set, ``requires_grad_``), ``.grad`` (get, set), hooks, hashing,
 #   ``.data`` assignment, and new tensors of its shape (``torch.zeros_like(p)``,
@@ -104,6 +107,11 @@ class Placeholder(nn.Parameter):
                 return func(*args, **(kwargs or {}))
         param = next((a for a in _tensors(args, kwargs) if isinstance(a, Placeholder)), None)
         where = getattr(param, "sharded_where", "a sharded param")
+        if func is Tensor.detach and param is not None:  # (a stand-in that refuses reads alike)
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **(kwargs or {})).as_subclass(type(param))
+            label(out, where)  # type: ignore[arg-type]
+            return out
         op = getattr(func, "__name__", str(func))
         if op in ("__get__", "__set__"):  # (a property: name it, as in ``param.data``)
             op = getattr(func.__self__, "__name__", op)
