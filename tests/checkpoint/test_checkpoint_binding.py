@@ -160,6 +160,8 @@ def test_ranks_given_different_checkpoints_to_load_are_refused(tmp_path):
     first, second = _two_saves(tmp_path, 2)
     for message in run_distributed(_load_own, 2, first, second):
         assert message.startswith("ValueError: ranks disagree on which checkpoint to load"), message
+        # (it named the two save ids only)
+        assert f"{os.path.abspath(first)} on ranks [0]; {os.path.abspath(second)} on ranks [1]" in message
 
 
 def _per_rank_extra(path: str, save: bool) -> dict:

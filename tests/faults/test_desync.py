@@ -171,7 +171,8 @@ except flatshard.DesyncError as e:
 @pytest.mark.parametrize("stage", [0, 3])
 def test_when_rank_0_dies_the_error_names_it(stage, tmp_path):
     """Without torchrun's agent, rank 0 hosts the job's store, which the positions are read
-    from: its death used to leave every rank 'no position published', naming nobody."""
+    from: its death used to leave every rank 'no position published', naming nobody, and
+    then rank 0 'unknown: the job's store does not answer'."""
     import os
     import socket
     import subprocess
@@ -195,7 +196,8 @@ def test_when_rank_0_dies_the_error_names_it(stage, tmp_path):
     assert procs[0].returncode == -9
     assert procs[1].returncode == 3, outs[1]
     error = outs[1][0]
-    assert "stopped answering" in error and "rank 0 has most likely exited" in error, error
+    assert "stopped answering" in error and "so rank 0 has exited" in error, error
+    assert "rank 0: gone: it hosts the job's store" in error, error  # (it said "rank 0: unknown")
     assert f"127.0.0.1:{port}" in error, error
 
 

@@ -484,7 +484,14 @@ def _check(path: str, models: list[nn.Module], world: World) -> dict[str, Any]:
     # Every rank loads the same save (within the deadline, before DCP's own collectives).
     save_id = manifest.get("save_id")
     which = f"save {save_id}" if save_id else f"checkpoint {os.path.abspath(path)}"
-    check_ranks_agree(world, [which], "which checkpoint to load")
+    try:
+        check_ranks_agree(world, [which], "which checkpoint to load")
+    except ValueError as e:  # (every rank raises: name the paths too, each with its ranks)
+        paths: dict[str, list[int]] = {}
+        for rank, blob in enumerate(all_gather_bytes(os.path.abspath(path).encode(), world)):
+            paths.setdefault(blob.decode(), []).append(rank)
+        named = "; ".join(f"{p} on ranks {ranks}" for p, ranks in paths.items())
+        raise ValueError(f"{e}. The paths loaded: {named}") from None
     return manifest
 
 

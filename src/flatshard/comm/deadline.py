@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import multiprocessing.util
 import threading
 import time
@@ -148,12 +149,15 @@ HERE = Position()
 """This process's position (one rank per process)."""
 
 
-def describe(where: dict | None, now: float) -> str:
-    """One rank's position in words."""
+def describe(where: dict | None, now: float, rank: int | None = None) -> str:
+    """One rank's position in words (``rank``: whose, to name the store's host)."""
     if where is None:
         return "no position published (it has not wrapped a model)"
+    if where is STORE_GONE and rank is not None and rank == store_rank():
+        return "gone: it hosts the job's store, which stopped answering, so it has exited"
     if where is STORE_GONE:
-        return "unknown: the job's store does not answer"
+        host = store_rank()
+        return f"unknown: the job's store{'' if host is None else f' (on rank {host})'} does not answer"
     if where["phase"] == Phase.EXITED.value:
         done = where["step"] - 1
         return f"exited after {done} step{'s' if done != 1 else ''}"
@@ -293,6 +297,11 @@ STORE_GONE = {"phase": "store gone"}
 """A position that could not be read because the job's store did not answer."""
 
 
+def store_rank() -> int | None:
+    """The rank whose process hosts the job's store: rank 0, unless torchrun's agent hosts it."""
+    return None if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" else 0
+
+
 def _store_host() -> str:
     store = getattr(_PUBLISHER, "store", None)
     while store is not None and not hasattr(store, "host"):  # a PrefixStore around the TCPStore
@@ -308,11 +317,12 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
     found = positions(dist.get_process_group_ranks(watched.group))
     if _PUBLISHER is not None:  # the others keep reading where this rank failed, not its exit
         _PUBLISHER.stopped.set()
-    lines = [f"  rank {r}: {describe(where, now)}" for r, where in found.items()]
+    lines = [f"  rank {r}: {describe(where, now, r)}" for r, where in found.items()]
     if any(where is STORE_GONE for where in found.values()):
+        host = "torchrun's agent" if store_rank() is None else f"rank {store_rank()}, so rank 0 has exited"
         lines.append(
             f"  the job's rendezvous store ({_store_host()}) stopped answering: the process that "
-            "hosts it has exited. Without torchrun's agent that is rank 0, so rank 0 has most likely exited"
+            f"hosts it has exited: {host}"
         )
     limit = watched.timeout.total_seconds() if watched.timeout else None
     if limit is not None and now - since >= 0.9 * limit:
