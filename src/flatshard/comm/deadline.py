@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import atexit
 import json
-import os
 import multiprocessing.util
+import os
 import threading
 import time
 from collections.abc import Iterator
