@@ -272,3 +272,43 @@ def test_full_params_gathered_on_one_rank_are_a_desync_error(stage, call, world_
         assert "Where each rank is" in r["error"] and "rank 1: step 2" in r["error"], r["error"]
     where = "after backward" if call == "with_grads" else "gathering full params"
     assert f"rank 0: step 2, {where}" in results[0]["error"], results[0]["error"]
+
+
+def _one_rank_gathers(call: str) -> str:
+    """Rank 0 alone calls ``summon_full_params()`` or ``wait_for_params()`` at stage 3 after a
+    step; the other trains on."""
+    import datetime
+
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(CFG), stage=3, timeout=datetime.timedelta(seconds=30))
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1)
+    try:
+        for step in range(3):
+            if step == 1 and dist.get_rank() == 0:
+                if call == "summon_full_params":
+                    with model.summon_full_params():
+                        pass
+                else:
+                    model.wait_for_params()
+            x, y = corpus.batch(step, dist.get_rank(), 4)
+            model(x, y).backward()
+            opt.step()
+            opt.zero_grad()
+    except flatshard.DesyncError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("call", ["summon_full_params", "wait_for_params"])
+def test_one_rank_gathering_alone_at_stage_3_is_a_desync_error_on_every_rank(call):
+    """The other rank died of gloo's SIGABRT ("Received data size doesn't match expected
+    size") before any deadline: the two gathers differed in size ([Note: gather entries])."""
+    messages = run_distributed(_one_rank_gathers, 2, call, timeout=120, reuse=False)
+    for message in messages:
+        assert "at stage 3, but not every rank of its data-parallel group is" in message, message
+        assert "rank 0: step 2" in message and "rank 1: step 2" in message, message
+    if call == "summon_full_params":
+        assert messages[0].startswith("rank 0 is about to gather full params (summon_full_params)"), messages
+    else:
+        assert "rank 0 is about to run a forward with units [] gathered" in messages[0], messages

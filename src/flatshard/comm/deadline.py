@@ -337,6 +337,15 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
     )
 
 
+def disagreement(ranks: list[int], what: str) -> DesyncError:
+    """The error for ranks found at different points by an agreement of theirs (not a failed
+    collective): ``what`` happened, and where each of ``ranks`` is."""
+    now = time.time()
+    found = positions(ranks)
+    lines = [f"  rank {r}: {describe(where, now, r)}" for r, where in found.items()]
+    return DesyncError(f"{what}. Where each rank is:\n" + "\n".join(lines))
+
+
 class Watched:
     """A collective's handle whose failed ``wait()`` raises ``DesyncError``."""
 

@@ -68,6 +68,7 @@ def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, grads: Gra
         )
     if unsharder.summoned:
         raise RuntimeError("summon_full_params: params are already summoned (blocks do not nest)")
+    unsharder.agree("gather full params (summon_full_params)")
     unsharder.settle()
     parts = [part for unit_parts in unsharder.parts for part in unit_parts]
     for u in range(len(unsharder.units)):
@@ -178,6 +179,7 @@ def full_state_dict(
     """Rank 0: every entry of the module's state dict on the CPU, the params whose ids are in
     ``skip`` (taken from elsewhere) as they are; other ranks: ``{}``."""
     unsharder = _unsharder(state)
+    unsharder.agree("gather a full state dict")
     unsharder.settle()
     entries = plain_state_dict(keep_vars=True)
     unit_of = {

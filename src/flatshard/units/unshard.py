@@ -141,6 +141,7 @@ from flatshard.engine.lifecycle import Gather, advance
 from flatshard.errors import ShardedParamError
 from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import Stage3
+from flatshard.units.entries import agree_on_entry
 from flatshard.units.full_buckets import FullBuckets
 from flatshard.units.placeholder import label
 from flatshard.units.unit_tree import Unit, entry_points
@@ -383,13 +384,22 @@ class Unsharder:
         """``recorded`` if every rank recorded the same order, else the registration order."""
         return recorded if _all_equal(self._compare_across_ranks(recorded)) else list(self._fwd.units)
 
+    @property
+    def gather_worlds(self) -> list[World]:
+        """The worlds this model's units are gathered over (one each)."""
+        return list({id(p.world): p.world for ps in self.parts for p in ps}.values())
+
+    def agree(self, what: str, detail: object = None) -> None:
+        """Every rank is about to ``what`` ([Note: gather entries] in ``units/entries.py``)."""
+        agree_on_entry(self.gather_worlds, what, detail)
+
     def _compare_across_ranks(self, value: list[int]) -> list[tuple[torch.Tensor, Handle]]:
         """Start comparing ``value`` across the ranks of every gather world: an all-reduce
         (max) of its digest and minus its digest, on the gather group, so it takes the same
         place in its order on every rank."""
         digest = int.from_bytes(hashlib.sha256(repr(value).encode()).digest()[:7], "little")
         checks = []
-        for world in {id(p.world): p.world for ps in self.parts for p in ps}.values():
+        for world in self.gather_worlds:
             if world.size > 1:
                 both = torch.tensor([digest, -digest], device=world.control_device)
                 checks.append((both, all_reduce(both, world, op="max")))
@@ -439,6 +449,9 @@ class Unsharder:
             if _in_backward():
                 self.wait(0)
             elif self._entry is None or self._entry is module:  # (the latter: a forward that raised)
+                if self._entry is None:  # (a rank that freed what a step prefetched differs)
+                    started = [u for u, s in enumerate(self.state) if s is not Gather.SHARDED]
+                    self.agree(f"run a forward with units {started} gathered or in flight")
                 self._entry = module
                 root_pre(module, args, kwargs)
 
@@ -483,6 +496,7 @@ class Unsharder:
         if torch.is_grad_enabled():  # (autograd records the backward: create_graph=True)
             raise _second_derivative(self.units[u])
         if not self._in_backward:
+            self.agree("run a backward")
             self._in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         self._need(self._bwd, u)
