@@ -57,7 +57,12 @@ def test_ranks_out_of_step_raise_a_desync_error_naming_every_rank(stage, case, t
     for r in results:
         assert r["after"] < DEADLINE + 3, results  # the deadline, plus reading the positions
     for error in errors:
-        assert re.search(r"(did not complete within its deadline of 2 s|failed after \d)", error), error
+        # (at stage 3 a rank that skips a backward meets the other's backward at the agreement
+        # on its next forward: [Note: gather entries])
+        agreed = r"is about to run a (forward|backward) .*at stage 3, but not every rank"
+        assert re.search(rf"(did not complete within its deadline of 2 s|failed after \d|{agreed})", error), (
+            error
+        )
         assert "Where each rank is" in error, error
         assert "rank 0: step" in error and "rank 1: " in error, error
     if case == "extra_step":  # rank 1 left the loop: rank 0 is told so
@@ -307,7 +312,7 @@ def test_one_rank_gathering_alone_at_stage_3_is_a_desync_error_on_every_rank(cal
     messages = run_distributed(_one_rank_gathers, 2, call, timeout=120, reuse=False)
     for message in messages:
         assert "at stage 3, but not every rank of its data-parallel group is" in message, message
-        assert "rank 0: step 2" in message and "rank 1: step 2" in message, message
+        assert "rank 0: step 2" in message and "rank 1: " in message, message  # (rank 1 may have exited)
     if call == "summon_full_params":
         assert messages[0].startswith("rank 0 is about to gather full params (summon_full_params)"), messages
     else:
