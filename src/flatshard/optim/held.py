@@ -11,10 +11,15 @@ The reasoning is [Note: params without a grad] below."""
 #
 # * **Which params have a grad** follows torch under DDP: at the end of a backward a param
 #   gets its ``.grad`` if a grad reached it on this rank, if it is trainable (a trainable
-#   param unused here is reduced with the other ranks' grads, as DDP without
-#   ``find_unused_parameters`` does; with it, a param unused on every rank keeps None), or if
-#   it had one already; a param frozen through the backward keeps None
-#   (``GradViews.attach``). Every rank decides alike from what every rank sees alike.
+#   param unused here is reduced with the other ranks' grads, as under DDP), or if it had one
+#   already; a param frozen through the backward keeps None (``GradViews.attach``). Every
+#   rank decides alike from what every rank sees alike. (A trainable param that no rank used
+#   steps on a zero grad, except where its ``.grad`` is the grad buffer itself, stage 0 with
+#   fp32 grads, and ``find_unused_parameters=True`` tells every rank it went unused, as DDP's.)
+# * **A ``zero_grad`` that bypassed flatshard's** (``nn.Module.zero_grad`` of torch.compile's
+#   wrapper, of a module holding the sharded one: every ``.grad`` set to None, flatshard's sums
+#   left) is taken as one before the next forward or step (``GradSync.without_grads``); some
+#   ``.grad`` set to None while others were kept, then a forward, is refused by name.
 # * **The step holds them back.** Before the inner step their pieces of the runs, and the
 #   same elements of every state tensor shaped like the run, are copied aside; after it they
 #   are put back (state that did not exist before the step is put back as zeros: what Adam's
