@@ -71,6 +71,14 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
+def drift_from(ours: nn.Module, reference: nn.Module) -> float:
+    """``max_rel_diff`` of the sharded model's full params (every rank calls it: a summon at
+    stage 3) against ``reference``'s (a DDP module's own module), the largest over params."""
+    with ours.summon_full_params(writeback=False):
+        pairs = zip(ours.parameters(), reference.parameters(), strict=True)
+        return max(max_rel_diff(p, q) for p, q in pairs)
+
+
 @torch.no_grad()
 def max_abs_diff(ours: nn.Module, reference: nn.Module) -> float:
     """Largest elementwise difference of any param (absolute): the drift ``δ`` of a trajectory."""

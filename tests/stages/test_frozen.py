@@ -141,7 +141,7 @@ def _seq_cls_lora(stage: int, path: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
     from transformers import AutoModelForSequenceClassification
 
-    from _parity import max_rel_diff
+    from _parity import drift_from, max_rel_diff
     from flatshard.toolkit.models.hf import tiny_config
 
     torch.manual_seed(0)
@@ -165,9 +165,7 @@ def _seq_cls_lora(stage: int, path: str) -> dict:
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad()
-        with ours.summon_full_params(writeback=False):
-            pairs = zip(ours.parameters(), reference.module.parameters(), strict=True)
-            drift.append(max(max_rel_diff(p, q) for p, q in pairs))
+        drift.append(drift_from(ours, reference.module))
     flatshard.save_pretrained(ours, path)
     if dist.get_rank() != 0:
         return {"norms": norms, "drift": drift}

@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from _parity import CFG, TiedGPT, max_rel_diff
+from _parity import CFG, TiedGPT, drift_from
 from flatshard.errors import ShardedGradError
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
@@ -69,11 +69,10 @@ def _freeze_for_good(stage: int, precision: str, steps: int = 5, freeze_at: int 
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad(set_to_none=True)
-        with ours.summon_full_params(writeback=False):
-            named = dict(ours.named_parameters())
-            pairs = zip(named.values(), reference.module.parameters(), strict=True)
-            drift.append(max(max_rel_diff(p, q) for p, q in pairs))
-            if step >= freeze_at:
+        drift.append(drift_from(ours, reference.module))
+        if step >= freeze_at:
+            with ours.summon_full_params(writeback=False):
+                named = dict(ours.named_parameters())
                 still.append(all(torch.equal(named[n], v) for n, v in at_freeze.items()))
     return {"drift": drift, "still": still}
 
@@ -131,9 +130,7 @@ def _toggled_adamw(stage: int, own_group: bool) -> dict:
         opt_ref.step()
         opt.zero_grad()
         opt_ref.zero_grad()
-        with ours.summon_full_params(writeback=False):
-            pairs = zip(ours.parameters(), reference.module.parameters(), strict=True)
-            drift.append(max(max_rel_diff(p, q) for p, q in pairs))
+        drift.append(drift_from(ours, reference.module))
     return {"drift": drift, "warned": warned}
 
 
@@ -187,9 +184,7 @@ def _cleared_through(stage: int, wrapper: str) -> dict:
         if step == 1:  # (no backward: nothing to step)
             opt.step()
             opt_ref.step()
-        with ours.summon_full_params(writeback=False):
-            pairs = zip(ours.parameters(), reference.module.parameters(), strict=True)
-            drift.append(max(max_rel_diff(p, q) for p, q in pairs))
+        drift.append(drift_from(ours, reference.module))
     return {"drift": drift}
 
 

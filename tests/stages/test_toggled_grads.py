@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
 from _finetune import prompt, tiny_llama, tiny_lora
-from _parity import CFG, TiedGPT, max_rel_diff
+from _parity import CFG, TiedGPT, drift_from
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
 
@@ -92,9 +92,7 @@ def _halves(stage: int, steps: int = 4) -> dict:
             for p in side.blocks[frozen].parameters():
                 if p is not side.blocks[0].ln1.weight:
                     p.requires_grad_(True)
-        with ours.summon_full_params(writeback=False):
-            pairs = zip(ours.parameters(), reference.module.parameters(), strict=True)
-            drift.append(max(max_rel_diff(p, q) for p, q in pairs))
+        drift.append(drift_from(ours, reference.module))
     return {"drift": drift}
 
 
