@@ -209,6 +209,10 @@ def _deepcopy(which: str) -> Callable[[Path], object]:
     return run
 
 
+def _pickled(tmp: Path) -> object:
+    return torch.save(_sharded(stage=1), tmp / "model.pt")
+
+
 def _nested(tmp: Path) -> object:
     return flatshard.shard(nn.Sequential(flatshard.shard(nn.Linear(4, 4)), nn.Linear(4, 2)), stage=2)
 

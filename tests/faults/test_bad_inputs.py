@@ -33,6 +33,7 @@ from _catalog import (
     _nested,
     _opt,
     _peft_exported_for_from_pretrained,
+    _pickled,
     _piece_of_another_save,
     _rebound_while_sharded,
     _replace_param,
@@ -423,6 +424,9 @@ CASES = [
     ),
     Case(
         "copy.deepcopy(optimizer)", _deepcopy("optimizer"), TypeError, r"deepcopy of a DistributedOptimizer"
+    ),
+    Case(  # (it was "Can't pickle <class ...>: it's not the same object as ...")
+        "torch.save(model)", _pickled, TypeError, r"torch.save or pickle of a Sequential.*full_state_dict"
     ),
     Case(
         "a module added after shard()",

@@ -334,6 +334,15 @@ class ShardedModule(nn.Module):
             "model.full_state_dict() into a new model"
         )
 
+    def __reduce_ex__(self, protocol):
+        raise TypeError(
+            f"torch.save or pickle of a {type(self).__name__} that flatshard.shard() wrapped: its params "
+            "are views of flat buffers bound to its process groups (and its class is made at wrap "
+            "time). Save torch.save(model.full_state_dict(), path) (every rank calls it; rank 0 gets "
+            "the values), or flatshard.save_checkpoint(path, model, optimizer), which loads at any "
+            "world size and stage"
+        )
+
     @property
     def _ddp_params_and_buffers_to_ignore(self):
         """Read by ``DistributedDataParallel`` as it wraps a module: a DDP around a sharded
