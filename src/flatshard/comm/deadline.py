@@ -319,10 +319,10 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
         _PUBLISHER.stopped.set()
     lines = [f"  rank {r}: {describe(where, now, r)}" for r, where in found.items()]
     if any(where is STORE_GONE for where in found.values()):
-        host = "torchrun's agent" if store_rank() is None else f"rank {store_rank()}, so rank 0 has exited"
+        host = "torchrun's agent" if store_rank() is None else f"rank {store_rank()}"
         lines.append(
             f"  the job's rendezvous store ({_store_host()}) stopped answering: the process that "
-            f"hosts it has exited: {host}"
+            f"hosts it, {host}, has exited"
         )
     limit = watched.timeout.total_seconds() if watched.timeout else None
     if limit is not None and now - since >= 0.9 * limit:
