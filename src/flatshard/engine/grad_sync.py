@@ -538,7 +538,7 @@ class GradSync:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
         self._written.clear()
         if set_to_none:
-            self.views.detach()
+            self.views.unattach_all()
         self._set_grads(Grads.EMPTY if set_to_none else Grads.REDUCED)  # (zeros, as torch steps on)
         self.generation += 1
         self.views.forget()

@@ -200,7 +200,7 @@ class GradViews:
         with torch._C.DisableTorchFunctionSubclass():
             return [self.names[id(p)] for p in self._params if id(p) in self._attached and p.grad is None]
 
-    def detach(self) -> None:
+    def unattach_all(self) -> None:
         """``zero_grad``: no view is attached any more."""
         self._attached.clear()
 

@@ -378,21 +378,24 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 optimizer._grad_norm = norm * coef  # a second clip sees the clipped grads, as in torch
         return norm.clone()
 
-    def _check_grads_synced(self) -> None:
-        self._sharded.grad_sync.without_grads()  # (a zero_grad that bypassed ours: taken as one)
+    def _check_grads_synced(self) -> list[str]:
+        """Refuse grads that cannot be stepped; the params without a grad ([Note: params without
+        a grad]), after a zero_grad that bypassed ours is taken as one."""
+        without = self._sharded.grad_sync.without_grads()
         self._sharded.grad_sync.views.check_assigned()
         if self._sharded.grad_sync.grads is Grads.UNREDUCED:
             raise RuntimeError(
                 "grads were accumulated under no_sync() and never reduced: run the last backward "
                 "of the accumulation outside no_sync() before clipping or stepping"
             )
+        return without
 
     # -- the step ------------------------------------------------------------------------------
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of this rank's shards, then the param all-gathers; see the note."""
         loss = run_closure(closure)
-        self._check_grads_synced()
+        without = self._check_grads_synced()
         scaled = self._scaled_step()
         if self._sharded.grad_sync.grads is Grads.EMPTY:
             return loss  # no backward since zero_grad: nothing to step, as in torch
@@ -400,7 +403,7 @@ class DistributedOptimizer(torch.optim.Optimizer):
             self._refuse_nonfinite()
         HERE.enter(Phase.STEP)
         with span("optimizer step"):  # ([Note: profiler ranges] in comm/trace.py)
-            self._update(scaled)
+            self._update(scaled, without)
         HERE.step_done()
         return loss
 
@@ -417,9 +420,10 @@ class DistributedOptimizer(torch.optim.Optimizer):
                 "the loss); DistributedOptimizer(nonfinite='skip') skips such steps with a warning"
             )
 
-    def _update(self, scaled: bool) -> None:
+    def _update(self, scaled: bool, without: list[str]) -> None:
         """The step proper: skipped where grads overflowed, else the inner optimizer's update
-        of the shards and the gathers that publish the new params."""
+        of the shards (``without``: the params without a grad, held back) and the gathers
+        that publish the new params."""
         if self.nonfinite != "step" or scaled:
             self._prepare_grads()
             if self._found_inf:
@@ -434,10 +438,9 @@ class DistributedOptimizer(torch.optim.Optimizer):
         self._norm_checked_settings = False
         self._apply_grad_factor()
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
-        held = self._sharded.grad_sync.without_grads()
-        with self._held.step(self.inner, self._buffer_shards, held):
+        with self._held.step(self.inner, self._buffer_shards, without):
             self.inner.step()
-        if held:
+        if without:
             self.main_params_changed()  # (an inner keeping its own copies stepped them)
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
