@@ -71,6 +71,14 @@ def max_rel_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
+def step_both(opt: torch.optim.Optimizer, opt_ref: torch.optim.Optimizer) -> None:
+    """Step the sharded side's optimizer and the reference's, then zero both grads to None."""
+    opt.step()
+    opt_ref.step()
+    opt.zero_grad()
+    opt_ref.zero_grad(set_to_none=True)
+
+
 def drift_from(ours: nn.Module, reference: nn.Module) -> float:
     """``max_rel_diff`` of the sharded model's full params (every rank calls it: a summon at
     stage 3) against ``reference``'s (a DDP module's own module), the largest over params."""

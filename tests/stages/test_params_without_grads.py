@@ -21,7 +21,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from _parity import CFG, TiedGPT, drift_from
+from _parity import CFG, TiedGPT, drift_from, step_both
 from flatshard.errors import ShardedGradError
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
@@ -65,10 +65,7 @@ def _freeze_for_good(stage: int, precision: str, steps: int = 5, freeze_at: int 
         with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
             ours(x, y).backward()
             reference(x, y).backward()
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad(set_to_none=True)
+        step_both(opt, opt_ref)
         drift.append(drift_from(ours, reference.module))
         if step >= freeze_at:
             with ours.summon_full_params(writeback=False):

@@ -22,7 +22,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
 from _finetune import prompt, tiny_llama, tiny_lora
-from _parity import CFG, TiedGPT, drift_from
+from _parity import CFG, TiedGPT, drift_from, step_both
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
 
@@ -84,10 +84,7 @@ def _halves(stage: int, steps: int = 4) -> dict:
         x, y = CORPUS.batch(step, dist.get_rank(), 4)
         ours(x, y).backward()
         reference(x, y).backward()
-        opt.step()
-        opt_ref.step()
-        opt.zero_grad()
-        opt_ref.zero_grad(set_to_none=True)
+        step_both(opt, opt_ref)
         for side in (ours, reference.module):
             for p in side.blocks[frozen].parameters():
                 if p is not side.blocks[0].ln1.weight:
