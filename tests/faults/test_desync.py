@@ -64,7 +64,9 @@ def test_ranks_out_of_step_raise_a_desync_error_naming_every_rank(stage, case, t
             error
         )
         assert "Where each rank is" in error, error
-        assert "rank 0: step" in error and "rank 1: " in error, error
+        # (rank 0 may have exited by the time the other reads positions: both raise at once at
+        # stage 3's gather-entry agreement)
+        assert re.search(r"rank 0: (step|exited)", error) and "rank 1: " in error, error
     if case == "extra_step":  # rank 1 left the loop: rank 0 is told so
         assert results[1]["error"] is None
         assert "rank 1: exited after 2 steps" in results[0]["error"], results[0]["error"]
@@ -106,7 +108,10 @@ def test_the_deadline_holds_for_a_per_device_backend_and_the_native_ops(stage, h
     for r in results:
         assert r["after"] < DEADLINE + 3, results
     for error in errors:
-        assert "Where each rank is" in error and "rank 0: step" in error and "rank 1: " in error, error
+        # (rank 0 may have exited by the time the other reads positions: both raise at once at
+        # stage 3's gather-entry agreement)
+        assert "Where each rank is" in error and re.search(r"rank 0: (step|exited)", error), error
+        assert "rank 1: " in error, error
     expected = (
         ["all_to_all", "broadcast"]
         if how == "cpu:gloo"
