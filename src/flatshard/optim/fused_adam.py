@@ -88,10 +88,11 @@ def adam_chunk(
         g = g.add(w, alpha=l2)
     w = w * decay
     m = exp_avg.float().lerp(g, weight1)
-    # (torch's addcmul(g, g, value=1 - beta2) and addcdiv(m, denom, value=-step_size), as the
-    # same fp32 operations in the same order, with tensor factors)
-    v = exp_avg_sq.float() * beta2 + (weight2 * g) * g
-    w = w + (m * neg_step_size) / (v.sqrt() / correction2_sqrt + eps)
+    # (torch's addcmul(g, g, value=1 - beta2) and addcdiv(m, denom, value=-step_size) with the
+    # scalar folded into the first factor: the same kernels over the same fp32 products, so a
+    # CPU kernel that fuses the multiply and the add, as AVX2's does, rounds as torch's step)
+    v = torch.addcmul(exp_avg_sq.float() * beta2, weight2 * g, g)
+    w = torch.addcdiv(w, m * neg_step_size, v.sqrt() / correction2_sqrt + eps)
     index = torch.arange(param.numel(), device=param.device) + ints[0]
     salts = ints[1:].view(3, 2)
     for out, value, halves in zip((param, exp_avg, exp_avg_sq), (w, m, v), salts, strict=True):
