@@ -6,13 +6,14 @@ clips: the norm is well above 0.5), a per-step schedule, weight-decay groups, th
 
 Tolerances: as in ``test_hosts_hf.py`` (the same model, data and optimizer): each
 micro-batch's loss and each step's grad norm within 1e-5 relative of DDP's. A resumed run
-logs what the uninterrupted one logged, to the bit.
+logs what the uninterrupted one logged, to the bit. Under fp16 autocast, ``FP16_REL``.
 """
 
 from __future__ import annotations
 
 import copy
 import itertools
+import math
 import os
 
 import pytest
@@ -23,6 +24,16 @@ from flatshard.toolkit.testing import run_distributed
 
 pl = pytest.importorskip("lightning.pytorch")
 transformers = pytest.importorskip("transformers")
+
+FP16_REL = 4 * math.sqrt(4 * 2e-7 * 2**-11)
+"""About 8e-5. In fp32 the losses match DDP's to the bit and the norms to their summation
+order (a relative drift delta <= 2e-7 a step; 9e-8 seen). Under fp16 autocast every use of a
+param rounds it to fp16 (unit u = 2**-11): a param whose fp32 value differs by a relative delta
+rounds to the other fp16 neighbour with probability delta / u and then moves by u, a change of
+mean delta but deviation sqrt(delta * u) an element. Over the many independent elements of a
+loss or a norm the relative difference is about sqrt(steps * delta * u) after 4 steps (2e-5;
+2.2e-5 seen on an AVX2 CPU), and the bound is 4 of those deviations. A wrong loss scale or a
+lost micro-batch moves them by percents."""
 
 
 class _Module(pl.LightningModule):
@@ -135,9 +146,10 @@ def _fp16(stages: list[int], out: str) -> dict:
 
 def test_the_lightning_trainer_follows_its_ddp_under_fp16_with_a_loss_scale(tmp_path):
     """fp16 autocast with a dynamic loss scale: the same fp16 products on both sides and
-    no inf at this scale, so the same tolerance; the scale is unscaled once, before the clip."""
+    no inf at this scale; the fp16 roundings amplify the norms' summation-order drift
+    (``FP16_REL``); the scale is unscaled once, before the clip."""
     for one in run_distributed(_fp16, 2, [2, 3], str(tmp_path), init=False):
-        _check_follows(one)
+        _check_follows(one, rel=FP16_REL)
 
 
 def test_the_lightning_trainer_follows_its_ddp_under_bf16_mixed(tmp_path):
@@ -330,7 +342,8 @@ def test_fabric_follows_its_ddp(tmp_path, world_size, stages, fp16):
         assert len(want["norms"]) >= 3 and all(norm > 0.5 for norm in want["norms"]), want
         for stage, got in runs.items():
             for key in ("losses", "norms"):
-                assert got[key] == pytest.approx(want[key], rel=1e-5), (stage, key, got[key], want[key])
+                rel = FP16_REL if fp16 else 1e-5
+                assert got[key] == pytest.approx(want[key], rel=rel), (stage, key, got[key], want[key])
 
 
 def _fabric_saves_and_resumes(out: str, stage: int, load: str | None) -> dict:
