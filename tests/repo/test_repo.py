@@ -285,6 +285,9 @@ TORCH_PRIVATE = {
     # piece under torch.compile (``nn.Module.compile()`` wraps the same; [Note: hooks and
     # torch.compile])
     "_call_impl",
+    # a param's post-accumulate-grad hooks: whether a user registered one after flatshard's,
+    # whose grad flatshard then takes after them (the public API only registers)
+    "_post_accumulate_grad_hooks",
 }
 # transformers' per-module initializer: its public init_weights() re-initializes the whole
 # model, where a meta model is initialized one unit at a time ([Note: default init])

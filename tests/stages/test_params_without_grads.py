@@ -208,3 +208,63 @@ def _dropped_one(stage: int) -> str:
 def test_grads_dropped_for_some_params_then_a_forward_is_refused_naming_them():
     for message in run_distributed(_dropped_one, 2, 2, timeout=120):
         assert "'blocks.1." in message and "zero_grad" in message, message
+
+
+class WithSpareParams(TiedGPT):
+    """A head no forward uses (a classifier kept beside an LM head) and a probe that only
+    rank 0's first micro-batch of each step uses (control flow that differs by rank)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.spare_head = nn.Linear(CFG.d_model, 3)
+        self.probe = nn.Linear(CFG.d_model, 1)
+        self.use_probe = False
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        loss = super().forward(idx, targets)
+        if self.use_probe:
+            loss = loss + 1e-2 * self.probe(self.wte(idx)).square().mean()
+        return loss
+
+
+def _spare_params(stage: int) -> dict:
+    """Two micro-batches a step (the first under no_sync), against DDP told to find unused
+    params (the only DDP that trains this model at all)."""
+    torch.manual_seed(0)
+    model = WithSpareParams()
+    reference = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ours = flatshard.shard(
+        model, stage=stage, buckets=flatshard.Buckets(size=3000), find_unused_parameters=stage == 3
+    )
+    opt = flatshard.DistributedOptimizer(ours, torch.optim.AdamW, **ADAMW)
+    opt_ref = torch.optim.AdamW(reference.parameters(), **ADAMW)
+    with ours.summon_full_params(writeback=False):
+        spare = ours.spare_head.weight.detach().clone()
+    drift, still = [], []
+    for step in range(3):
+        for micro in range(2):
+            for side in (ours, reference.module):
+                side.use_probe = dist.get_rank() == 0 and micro == 0
+            x, y = CORPUS.batch(2 * step + micro, dist.get_rank(), 4)
+            if micro == 0:
+                with ours.no_sync(), reference.no_sync():
+                    ours(x, y).backward()
+                    reference(x, y).backward()
+            else:
+                ours(x, y).backward()
+                reference(x, y).backward()
+        step_both(opt, opt_ref)
+        drift.append(drift_from(ours, reference.module))
+        with ours.summon_full_params(writeback=False):
+            still.append(torch.equal(ours.spare_head.weight, spare))
+    return {"drift": drift, "still": still}
+
+
+@pytest.mark.parametrize("stage, world_size", [(0, 1), (0, 2), (1, 3), (2, 2), (3, 3)])
+def test_params_no_rank_used_are_skipped_as_ddp_skips_them(stage, world_size):
+    """A param that got no grad on any rank keeps grad None, so AdamW's weight decay leaves
+    it where it is (before, it stepped on a zero grad: 1e-3 a step); a param only one rank
+    used has the reduced grad on every rank, as under DDP."""
+    for result in run_distributed(_spare_params, world_size, stage, timeout=120):
+        assert all(result["still"]), result
+        assert max(result["drift"]) < 1e-5, result["drift"]

@@ -198,7 +198,9 @@ class GradSync:
                 if exposed:
                     self._exposed.add(id(p))
         self._written: set[int] = set()  # hidden params whose main_grad holds a sum
+        self._used: set[int] = set()  # params a grad reached here since the last synced backward
         self._fired: list[FlatParam] = []  # exposed params whose grad returns after sync
+        self._deferred: FlatParam | None = None  # its grad is taken after the user's hooks
         self._pool = self.reductions[0].pool if self.reductions else ScratchPool(0)
         self._next = 0  # first reduction not yet launched in this backward
         self._done = 0  # reductions before this one have finished their reduction
@@ -266,6 +268,39 @@ class GradSync:
 
     def _on_grad(self, param: nn.Parameter) -> None:
         self.on_backward_start()
+        self._take_deferred()
+        hooks = param._post_accumulate_grad_hooks  # (ours first: registered at shard time)
+        if hooks is not None and len(hooks) > 1:
+            self._show_local(param)
+            self._deferred = param  # (the user's hooks run next, on the local grad, as under DDP)
+            return
+        self._take(param)
+
+    def _show_local(self, param: FlatParam) -> None:
+        """Before the user's hooks: ``.grad`` is this rank's running sum since the last
+        reduction, as under DDP, where autograd added this backward's grad to the ``ShardedGrad``
+        of an earlier one (accumulation); ``_take`` then takes it whole. (After a reduction has
+        folded earlier sums into shards, they see this backward's grad alone.)"""
+        grad = param.grad
+        if not isinstance(grad, ShardedGrad) or self.tensor_parallel is not None:
+            return
+        pending, key = grad.take_pending(), id(param)
+        if pending is not None and key in self._written:  # (main_grad holds the sum)
+            reduction = self._reduction_of[key]
+            pending.add_(param.main_grad, alpha=1 / reduction.scale if reduction.sharded else 1.0)
+            self._written.discard(key)  # (what comes back is the whole sum)
+        param.grad = pending
+
+    def _take_deferred(self) -> None:
+        """Take the grad whose param's hooks of the user's have run since (autograd runs a
+        param's hooks one after another, before any other node)."""
+        if self._deferred is not None:
+            param, self._deferred = self._deferred, None
+            if param.grad is not None:  # (a hook may drop it: then no grad arrived, as under DDP)
+                self._take(param)
+
+    def _take(self, param: nn.Parameter) -> None:
+        """Move ``param``'s new grad into its flat buffer and mark it ready."""
         grad = param.grad
         if isinstance(grad, ShardedGrad):  # (no zero_grad since the last backward: autograd added to it)
             grad = grad.take_pending()
@@ -289,6 +324,7 @@ class GradSync:
         else:
             self._accumulate(param, grad)
         self._written.add(key)
+        self._used.add(key)
         if reduction.mark_ready(param) and self.sync_enabled:
             self._launch_ready()
         if self.gathers is not None:  # (one hook per param serves both: they cost per call)
@@ -414,9 +450,11 @@ class GradSync:
         """Launch what is left, wait for every reduction, reset for the next backward."""
         if self.backward is Backward.IDLE:
             return
+        self._take_deferred()
+        synced, unused = self.sync_enabled, set()
         try:
-            if self.sync_enabled:
-                self._finish_sync()
+            if synced:
+                unused = self._finish_sync()
         finally:
             for reduction in self.reductions:
                 reduction.reset()
@@ -425,7 +463,10 @@ class GradSync:
             self._move(Backward.IDLE)
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
-        self.views.attach(lambda p: id(p) in self._written)
+        # (a grad where torch under DDP has one: [Note: params without a grad] in optim/held.py)
+        self.views.attach(lambda p: id(p) not in unused if synced else id(p) in self._used)
+        if synced:
+            self._used.clear()
         if self.sync_enabled and not self.optimizer_attached:
             HERE.step_done()
         else:
@@ -437,7 +478,9 @@ class GradSync:
                 "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) before the first backward"
             )
 
-    def _finish_sync(self) -> None:
+    def _finish_sync(self) -> set[int]:
+        """Launch and finish every reduction; the params no rank used since the last synced
+        backward, which keep no grad."""
         if self.gathers is not None:
             self.gathers.issue_backward()  # before waiting on any reduction
         locally_unused: list[FlatParam] = []
@@ -454,17 +497,17 @@ class GradSync:
         self._next = len(self.reductions)
         for param in self._fired:  # nobody reads a grad before backward returns
             param.grad = param.main_grad
-        usage = self._exchange_usage() if self.find_unused_parameters else None
         for reduction in self.reductions[self._done :]:
             reduction.replicate_shards()  # start every cross-replica reduction before waiting on any
+        unused = self._unused_everywhere()
         for reduction in self.reductions[self._done :]:
             self._finish_reduction(reduction)
         self._done = len(self.reductions)
         self._set_grads(Grads.REDUCED)
-        globally_unused = self._globally_unused(usage)
-        for param in locally_unused:  # (frozen through the backward: no grad, as in torch)
-            if id(param) not in globally_unused and param.requires_grad:
+        for param in locally_unused:  # (another rank's grad reached it: it has one, as under DDP)
+            if id(param) not in unused:
                 param.grad = param.main_grad
+        return unused
 
     def _holds_grad(self, param: FlatParam) -> bool:
         """Whether ``main_grad`` holds a real sum; adopts a grad the user assigned directly."""
@@ -479,28 +522,24 @@ class GradSync:
             param.grad = param.main_grad
         return True
 
-    def _exchange_usage(self) -> list[tuple[list[nn.Parameter], torch.Tensor]]:
-        """Per world, a MAX all-reduce of which exposed params hold a grad on any rank
-        (queued behind the grad reductions, so waiting on it costs no extra stall)."""
-        out = []
-        for bset in self.sets:
-            params = [p for p in bset.params if id(p) in self._exposed]
-            if not params:
-                continue
-            flags = torch.tensor(
-                [p.grad is not None for p in params], dtype=torch.int32, device=bset.world.control_device
-            )
-            all_reduce(flags, bset.world, stats=self.stats, op="max").wait()
-            out.append((params, flags))
-        return out
+    def _holds_exposed(self, param: FlatParam) -> bool:
+        return id(param) in self._exposed and param.grad is not None  # (a grad set by hand too)
 
-    @staticmethod
-    def _globally_unused(usage: list[tuple[list[nn.Parameter], torch.Tensor]] | None) -> set[int]:
-        if not usage:
-            return set()
-        return {
-            id(p) for params, flags in usage for p, f in zip(params, flags.tolist(), strict=True) if not f
-        }
+    def _unused_everywhere(self) -> set[int]:
+        """The params that got no grad on any rank since the last synced backward: a MAX
+        all-reduce of one flag a param over each set's worlds, queued behind the grad
+        reductions, so waiting for it costs no extra stall (one rank: no collective)."""
+        unused: set[int] = set()
+        for bset in self.sets:
+            used = [id(p) in self._used or self._holds_exposed(p) for p in bset.params]
+            worlds = [w for w in (bset.world, bset.replicate) if w.size > 1]
+            if worlds:  # (every rank, whatever it used: a collective)
+                flags = torch.tensor(used, dtype=torch.int32, device=bset.world.control_device)
+                for world in worlds:
+                    all_reduce(flags, world, op="max").wait()  # (control: not in comm_stats)
+                used = [bool(f) for f in flags.tolist()]
+            unused.update(id(p) for p, u in zip(bset.params, used, strict=True) if not u)
+        return unused
 
     def without_grads(self) -> list[str]:
         """The params whose step skips them ([Note: params without a grad] in
@@ -537,6 +576,7 @@ class GradSync:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
         self._written.clear()
+        self._used.clear()
         if set_to_none:
             self.views.unattach_all()
         self._set_grads(Grads.EMPTY if set_to_none else Grads.REDUCED)  # (zeros, as torch steps on)

@@ -169,16 +169,15 @@ class GradViews:
         self._attached: set[int] = set()  # params given their view since the last zero_grad
 
     # -- lifecycle ------------------------------------------------------------------------------
-    def attach(self, written: Callable[[FlatParam], bool]) -> None:
+    def attach(self, has_grad: Callable[[FlatParam], bool]) -> None:
         """A hidden param's ``.grad`` becomes its ``ShardedGrad`` (end of a backward) where
-        it has a grad as under torch: ``written`` (a grad reached it here), trainable (another
-        rank's grad reaches it through the reduction, as under DDP) or one already; a param
-        frozen through the backward keeps None ([Note: params without a grad])."""
+        it has a grad as under torch and DDP: ``has_grad`` (a grad reached it on some rank,
+        or here under ``no_sync``), or it had one already ([Note: params without a grad])."""
         self._norms.clear()
         with torch._C.DisableTorchFunctionSubclass():  # (stage-3 placeholders: no dispatch)
             for p in self._params:
                 view = self._grads[id(p)]
-                if p.requires_grad or p.grad is view or written(p):
+                if p.grad is view or has_grad(p):
                     p.grad = view
                     self._attached.add(id(p))
 

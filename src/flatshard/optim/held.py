@@ -9,13 +9,15 @@ The reasoning is [Note: params without a grad] below."""
 # a param frozen after ``shard()`` (``requires_grad_(False)`` mid-run), or whose grad was set
 # to None, would still move under momentum and weight decay. So:
 #
-# * **Which params have a grad** follows torch under DDP: at the end of a backward a param
-#   gets its ``.grad`` if a grad reached it on this rank, if it is trainable (a trainable
-#   param unused here is reduced with the other ranks' grads, as under DDP), or if it had one
-#   already; a param frozen through the backward keeps None (``GradViews.attach``). Every
-#   rank decides alike from what every rank sees alike. (A trainable param that no rank used
-#   steps on a zero grad, except where its ``.grad`` is the grad buffer itself, stage 0 with
-#   fp32 grads, and ``find_unused_parameters=True`` tells every rank it went unused, as DDP's.)
+# * **Which params have a grad** follows torch under DDP with ``find_unused_parameters=True``
+#   (and FSDP2): at the end of a synced backward a param gets its ``.grad`` if a grad reached
+#   it on some rank since the last synced backward (a param unused here is reduced with the
+#   other ranks' grads), or if it had one already; a param no rank used (an unused head, a
+#   param frozen through the backward) keeps None (``GradViews.attach``). Every rank decides
+#   alike: which params each rank used is one MAX all-reduce of a flag a param, after the
+#   grad reductions (``GradSync._unused_everywhere``; DDP pays the same one only when told
+#   to find unused params, and errors on them otherwise). Under ``no_sync`` a param has a
+#   grad where one reached it on this rank, as under DDP.
 # * **A ``zero_grad`` that bypassed flatshard's** (``nn.Module.zero_grad`` of torch.compile's
 #   wrapper, of a module holding the sharded one: every ``.grad`` set to None, flatshard's sums
 #   left) is taken as one before the next forward or step (``GradSync.without_grads``); some

@@ -83,8 +83,10 @@ def shard(
             (``1 / world size``, all ranks of a 2-D mesh); e.g. 1.0 for a loss already
             summed over tokens.
         expert: params that reduce over another group (see ``Experts``).
-        find_unused_parameters: as in DDP: a param that got no grad on any rank keeps
-            ``grad=None`` (one extra small all-reduce per step); otherwise its grad is zero.
+        find_unused_parameters: as in DDP: some params may get no grad on some ranks (control
+            flow that differs between ranks); stage 3 then never waits for a reduction during
+            backward on the promise that every param of a unit that ran gets a grad. Either
+            way a param no rank used keeps ``grad=None`` and the step skips it, as torch's.
         sync_module_states: start from rank 0's params and buffers (the default, as torch
             DDP does at every stage: ranks built from different seeds would otherwise train
             apart); False keeps each rank's own, which must then be equal.
