@@ -1,5 +1,6 @@
-"""flatshard under a real ``accelerate.Accelerator`` (``flatshard.hosts.accelerate.prepare``),
-against accelerate's own DDP on the plain model in the same loop: ``accumulate`` over 2
+"""flatshard under a real ``accelerate.Accelerator``, prepared by accelerate's own
+``accelerator.prepare`` once ``flatshard.hosts.accelerate`` is imported, against accelerate's
+own DDP on the plain model in the same loop: ``accumulate`` over 2
 micro-batches, ``accelerator.backward``, ``clip_grad_norm_`` on the sync steps, a scheduler,
 at stages 0-3 on 2 ranks and on 3.
 
@@ -40,20 +41,22 @@ def _loop(accelerator, model, optimizer, loader, schedule, after=None) -> list[t
     return out
 
 
-def _side(model, flat_stage: int | None):
+def _side(model, flat_stage: int | None, through: str = "accelerate"):
+    """``through``: accelerate's own ``prepare``, or flatshard's ``prepare`` (its checks)."""
     import flatshard
-    from flatshard.hosts.accelerate import prepare
+    import flatshard.hosts.accelerate as fa
 
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
     if flat_stage is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
-        prepared = accelerator.prepare(model, optimizer, loader)
     else:
         model = flatshard.shard(model, stage=flat_stage)
         optimizer = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
-        prepared = prepare(accelerator, model, optimizer, loader)
-    model, optimizer, loader = prepared
+    prepare = accelerator.prepare if through == "accelerate" else lambda *o: fa.prepare(accelerator, *o)
+    model, optimizer, loader = prepare(model, optimizer, loader)
+    if flat_stage is not None:
+        assert not isinstance(model, torch.nn.parallel.DistributedDataParallel), type(model)
     schedule = accelerator.prepare(torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4))
     return _loop(accelerator, model, optimizer, loader, schedule)
 
@@ -63,6 +66,7 @@ def _against_ddp(stages: list[int]) -> dict:
     logged = {"ddp": _side(copy.deepcopy(model), None)}
     for stage in stages:
         logged[stage] = _side(copy.deepcopy(model), stage)
+    logged["flatshard's prepare"] = _side(copy.deepcopy(model), stages[-1], through="flatshard")
     return logged
 
 
@@ -84,13 +88,13 @@ def _steps(out: str, stage: int, save: bool) -> dict:
     (micro-batch 4) and ``save_model`` at the end; else ``load_state`` of that state first
     and the loader skips the 4 micro-batches it holds."""
     import flatshard
-    from flatshard.hosts.accelerate import prepare
+    import flatshard.hosts.accelerate
 
     accelerator = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
     model = flatshard.shard(tiny_llama(), stage=stage)
     optimizer = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
     loader = torch.utils.data.DataLoader(Tokens(), batch_size=2, shuffle=False)
-    model, optimizer, loader = prepare(accelerator, model, optimizer, loader)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     schedule = accelerator.prepare(torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4))
     if not save:
         accelerator.load_state(f"{out}/state")

@@ -1,17 +1,23 @@
-"""flatshard under Hugging Face accelerate: ``prepare(accelerator, model, optimizer, ...)`` in
-place of ``accelerator.prepare(...)`` ([Note: hosted training] in ``hf.py``).
+"""flatshard under Hugging Face accelerate: after ``import flatshard.hosts.accelerate``,
+accelerate's own ``accelerator.prepare(model, optimizer, ...)`` prepares a sharded model
+([Note: hosted training] in ``hf.py``).
 
-After ``prepare`` the accelerator's own ``save_state`` / ``load_state`` and
+Importing this module teaches ``Accelerator.prepare_model`` (which ``prepare`` calls for each
+model) one thing: a model ``flatshard.shard()`` returned is prepared for autocast only, with
+no DDP on top (flatshard reduces its grads), and its accelerator is adopted: fp16's scaler
+becomes a ``ShardedGradScaler``, and its ``save_state`` / ``load_state`` and
 ``get_state_dict`` / ``save_model`` work with the sharded model: ``save_state`` writes a
 flatshard checkpoint of each sharded model and its ``DistributedOptimizer`` (``flatshard/``
 in the state's folder; every rank writes its pieces) and leaves the rest (schedulers, data
 samplers, the scaler, RNG states, registered objects, other models) to accelerate;
 ``load_state`` reads it back at any world size and stage; ``get_state_dict`` gathers the
 full state dict (rank 0 gets it), so ``save_model`` writes what ``from_pretrained`` loads.
+Every other model, and every accelerator without a sharded model, is accelerate's as before.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,22 +27,26 @@ import torch
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
 from flatshard.engine.dynamo import uncompiled
+from flatshard.hosts.scaler import use_sharded_scaler
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
-from flatshard.optim.grad_scaler import ShardedGradScaler
 from flatshard.wrap.module import ShardedModule
+
+try:
+    import accelerate
+except ImportError as e:  # (the hf extra)
+    raise ImportError("flatshard.hosts.accelerate needs accelerate: pip install 'flatshard[hf]'") from e
 
 CHECKPOINT = "flatshard"
 """The flatshard checkpoint's folder in a state folder (``flatshard_1`` for a second model)."""
 
 
 def prepare(accelerator: Any, *objects: Any) -> Any:
-    """``accelerator.prepare(*objects)`` for a sharded model and its ``DistributedOptimizer``
-    (and any data loaders and schedulers): the model is prepared for autocast only, with no
-    DDP on top (flatshard reduces its grads), fp16's scaler becomes a ``ShardedGradScaler``,
-    and the rest is accelerate's own. Then ``accelerator.backward``, ``accumulate(model)``
-    (through ``model.no_sync``) and ``clip_grad_norm_(model.parameters(), ...)`` (the global
-    norm) work as they do under DDP. Returns what ``accelerator.prepare`` returns."""
+    """``accelerator.prepare(*objects)`` that also checks a sharded model is among them and
+    refuses a torch optimizer beside it (accelerate's own ``prepare`` does the rest: see the
+    module's docstring). Then ``accelerator.backward``, ``accumulate(model)`` (through
+    ``model.no_sync``) and ``clip_grad_norm_(model.parameters(), ...)`` (the global norm) work
+    as they do under DDP. Returns what ``accelerator.prepare`` returns."""
     models = [
         o for o in objects if isinstance(o, torch.nn.Module) and isinstance(uncompiled(o), ShardedModule)
     ]
@@ -51,14 +61,35 @@ def prepare(accelerator: Any, *objects: Any) -> Any:
                 f"a {type(o).__name__} beside a sharded model: flatshard steps its own shards; use "
                 "flatshard.DistributedOptimizer(model, torch.optim.AdamW, ...) (the same class and settings)"
             )
+    return accelerator.prepare(*objects)
+
+
+def _install() -> None:
+    """Wrap ``Accelerator.prepare_model`` once (see the module's docstring)."""
+    original = accelerate.Accelerator.prepare_model
+    if getattr(original, "flatshard", False):
+        return
+
+    @functools.wraps(original)
+    def prepare_model(
+        self: Any, model: torch.nn.Module, device_placement: bool | None = None, evaluation_mode: bool = False
+    ) -> Any:
+        if evaluation_mode or not isinstance(uncompiled(model), ShardedModule):
+            return original(self, model, device_placement, evaluation_mode)
+        _adopt(self)
+        return original(self, model, device_placement=False, evaluation_mode=True)  # (no DDP)
+
+    prepare_model.flatshard = True  # type: ignore[attr-defined]
+    accelerate.Accelerator.prepare_model = prepare_model  # type: ignore[method-assign]
+
+
+def _adopt(accelerator: Any) -> None:
+    """The sharded scaler (before the optimizer is prepared, which keeps it), and the states."""
     use_sharded_scaler(accelerator)
-    for model in models:  # (then accelerator.prepare finds it prepared and wraps nothing around it)
-        accelerator.prepare_model(model, device_placement=False, evaluation_mode=True)
     if not isinstance(accelerator, _ShardedStates):  # (its save_state, load_state, get_state_dict)
         accelerator.__class__ = type(
             f"Sharded{type(accelerator).__name__}", (_ShardedStates, type(accelerator)), {}
         )
-    return accelerator.prepare(*objects)
 
 
 class _ShardedStates:
@@ -130,18 +161,4 @@ def _folder(index: int) -> str:
     return CHECKPOINT if index == 0 else f"{CHECKPOINT}_{index}"
 
 
-def use_sharded_scaler(holder: Any, device: str | None = None) -> None:
-    """fp16: ``holder.scaler`` (an accelerator's; a Lightning precision plugin's), a torch
-    ``GradScaler``, becomes a ``ShardedGradScaler`` with its settings on ``device`` (default
-    the accelerator's) ([Note: grad scaler]); before the optimizer is prepared, which keeps it."""
-    old = getattr(holder, "scaler", None)
-    if not isinstance(old, torch.amp.GradScaler) or isinstance(old, ShardedGradScaler):
-        return
-    holder.scaler = ShardedGradScaler(
-        device or holder.device.type,
-        init_scale=old.get_scale() if old.is_enabled() else 2.0**16,
-        growth_factor=old.get_growth_factor(),
-        backoff_factor=old.get_backoff_factor(),
-        growth_interval=old.get_growth_interval(),
-        enabled=old.is_enabled(),
-    )
+_install()

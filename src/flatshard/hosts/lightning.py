@@ -46,8 +46,8 @@ from torch import nn
 
 from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
 from flatshard.engine.dynamo import uncompiled
-from flatshard.hosts.accelerate import use_sharded_scaler
 from flatshard.hosts.optimizers import point_at, rebuilt
+from flatshard.hosts.scaler import use_sharded_scaler
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import ShardedModule

@@ -352,8 +352,8 @@ class ShardedModule(nn.Module):
             f"DistributedDataParallel around a {type(self).__name__} that flatshard.shard() wrapped: "
             "flatshard already makes it data-parallel (stage 0 is DDP). Use the sharded model "
             "itself; under a host library use its flatshard integration instead of its DDP "
-            "(flatshard.hosts.hf.Trainer, flatshard.hosts.accelerate.prepare, Lightning's "
-            "strategy='flatshard')"
+            "(flatshard.hosts.hf.Trainer; for accelerate, import flatshard.hosts.accelerate before "
+            "accelerator.prepare; Lightning's strategy='flatshard')"
         )
 
 
