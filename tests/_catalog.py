@@ -272,3 +272,13 @@ def _cli(*argv: str) -> Callable[[Path], object]:
 def _file(tmp: Path) -> Path:
     (tmp / "a-file").write_text("x")
     return tmp / "a-file"
+
+
+def _into_torch_optimizer(tmp: Path) -> object:
+    """A DistributedOptimizer's state dict loaded into a torch optimizer (it was
+    ``KeyError: 'param_groups'``)."""
+    model = _sharded()
+    opt = _opt(model, lr=1e-2)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    return torch.optim.AdamW(nn.Linear(4, 4).parameters()).load_state_dict(opt.state_dict())

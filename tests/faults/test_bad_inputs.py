@@ -26,6 +26,7 @@ from _catalog import (
     _file,
     _flip_a_data_byte,
     _garbage,
+    _into_torch_optimizer,
     _load,
     _missing_piece,
     _model,
@@ -424,6 +425,12 @@ CASES = [
     ),
     Case(
         "copy.deepcopy(optimizer)", _deepcopy("optimizer"), TypeError, r"deepcopy of a DistributedOptimizer"
+    ),
+    Case(
+        "a DistributedOptimizer's state_dict into a torch optimizer",
+        _into_torch_optimizer,
+        KeyError,
+        r"'param_groups': this is a flatshard DistributedOptimizer's state dict",
     ),
     Case(  # (it was "Can't pickle <class ...>: it's not the same object as ...")
         "torch.save(model)", _pickled, TypeError, r"torch.save or pickle of a Sequential.*full_state_dict"

@@ -17,6 +17,26 @@ from flatshard.wrap.module import ShardState
 FORMAT = "DistributedOptimizer/1"
 
 
+class RankState(dict):
+    """``rank_state``'s dict. A key it lacks raises a ``KeyError`` that says what it is, so a
+    torch optimizer's ``load_state_dict``, which reads ``'param_groups'``, refuses it by name
+    (a plain dict would raise ``KeyError: 'param_groups'``). It pickles as a plain dict."""
+
+    def __missing__(self, key: Any) -> Any:
+        raise KeyError(
+            f"{key!r}: this is a flatshard DistributedOptimizer's state dict ({FORMAT}: one rank's "
+            "flat shards), not a torch optimizer's. Load it with DistributedOptimizer.load_state_dict "
+            "on the same rank and layout; to move optimizer state to another world size or stage, "
+            "use flatshard.save_checkpoint and flatshard.load_checkpoint"
+        )
+
+    def copy(self) -> RankState:  # (torch's load_state_dict copies first)
+        return RankState(self)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (dict, (dict(self),))
+
+
 def rank_state(
     shards: Sequence[BufferShards],
     state: ShardState,
@@ -25,14 +45,16 @@ def rank_state(
     skipped_steps: int,
 ) -> dict[str, Any]:
     """This rank's optimizer state, loadable by the same rank of the same layout."""
-    return {
-        "flatshard": FORMAT,
-        "layout": describe_layout(shards, state),
-        "inner": inner.state_dict(),
-        "main_params": [s.main_data for s in shards],
-        "loss_scaler": None if loss_scaler is None else loss_scaler.state_dict(),
-        "skipped_steps": skipped_steps,
-    }
+    return RankState(
+        {
+            "flatshard": FORMAT,
+            "layout": describe_layout(shards, state),
+            "inner": inner.state_dict(),
+            "main_params": [s.main_data for s in shards],
+            "loss_scaler": None if loss_scaler is None else loss_scaler.state_dict(),
+            "skipped_steps": skipped_steps,
+        }
+    )
 
 
 def load_rank_state(
