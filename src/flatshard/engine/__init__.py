@@ -1,8 +1,8 @@
 """Layer 2, the engine of every stage: flat buffers laid out by ``flatshard.planner.layout``
 (``buffer``), the reductions of their buckets (``reduction``), the backward's grad-sync
-state machine (``grad_sync``), a param's ``.grad`` where the grads live in buffers
-(``grad_view``), the named states of all of these (``lifecycle``), the param all-gathers
-after a step at stages 1-2 (``param_gather``), the hook wrappers that keep flatshard out
-of Dynamo's graphs (``dynamo``) and a tensor-parallel model's DTensor params held by their
-local shards (``tensor_parallel``). Uses ``flatshard.comm``; knows no
-optimizer."""
+state machine (``grad_sync``), which params got a grad on any rank (``grad_usage``), a
+param's ``.grad`` where the grads live in buffers (``grad_view``), the named states of all
+of these (``lifecycle``), the param all-gathers after a step at stages 1-2
+(``param_gather``), the hook wrappers that keep flatshard out of Dynamo's graphs
+(``dynamo``) and a tensor-parallel model's DTensor params held by their local shards
+(``tensor_parallel``). Uses ``flatshard.comm``; knows no optimizer."""

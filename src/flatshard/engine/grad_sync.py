@@ -20,6 +20,9 @@ The reasoning is in the notes below ([Note: grad sync], ...)."""
 # * Under ``no_sync`` nothing is launched; grads keep accumulating in ``main_grad``.
 # * A grad that arrives after its reduction started is an error naming the param,
 #   never a silently dropped grad.
+# * A param with a post-accumulate-grad hook of the user's (registered after ours) keeps its
+#   local grad in ``.grad`` (the running sum, under accumulation) through those hooks, as
+#   under DDP; its grad is taken at the next hook of ours or at the end of backward.
 #
 # Two kinds of buffers:
 #
@@ -49,9 +52,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from flatshard.comm.collectives import CommStats, all_reduce
+from flatshard.comm.collectives import CommStats
 from flatshard.comm.deadline import HERE, Phase
 from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
+from flatshard.engine.grad_usage import GradUsage
 from flatshard.engine.grad_view import ExpertSpread, GradViews, Piece, ShardedGrad
 from flatshard.engine.lifecycle import Backward, Grads, advance
 from flatshard.engine.reduction import Reduction, ScratchPool
@@ -198,7 +202,7 @@ class GradSync:
                 if exposed:
                     self._exposed.add(id(p))
         self._written: set[int] = set()  # hidden params whose main_grad holds a sum
-        self._used: set[int] = set()  # params a grad reached here since the last synced backward
+        self.usage = GradUsage()
         self._fired: list[FlatParam] = []  # exposed params whose grad returns after sync
         self._deferred: FlatParam | None = None  # its grad is taken after the user's hooks
         self._pool = self.reductions[0].pool if self.reductions else ScratchPool(0)
@@ -324,7 +328,7 @@ class GradSync:
         else:
             self._accumulate(param, grad)
         self._written.add(key)
-        self._used.add(key)
+        self.usage.mark(param)
         if reduction.mark_ready(param) and self.sync_enabled:
             self._launch_ready()
         if self.gathers is not None:  # (one hook per param serves both: they cost per call)
@@ -464,9 +468,9 @@ class GradSync:
             self.generation += 1
             self._pool.clear()  # scratch is reused within a backward, not held between them
         # (a grad where torch under DDP has one: [Note: params without a grad] in optim/held.py)
-        self.views.attach(lambda p: id(p) not in unused if synced else id(p) in self._used)
+        self.views.attach(lambda p: id(p) not in unused if synced else self.usage.used_here(p))
         if synced:
-            self._used.clear()
+            self.usage.clear()
         if self.sync_enabled and not self.optimizer_attached:
             HERE.step_done()
         else:
@@ -499,7 +503,7 @@ class GradSync:
             param.grad = param.main_grad
         for reduction in self.reductions[self._done :]:
             reduction.replicate_shards()  # start every cross-replica reduction before waiting on any
-        unused = self._unused_everywhere()
+        unused = self.usage.unused_everywhere(self.sets, self._holds_exposed)
         for reduction in self.reductions[self._done :]:
             self._finish_reduction(reduction)
         self._done = len(self.reductions)
@@ -524,22 +528,6 @@ class GradSync:
 
     def _holds_exposed(self, param: FlatParam) -> bool:
         return id(param) in self._exposed and param.grad is not None  # (a grad set by hand too)
-
-    def _unused_everywhere(self) -> set[int]:
-        """The params that got no grad on any rank since the last synced backward: a MAX
-        all-reduce of one flag a param over each set's worlds, queued behind the grad
-        reductions, so waiting for it costs no extra stall (one rank: no collective)."""
-        unused: set[int] = set()
-        for bset in self.sets:
-            used = [id(p) in self._used or self._holds_exposed(p) for p in bset.params]
-            worlds = [w for w in (bset.world, bset.replicate) if w.size > 1]
-            if worlds:  # (every rank, whatever it used: a collective)
-                flags = torch.tensor(used, dtype=torch.int32, device=bset.world.control_device)
-                for world in worlds:
-                    all_reduce(flags, world, op="max").wait()  # (control: not in comm_stats)
-                used = [bool(f) for f in flags.tolist()]
-            unused.update(id(p) for p, u in zip(bset.params, used, strict=True) if not u)
-        return unused
 
     def without_grads(self) -> list[str]:
         """The params whose step skips them ([Note: params without a grad] in
@@ -576,7 +564,7 @@ class GradSync:
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Forget accumulated grads (the module's or the flatshard optimizer's zero_grad)."""
         self._written.clear()
-        self._used.clear()
+        self.usage.clear()
         if set_to_none:
             self.views.unattach_all()
         self._set_grads(Grads.EMPTY if set_to_none else Grads.REDUCED)  # (zeros, as torch steps on)

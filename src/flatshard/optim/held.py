@@ -15,7 +15,7 @@ The reasoning is [Note: params without a grad] below."""
 #   other ranks' grads), or if it had one already; a param no rank used (an unused head, a
 #   param frozen through the backward) keeps None (``GradViews.attach``). Every rank decides
 #   alike: which params each rank used is one MAX all-reduce of a flag a param, after the
-#   grad reductions (``GradSync._unused_everywhere``; DDP pays the same one only when told
+#   grad reductions (``GradUsage.unused_everywhere``; DDP pays the same one only when told
 #   to find unused params, and errors on them otherwise). Under ``no_sync`` a param has a
 #   grad where one reached it on this rank, as under DDP.
 # * **A ``zero_grad`` that bypassed flatshard's** (``nn.Module.zero_grad`` of torch.compile's
