@@ -9,7 +9,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from datetime import timedelta
 from functools import partial
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -73,6 +73,9 @@ class ShardState:
     tree: WrappedTree | None = None  # what was wrapped ([Note: writes through the params])
     pipeline: Pipeline | None = None  # the pipeline this is a chunk of ([Note: pipeline chunks])
     _materialized: int = 0  # depth of param_dtype_shards() blocks
+    # the root's forward (it waits for the gathers bucket by bucket) or zero_grad (it reads no
+    # value) is running: walks and attribute reads of the root do not wait for every gather
+    unsettled: bool = False
 
     @property
     def stage(self) -> int:
@@ -134,6 +137,16 @@ class ShardState:
         """Before the root's forward: a ``zero_grad`` that bypassed flatshard's is taken as
         one ([Note: params without a grad] in ``optim/held.py``)."""
         self.grad_sync.check_dropped()
+        self.unsettled = True
+
+    def forward_ended(self, module: nn.Module, args: tuple, output: object) -> None:
+        self.unsettled = False
+
+    def settle_gathers(self) -> None:
+        """Outside the forward, wait for the param all-gathers a step left running (stages
+        1-2), so a param read by any path is the stepped one."""
+        if not self.unsettled and self.param_gather is not None and self.param_gather.pending:
+            self.param_gather.wait_all()
 
     def take_values(self, values: Mapping[str, torch.Tensor]) -> None:
         """Values written into params other than by a step (by name) reach what the next step
@@ -192,8 +205,9 @@ class ShardedModule(nn.Module):
         """Wait for the param all-gathers a sharded step left running (stages 1 and 2).
 
         The forward waits for them bucket by bucket; ``parameters()``, ``named_parameters()``,
-        ``state_dict`` and ``load_state_dict`` call it. Call it before reading a param through
-        a reference kept from before the step.
+        ``modules()``, ``children()``, ``apply``, the root's attributes, ``state_dict`` and
+        ``load_state_dict`` call it. Call it before reading a param through a reference (a
+        tensor, a submodule) kept from before the step.
         """
         self._flatshard.wait_for_params()
 
@@ -286,13 +300,41 @@ class ShardedModule(nn.Module):
         that reads or writes the params between a step and the next forward (an EMA,
         ``parameters_to_vector``, a logged norm, an in-place write) sees the stepped values, not
         a buffer that a gather is still writing ([Note: writes through the params])."""
-        gather = self._flatshard.param_gather
-        if gather is not None and gather.pending:
-            gather.wait_all()
+        self._flatshard.settle_gathers()
         return super().named_parameters(*args, **kwargs)
+
+    def named_modules(self, *args, **kwargs):
+        """torch's (``modules()``, ``apply``, ``get_submodule`` walk it), after the gathers a
+        step left running, as ``named_parameters``: a param reached through a module is the
+        stepped one."""
+        self._flatshard.settle_gathers()
+        return super().named_modules(*args, **kwargs)
+
+    def named_children(self, *args, **kwargs):
+        """torch's (``children()``, ``apply`` walk it), after the gathers, as ``named_modules``."""
+        self._flatshard.settle_gathers()
+        return super().named_children(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        """torch's (the root's submodules, params and buffers: ``model.layer.weight``), after
+        the gathers a step left running, outside the forward (which waits bucket by bucket)."""
+        value = super().__getattr__(name)
+        state = self.__dict__.get("_flatshard")
+        if state is not None:
+            state.settle_gathers()
+        return value
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, without waiting for the param all-gathers (grads only)."""
+        state, walking = self._flatshard, self._flatshard.unsettled
+        state.unsettled = True
+        try:
+            self._zero_grads(set_to_none)
+        finally:
+            state.unsettled = walking
+        state.grad_sync.zero_grad(set_to_none=set_to_none)
+
+    def _zero_grads(self, set_to_none: bool) -> None:
         with torch._C.DisableTorchFunctionSubclass():  # (a placeholder's .grad: no dispatch)
             for _, p in nn.Module.named_parameters(self):
                 if p.grad is not None and set_to_none:
@@ -303,7 +345,6 @@ class ShardedModule(nn.Module):
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
-        self._flatshard.grad_sync.zero_grad(set_to_none=set_to_none)
 
     def _apply(self, fn, recurse: bool = True):
         """``to()``, ``cuda()``, ``half()``, ... after ``shard()``: a move or cast that leaves every
