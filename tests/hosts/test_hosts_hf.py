@@ -33,22 +33,27 @@ def _args(out: str, **overrides) -> transformers.TrainingArguments:
 _logged = logged_steps
 
 
-def _against_ddp(stages: list[int], out: str, optim: str, prepare=None, **more) -> dict:
+def _against_ddp(stages: list[int], out: str, optim: str, prepare=None, callback=None, **more) -> dict:
     """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage; each
-    side's copy of the model through ``prepare`` first, if given."""
+    side's copy of the model through ``prepare`` first, if given; ``callback()``: a fresh
+    ``TrainerCallback`` for each trainer."""
     from flatshard.hosts import hf
 
     model, data = tiny_llama(), Tokens()
     fresh = (lambda: prepare(copy.deepcopy(model))) if prepare else (lambda: copy.deepcopy(model))
+    callbacks = lambda: [callback()] if callback else None  # noqa: E731
     logged = {}
     reference = transformers.Trainer(
-        model=fresh(), args=_args(f"{out}/ddp", optim=optim, **more), train_dataset=data
+        model=fresh(),
+        args=_args(f"{out}/ddp", optim=optim, **more),
+        train_dataset=data,
+        callbacks=callbacks(),
     )
     reference.train()
     logged["ddp"] = [*_logged(reference), (reference.evaluate(data)["eval_loss"], 1.0)]
     for stage in stages:
         args = _args(f"{out}/{stage}", optim=optim, **more)
-        trainer = hf.Trainer(model=fresh(), args=args, train_dataset=data, shard=stage)
+        trainer = hf.Trainer(model=fresh(), args=args, train_dataset=data, shard=stage, callbacks=callbacks())
         trainer.train()
         logged[stage] = [*_logged(trainer), (trainer.evaluate(data)["eval_loss"], 1.0)]
     return logged
@@ -265,4 +270,24 @@ def test_the_trainer_follows_its_ddp_with_torch_compile_true(tmp_path):
     Stage 2, the issue's case (the same path clears every stage: test_params_without_grads)."""
     compiled = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
     for logged in run_distributed(_against_ddp, 2, [2], str(tmp_path), "adamw_torch", init=False, **compiled):
+        _check_follows(logged, rel=1e-5)
+
+
+class _FreezeLayer0(transformers.TrainerCallback):
+    """Freezes the first decoder layer after step 2 (a progressive schedule's second phase)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 2:
+            for name, p in model.named_parameters():
+                if ".layers.0." in name:
+                    p.requires_grad_(False)
+
+
+def test_a_layer_frozen_mid_run_by_a_callback_follows_the_trainers_ddp(tmp_path):
+    """The Trainer's DDP finds unused params (its default for a PreTrainedModel), so it skips
+    the frozen layer from step 3 on; so does flatshard (before, the layer kept moving under
+    AdamW's momentum and decay, and the losses left DDP's)."""
+    for logged in run_distributed(
+        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", callback=_FreezeLayer0, init=False
+    ):
         _check_follows(logged, rel=1e-5)
