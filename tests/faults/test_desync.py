@@ -317,7 +317,8 @@ def test_one_rank_gathering_alone_at_stage_3_is_a_desync_error_on_every_rank(cal
     messages = run_distributed(_one_rank_gathers, 2, call, timeout=120, reuse=False)
     for message in messages:
         assert "at stage 3, but not every rank of its data-parallel group is" in message, message
-        assert "rank 0: step 2" in message and "rank 1: " in message, message  # (rank 1 may have exited)
+        # (both ranks raise at the agreement at once: either may have exited when the other reads)
+        assert re.search(r"rank 0: (step 2|exited)", message) and "rank 1: " in message, message
     if call == "summon_full_params":
         assert messages[0].startswith("rank 0 is about to gather full params (summon_full_params)"), messages
     else:
