@@ -51,6 +51,13 @@ def _load_around(model: nn.Module, weights: dict, how: str) -> None:
         child.load_state_dict({k[len(name) + 1 :]: v for k, v in weights.items() if k.startswith(name + ".")})
 
 
+def _legacy_name(module: nn.Module, state_dict: dict, prefix: str, *rest) -> None:
+    """A load hook on the param's own module, as models keep for checkpoints that named the
+    param differently: it renames the entry before torch copies it."""
+    if prefix + "legacy_weight" in state_dict:
+        state_dict[prefix + "weight"] = state_dict.pop(prefix + "legacy_weight")
+
+
 def _load_into_trained(stage: int, when: str = "after a step") -> dict:
     """bf16 params with fp32 main params: ``load_state_dict`` of fp32 weights into a model
     that has trained a step (or, ``when="before the optimizer"``, into the sharded model
@@ -58,7 +65,8 @@ def _load_into_trained(stage: int, when: str = "after a step") -> dict:
     The main params used to stay at their trained values unless ``reload_model_params()``
     was called (before the optimizer: at the values the model was built with; through a
     wrapper's or a submodule's ``load_state_dict`` after a step: at their bf16 rounding, or,
-    at stage 1, under the step's gathers still in flight)."""
+    at stage 1, under the step's gathers still in flight; renamed by a load hook on the
+    param's own module: at their bf16 rounding at stages 0-2, refused at stage 3)."""
     mixed = flatshard.MixedPrecision(torch.bfloat16)
     torch.manual_seed(1)
     weights = {k: v.clone() for k, v in TiedGPT().state_dict().items()}
@@ -77,6 +85,16 @@ def _load_into_trained(stage: int, when: str = "after a step") -> dict:
             opt.step()
             opt.zero_grad()
             model.load_state_dict(weights)
+        if load_after and when == "renamed by a load hook":
+            backward(model, 0)
+            opt.step()
+            opt.zero_grad()
+            model.blocks[0].ln2.register_load_state_dict_pre_hook(_legacy_name)
+            legacy = {
+                k.replace("ln2.weight", "ln2.legacy_weight") if k.startswith("blocks.0.") else k: v
+                for k, v in weights.items()
+            }
+            model.load_state_dict(legacy)
         if load_after and when in ("through nn.Module's", "module by module"):
             backward(model, 0)
             opt.step()
@@ -91,7 +109,14 @@ def _load_into_trained(stage: int, when: str = "after a step") -> dict:
 
 @pytest.mark.parametrize("stage, world_size", [(0, 2), (1, 3), (2, 2), (3, 3)])
 @pytest.mark.parametrize(
-    "when", ["after a step", "before the optimizer", "through nn.Module's", "module by module"]
+    "when",
+    [
+        "after a step",
+        "before the optimizer",
+        "through nn.Module's",
+        "module by module",
+        "renamed by a load hook",
+    ],
 )
 def test_load_state_dict_reaches_the_main_params(stage, world_size, when):
     """Both sides start the step from the loaded fp32 values and compute the same sums in

@@ -25,11 +25,13 @@ from contextlib import AbstractContextManager, contextmanager
 from typing import Any, Protocol
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Grads
 from flatshard.engine.tensor_parallel import as_grad_of, full_value, local, local_shape, local_values
+from flatshard.units.placeholder import loading_into
 from flatshard.units.unshard import Part, Unsharder
 
 
@@ -227,34 +229,49 @@ def load_full_state_dict(
     strict: bool,
     plain_state_dict: Callable[..., dict[str, Any]],
     plain_load: Callable[..., Any],
-) -> tuple[list[str], list[str]]:
-    """Copy this rank's pieces of each sharded param from ``state_dict``; the rest (frozen
-    params, buffers) loads as usual. Returns torch's (missing_keys, unexpected_keys)."""
+) -> tuple[list[str], list[str], dict[str, torch.Tensor]]:
+    """Load ``state_dict`` through torch's own ``load_state_dict``, so the modules' load hooks
+    run as they do unsharded; each sharded param's value lands in this rank's piece of it
+    (``loading_into``). Returns torch's (missing_keys, unexpected_keys) and the values the
+    sharded params took, by param name.
+
+    A DTensor param's ``copy_`` goes to DTensor, not to a placeholder: its entry is taken by
+    its key before torch's load, so a load hook that renames it is not seen."""
     _unsharder(state).settle()
     slots = {}
     for bset in state.param_sets():
         for buffer in bset.buffers:
             for slot in buffer.layout.params:
-                slots[id(bset.params[slot.index])] = (buffer, slot, bset.params[slot.index])
-    by_key = {k: slots[id(t)] for k, t in plain_state_dict(keep_vars=True).items() if id(t) in slots}
-    rest = {k: v for k, v in state_dict.items() if k not in by_key}
-    missing = [k for k in by_key if k not in state_dict]
+                slots[id(bset.params[slot.index])] = (buffer, slot)
+    entries = {k: t for k, t in plain_state_dict(keep_vars=True).items() if id(t) in slots}
+    names: dict[int, str] = {}
+    for k, t in entries.items():
+        names.setdefault(id(t), k)  # (a tied param by its first name)
+    loaded: dict[str, torch.Tensor] = {}
+
+    def load(param: torch.Tensor, value: torch.Tensor) -> None:
+        buffer, slot = slots[id(param)]
+        # (main params, if they hold the shard, at full precision; a DTensor's local shard)
+        buffer.load_param(slot, local_values(param, value))
+        loaded[names[id(param)]] = value
+
+    dtensors = {k: t for k, t in entries.items() if isinstance(t, DTensor)}
     with torch.no_grad():
-        for key, (buffer, slot, param) in by_key.items():
-            if key not in state_dict:
-                continue
-            value = state_dict[key]
-            if tuple(value.shape) != tuple(param.shape):
-                raise ValueError(
-                    f"load_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict, "
-                    f"{tuple(param.shape)} in the model"
-                )
-            # (main params, if they hold the shard, at full precision; a DTensor's local shard)
-            buffer.load_param(slot, local_values(param, value))
-    result = plain_load(rest, strict=False)
-    missing += [k for k in result.missing_keys if k not in by_key]
+        for key, param in dtensors.items():
+            if key in state_dict:
+                value = state_dict[key]
+                if tuple(value.shape) != tuple(param.shape):
+                    raise ValueError(
+                        f"load_state_dict: {key!r} has shape {tuple(value.shape)} in the state dict, "
+                        f"{tuple(param.shape)} in the model"
+                    )
+                load(param, value)
+        with loading_into(load):
+            result = plain_load({k: v for k, v in state_dict.items() if k not in dtensors}, strict=False)
+    missing = [k for k in dtensors if k not in state_dict]
+    missing += [k for k in result.missing_keys if k not in dtensors]
     if strict and (missing or result.unexpected_keys):
         raise RuntimeError(
             f"load_state_dict: missing keys {missing}, unexpected keys {list(result.unexpected_keys)}"
         )
-    return missing, list(result.unexpected_keys)
+    return missing, list(result.unexpected_keys), loaded

@@ -37,9 +37,16 @@ The reasoning is [Note: placeholders] below."""
 #   own (``Placeholder`` mixed into its class, made once per class) and back to its class when
 #   shown, so it refuses the same reads (it computed on the NaN placeholder before). A DTensor
 #   param keeps its object and class: its local shard is the placeholder.
+# * ``copy_`` into a placeholder inside ``loading_into(load)`` is ``load(param, value)``: so
+#   ``model.load_state_dict`` at stage 3 runs torch's own load (the modules' load-state-dict
+#   hooks, renames and shape checks included) and each param's value lands in this rank's
+#   shard of it. Outside, a ``copy_`` is refused like any write.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -95,6 +102,20 @@ _READS_NO_VALUES = frozenset(
 )
 
 
+Load = Callable[[nn.Parameter, torch.Tensor], None]
+_LOADING: ContextVar[Load | None] = ContextVar("flatshard_loading", default=None)
+
+
+@contextmanager
+def loading_into(load: Load) -> Iterator[None]:
+    """Within: ``placeholder.copy_(value)`` is ``load(placeholder, value)``."""
+    token = _LOADING.set(load)
+    try:
+        yield
+    finally:
+        _LOADING.reset(token)
+
+
 class Placeholder(nn.Parameter):
     """A stage-3 param whose values are not gathered: see [Note: placeholders]."""
 
@@ -105,6 +126,10 @@ class Placeholder(nn.Parameter):
         if func in _READS_NO_VALUES:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
+        load = _LOADING.get()
+        if func is Tensor.copy_ and load is not None and isinstance(args[0], Placeholder):
+            load(args[0], args[1])
+            return args[0]
         param = next((a for a in _tensors(args, kwargs) if isinstance(a, Placeholder)), None)
         where = getattr(param, "sharded_where", "a sharded param")
         if func is Tensor.detach and param is not None:  # (a stand-in that refuses reads alike)

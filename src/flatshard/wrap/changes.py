@@ -54,7 +54,7 @@ The reasoning is in [Note: changes after wrapping] and [Note: writes through the
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import torch
 from torch import nn
@@ -151,6 +151,7 @@ class LoadHooks:
         for name, p, _, _ in tree.bound:
             self.names.setdefault(id(p), name)
         self.loading: dict[str, torch.Tensor] = {}
+        self.sources: dict[int, tuple[Mapping[str, torch.Tensor], str]] = {}  # (by module id)
 
     def register(self, module: nn.Module) -> None:
         for m in module.modules():
@@ -158,15 +159,19 @@ class LoadHooks:
             m.register_load_state_dict_post_hook(self.after)
 
     def before(self, module: nn.Module, state_dict, prefix: str, *rest) -> None:
-        """Before torch copies values into ``module``'s own params: note them by name."""
+        """Before torch copies values into ``module``'s own params: note where they come from.
+        The values are read in ``after``: load hooks the user registered later on the same
+        module (a rename of an old key) run between the two, as torch's copy does."""
         self.wait()
+        self.sources[id(module)] = (state_dict, prefix)
+
+    def after(self, module: nn.Module, incompatible_keys) -> None:
+        """After: the loaded values (not their 16-bit rounding) are what the next step starts from."""
+        state_dict, prefix = self.sources.pop(id(module), ({}, ""))
         for attr, p in module._parameters.items():
             name = self.names.get(id(p))
             if name is not None and prefix + attr in state_dict:
                 self.loading[name] = state_dict[prefix + attr]
-
-    def after(self, module: nn.Module, incompatible_keys) -> None:
-        """After: the loaded values (not their 16-bit rounding) are what the next step starts from."""
         if self.loading and self.tree.rebound is not None:
             loaded, self.loading = self.loading, {}
             self.tree.forget_writes()  # (the load's own writes: taken at their own precision)

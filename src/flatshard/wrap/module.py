@@ -212,8 +212,8 @@ class ShardedModule(nn.Module):
         self._flatshard.wait_for_params()
 
     def state_dict(self, *args, **kwargs):
-        """The plain state dict; at stage 3 only inside ``summon_full_params`` (the full
-        params, as the model computes with them, as FSDP's), else an error."""
+        """The plain state dict; at stage 3 only inside ``summon_full_params`` (copies of the
+        full params, as the model computes with them), else an error."""
         state = self._flatshard
         if state.policy.shards_params and not state.unsharder.summoned:
             raise RuntimeError(
@@ -223,7 +223,13 @@ class ShardedModule(nn.Module):
             )
         if not state.policy.shards_params:
             state.wait_for_params()
-        return super().state_dict(*args, **kwargs)
+            return super().state_dict(*args, **kwargs)
+        out = super().state_dict(*args, **kwargs)
+        if not kwargs.get("keep_vars", False):  # (copies: summon_full_params frees the gathered
+            for k, v in out.items():  # values on exit, and a view read after it would crash the kernel)
+                if isinstance(v, torch.Tensor):
+                    out[k] = v.clone()
+        return out
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
         """Load a full state dict (at stage 3 every rank passes it and keeps its shards). An
@@ -235,9 +241,9 @@ class ShardedModule(nn.Module):
         if state.policy.shards_params:  # (the main params hold the shards: loaded in place)
             plain = partial(nn.Module.state_dict, self)
             load = partial(nn.Module.load_state_dict, self)
-            missing, unexpected = load_full_state_dict(state, state_dict, strict, plain, load)
+            missing, unexpected, loaded = load_full_state_dict(state, state_dict, strict, plain, load)
             if state.optimizer is None:  # (the optimizer to come takes the pre-cast values)
-                state.take_values(state_dict)
+                state.take_values(loaded)
             return _IncompatibleKeys(missing, unexpected)
         # (its load hooks wait for gathers, and hand the values to the main params: LoadHooks)
         return super().load_state_dict(state_dict, strict=strict)
