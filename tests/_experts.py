@@ -41,11 +41,11 @@ def train_experts(
     batch: int = 2,
     name_ep: bool = True,
     expert_scale: float | None = None,
-    compile: bool = False,
+    compile: str | None = None,
 ) -> dict:
     """At each of ``stages``: the MoE Llama in ``layout`` (``LAYOUTS``) under flatshard with
     ``Experts(edp, is_expert, expert_scale, ep=ep)`` (``name_ep`` False: without ``ep``;
-    ``compile``: the forward through ``torch.compile``), SGD with momentum,
+    ``compile``: the forward through ``torch.compile`` with that backend), SGD with momentum,
     grads clipped by the optimizer on odd steps and by torch's ``clip_grad_norm_`` on even
     ones, beside the same model in one process on the whole batch. Per stage: each step's
     loss and norm differences, each param's largest difference relative to its largest
@@ -75,7 +75,7 @@ def _train(
     )
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.2, momentum=0.9)
-    run = torch.compile(model) if compile else model
+    run = torch.compile(model, backend=compile) if compile else model
     out: dict = {"loss": [], "norm": []}
     for step, (idx, targets) in enumerate(batches(steps, batch * dp)):
         ref_loss = reference(idx, targets)

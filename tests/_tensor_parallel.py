@@ -63,7 +63,7 @@ def train_tp_dp(
     steps: int = 4,
     batch: int = 2,
     max_norm: float = 0.5,
-    compile: bool = False,
+    compile: str | None = None,
 ) -> dict:
     """At each of ``stages``: ``model`` (``MODELS``) as TP x DP under flatshard
     (``DistributedOptimizer`` over SGD with momentum, grads clipped by torch's
@@ -74,8 +74,8 @@ def train_tp_dp(
     params. ``bf16``: flatshard's run keeps bf16 params with fp32 main params (seeded with
     the fp32 values: ``main pieces``), the reference stays fp32. ``accumulate``: each rank's
     batch goes through in that many micro-batches, all but the last under ``no_sync()``.
-    ``compile``: flatshard's model runs under ``torch.compile`` (``module.compile()``, so it
-    keeps its class), the reference eagerly."""
+    ``compile``: flatshard's model runs under ``torch.compile`` with that backend
+    (``module.compile()``, so it keeps its class), the reference eagerly."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     build, parallel = MODELS[model]
@@ -94,7 +94,7 @@ def _train(
     parallel,
     mp,
     accumulate: int,
-    compile: bool,
+    compile: str | None,
     steps: int,
     batch: int,
     max_norm: float,
@@ -115,7 +115,7 @@ def _train(
         from torch._dynamo.utils import counters
 
         counters.clear()
-        model.compile()
+        model.compile(backend=compile)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
     mains = [
         torch.equal(main, originals[piece.name].reshape(-1)[slice(*piece.in_param)])

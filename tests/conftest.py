@@ -13,6 +13,19 @@ few selected tests are each a large share of their own run); a test over its sha
 the run, naming it and its time. Heavy work shared by many tests (the Hugging Face type
 sweep) runs once, beside the tests at a lower priority ([Note: early starts] in
 _early.py); the seconds a test waits for it are idle time and do not count against it.
+
+[Note: compile backends in the suite]
+
+Inductor builds C++ kernels for each new graph, in every rank, and CI starts with an empty
+cache: the three compiled tensor-parallel cases took 143 s cold (78 + 40 + 25), 45 s with
+``aot_eager``. What flatshard does under ``torch.compile`` (its hooks breaking graphs, DTensor
+params traced by AOTAutograd, functionalized writes into buffers, the partitioner's saved
+tensors) is dynamo's and AOTAutograd's, which ``aot_eager`` runs in full; inductor adds
+kernels that fuse, reorder and reuse buffers. So inductor runs where flatshard's memory tricks
+meet its kernels (``stages/test_compile.py`` at every stage, bf16, per-block compile; the
+stage-3 tensor-parallel case, whose blocks are freed and gathered again), and ``aot_eager``
+where the subject is a host's or a mesh's compile path (the Trainer's ``torch_compile``,
+Lightning's compiled module, compiled TP at stages 0-1, compiled experts).
 """
 
 from __future__ import annotations
