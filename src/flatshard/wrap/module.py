@@ -73,9 +73,9 @@ class ShardState:
     tree: WrappedTree | None = None  # what was wrapped ([Note: writes through the params])
     pipeline: Pipeline | None = None  # the pipeline this is a chunk of ([Note: pipeline chunks])
     _materialized: int = 0  # depth of param_dtype_shards() blocks
-    # the root's forward (it waits for the gathers bucket by bucket) or zero_grad (it reads no
-    # value) is running: walks and attribute reads of the root do not wait for every gather
-    unsettled: bool = False
+    # while set, settle_gathers does nothing: the root's forward (it waits for the gathers
+    # bucket by bucket) or zero_grad (it reads no value) is running
+    settle_paused: bool = False
 
     @property
     def stage(self) -> int:
@@ -133,19 +133,22 @@ class ShardState:
         if self.tree is not None:
             self.tree.absorb_writes()
 
-    def grads_hook(self, module: nn.Module, args: tuple) -> None:
+    def take_dropped_grads(self, module: nn.Module, args: tuple) -> None:
         """Before the root's forward: a ``zero_grad`` that bypassed flatshard's is taken as
         one ([Note: params without a grad] in ``optim/held.py``)."""
         self.grad_sync.check_dropped()
-        self.unsettled = True
+
+    def forward_began(self, module: nn.Module, args: tuple) -> None:
+        self.settle_paused = True
 
     def forward_ended(self, module: nn.Module, args: tuple, output: object) -> None:
-        self.unsettled = False
+        self.settle_paused = False
 
     def settle_gathers(self) -> None:
-        """Outside the forward, wait for the param all-gathers a step left running (stages
-        1-2), so a param read by any path is the stepped one."""
-        if not self.unsettled and self.param_gather is not None and self.param_gather.pending:
+        """The gathers' part of ``wait_for_params``, for reads of the model by any path (walks,
+        attributes): wait for the param all-gathers a step left running (stages 1-2), so a
+        param read is the stepped one. Paused inside the root's forward and ``zero_grad``."""
+        if not self.settle_paused and self.param_gather is not None and self.param_gather.pending:
             self.param_gather.wait_all()
 
     def take_values(self, values: Mapping[str, torch.Tensor]) -> None:
@@ -332,12 +335,12 @@ class ShardedModule(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, without waiting for the param all-gathers (grads only)."""
-        state, walking = self._flatshard, self._flatshard.unsettled
-        state.unsettled = True
+        state, paused = self._flatshard, self._flatshard.settle_paused
+        state.settle_paused = True
         try:
             self._zero_grads(set_to_none)
         finally:
-            state.unsettled = walking
+            state.settle_paused = paused
         state.grad_sync.zero_grad(set_to_none=set_to_none)
 
     def _zero_grads(self, set_to_none: bool) -> None:
