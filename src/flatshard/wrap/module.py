@@ -285,7 +285,9 @@ class ShardedModule(nn.Module):
     ) -> Iterator[None]:
         """Full params inside the block ([Note: full params] in ``units/full_params.py``); every rank
         must enter it. Below stage 3 params are always full: this waits for their gathers and,
-        ``with_grads``, gathers the reduced grads into ``param.grad``."""
+        ``with_grads``, gathers the reduced grads into ``param.grad``. At stage 3 the full
+        params' memory is freed on exit: ``clone()`` what outlives the block (a view read after
+        it reads freed memory); ``state_dict()`` inside gives copies."""
         if not self._flatshard.policy.shards_params:
             self._flatshard.wait_for_params()
             grads = self._flatshard.grad_sync.grads
