@@ -122,7 +122,7 @@ def _reading_hook(module: nn.Module, state_dict: dict, prefix: str, local_metada
     state_dict[prefix + "fc_sum"] = state_dict[prefix + "fc.weight"].sum()
 
 
-def _state_dict_hooks(world_size: int) -> dict:
+def _state_dict_hooks() -> dict:
     out: dict = {}
     for stage in range(4):
         torch.manual_seed(0)
@@ -153,5 +153,5 @@ def test_full_state_dict_runs_state_dict_hooks():
     shapes the unsharded model's ``state_dict()`` (the same keys and values, bit for bit), at
     stages 0-3 on 3 ranks; at stage 3 a hook that reads a value is refused by name, and runs
     inside ``summon_full_params()``."""
-    results = run_distributed(_state_dict_hooks, 3, 3, timeout=120)
+    results = run_distributed(_state_dict_hooks, 3, timeout=120)
     assert results[0] == {0: True, 1: True, 2: True, 3: True, "inside summon": True}, results[0]
