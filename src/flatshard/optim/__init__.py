@@ -1,7 +1,8 @@
 """Layer 5, optimizers over a wrapped module or over params: ``DistributedOptimizer``
 (``distributed``: an inner torch optimizer over this rank's flat shards; ``shards``: a buffer's
 shards as it sees them; ``inner``: which class steps which runs; ``agreement``: ranks agree on
-its settings; ``grad_norm``: its global grad norm; ``held``: params without a grad kept
+its settings; ``grad_prep``: the grads a step uses (scaling, clipping, inf checks);
+``grad_norm``: their global norm; ``held``: params without a grad kept
 through a step; ``rank_state``: its own per-rank state dict), ``GroupedOptimizer`` (``grouped``: a class
 per param group), the host/device ``HybridDeviceOptimizer`` (``hybrid``),
 ``OwnerShardedOptimizer`` (``owner``: each rank owns whole params), what those two share
