@@ -52,6 +52,7 @@ from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
 from flatshard.planner.layout import Layout, ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, OptimizerPrecision
+from flatshard.planner.offload import Offload
 from flatshard.planner.stage import Buckets, Stage3
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.shard import Experts, shard
@@ -72,6 +73,7 @@ __all__ = [
     "MemoryReport",
     "MixedPrecision",
     "NonFiniteGradError",
+    "Offload",
     "OptimizerPrecision",
     "OwnerShardedOptimizer",
     "ParamSpec",

@@ -14,22 +14,29 @@ from flatshard.engine.grad_view import ShardedGrad
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Bytes of unique storages on this rank, by role (each storage counted once)."""
+    """Bytes of unique storages on this rank, by role (each storage counted once), and how
+    many of them live on the host ([Note: memory tiers] in ``planner/offload.py``)."""
 
     params: int
     grads: int
     main_params: int
     optimizer_state: int
+    host: int = 0  # of the total, the bytes whose home is the host (offloaded)
 
     @property
     def total(self) -> int:
         return self.params + self.grads + self.main_params + self.optimizer_state
 
+    @property
+    def device(self) -> int:
+        """The bytes whose home is the device."""
+        return self.total - self.host
+
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "total": self.total}
+        return {**asdict(self), "total": self.total, "device": self.device}
 
 
-def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
+def _storage_bytes(tensors: Iterable[torch.Tensor], seen: dict[int, int]) -> int:
     total = 0
     for t in tensors:
         if hasattr(t, "to_local"):  # a DTensor (torch FSDP2): this rank's local shard
@@ -38,7 +45,7 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: set[int]) -> int:
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:
             continue
-        seen.add(key)
+        seen[key] = storage.nbytes()
         total += storage.nbytes()
     return total
 
@@ -50,8 +57,10 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     stage 3 a unit's full params count while they exist (between steps: the units a step
     prefetched for the next forward; ``model.wait_for_params()`` frees them);
     ``model.flatshard_state.unsharder.peak_full_bytes`` says the most ever alive."""
-    seen: set[int] = set()
+    seen: dict[int, int] = {}  # storage -> its bytes
     model = uncompiled(model)
+    host_tensors = getattr(optimizer, "host_tensors", None)
+    homed: dict[str, list[torch.Tensor]] = host_tensors() if callable(host_tensors) else {}
     params = list(model.parameters())
     state = getattr(model, "flatshard_state", None)
     held = params
@@ -68,6 +77,7 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     if state is not None:  # grads that no param views between backwards (stage-2/3 shards)
         grads += [g for bset in state.sets.values() for b in bset.buffers for g in b.grad_storage()]
         grads += state.grad_sync.pooled_scratch()
+    grads += homed.get("grads", [])  # (the host frame an offloaded step reads them from)
     grad_bytes = _storage_bytes(grads, seen)
     main_bytes = 0
     state_bytes = 0
@@ -77,7 +87,9 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
             main_bytes = _storage_bytes(main_params(), seen)
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         state_bytes = _storage_bytes(state, seen)
-    return MemoryReport(param_bytes, grad_bytes, main_bytes, state_bytes)
+    host = {t.untyped_storage().data_ptr() for role in homed.values() for t in role}
+    host_bytes = sum(n for key, n in seen.items() if key in host)
+    return MemoryReport(param_bytes, grad_bytes, main_bytes, state_bytes, host_bytes)
 
 
 def mib(nbytes: int | None) -> str:

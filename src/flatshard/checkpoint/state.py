@@ -190,7 +190,7 @@ def main_pieces(opt: DistributedOptimizer) -> Iterator[tuple[str, Piece, Any]]:
     """(key, piece of the fp32 main params, its buffer's shards) for every optimized param
     piece of a 16-bit buffer."""
     for shards in opt.shards:
-        if shards.main_data is None:
+        if shards.record_main is None:
             continue
         numel = _numels(shards.buffer.layout)
         for piece, main in shards.main_pieces():

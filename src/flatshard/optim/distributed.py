@@ -52,6 +52,7 @@ from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.grad_prep import GradPreparation
 from flatshard.optim.held import HeldBack
+from flatshard.optim.host_step import fetch_grads, host_defaults
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
@@ -136,11 +137,14 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         low = resolve_precision(precision, state, classes, whole)  # None: the class steps the runs
         shapes = whole_shapes(state, group_of, classes, whole)
         main_dtype = torch.float32 if low is None else low.main_dtype
+        offload = state.offload if state.offload is not None and state.offload.optimizer else None
+        if offload is not None:
+            defaults = host_defaults(optimizer_class, classes, defaults)
         self._model = model
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group
         self._buffer_shards = [
-            build_shards(buffer, bset.world, group_of, shapes, main_dtype)
+            build_shards(buffer, bset.world, group_of, shapes, main_dtype, offload)
             for bset in state.sets.values()
             for buffer in bset.buffers
         ]
@@ -202,7 +206,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
     def main_frame(self, buffer: FlatBuffer) -> torch.Tensor | None:
         """The fp32 main params of ``buffer``'s shard frame, None where its params are
         their own record (fp32) ([Note: values of record] in ``wrap/record.py``)."""
-        return next((s.main_data for s in self._buffer_shards if s.buffer is buffer), None)
+        return next((s.record_main for s in self._buffer_shards if s.buffer is buffer), None)
 
     @property
     def group_of(self) -> Mapping[str, int]:
@@ -280,6 +284,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
             self._settings.after_step(self.inner)
         self._norm_checked_settings = False
         self._apply_grad_factor()
+        fetch_grads(self._buffer_shards)  # (offloaded: to the host, [Note: memory tiers])
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
         with self._held.step(self.inner, self._buffer_shards, without):
             self.inner.step()
@@ -317,6 +322,19 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
             s.main_data if s.main_data is not None else s.buffer.param_storage() for s in self._buffer_shards
         )
         return [t for t in held if t is not None]  # (a buffer without main params holds its params)
+
+    def host_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors whose home is the host, by role ([Note: memory tiers]): empty unless the
+        model was sharded with ``Offload(optimizer=True)``."""
+        offloaded = [s for s in self._buffer_shards if s.host_grads is not None]
+        if not offloaded:
+            return {}
+        state = [v for st in self.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        return {
+            "grads": [s.host_grads for s in offloaded if s.host_grads is not None],
+            "main_params": [s.main_data for s in offloaded if s.main_data is not None],
+            "optimizer_state": state,
+        }
 
     @torch.no_grad()
     def reload_model_params(self) -> None:

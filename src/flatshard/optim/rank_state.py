@@ -50,7 +50,7 @@ def rank_state(
             "flatshard": FORMAT,
             "layout": describe_layout(shards, state),
             "inner": inner.state_dict(),
-            "main_params": [s.main_data for s in shards],
+            "main_params": [s.record_main for s in shards],
             "loss_scaler": None if loss_scaler is None else loss_scaler.state_dict(),
             "skipped_steps": skipped_steps,
         }
@@ -76,8 +76,10 @@ def load_rank_state(
         raise ValueError("optimizer state and this optimizer disagree on whether the loss is scaled")
     state.wait_for_params()
     for s, main in zip(shards, saved["main_params"], strict=True):
-        if s.main_data is not None:
-            s.main_data.copy_(main)
+        if s.record_main is not None and main is not None:
+            s.record_main.copy_(main)
+        else:  # (fp32 params, or saved without main params: from the params loaded before)
+            s.load_main_from_params()
     inner.load_state_dict(saved["inner"])  # after the main params it may copy
     if loss_scaler is not None:
         loss_scaler.load_state_dict(saved["loss_scaler"])

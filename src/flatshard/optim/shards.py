@@ -13,6 +13,7 @@ from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.planner.layout import ShardRanges
 from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.offload import Offload
 from flatshard.planner.shard_map import Run, plan_runs
 
 
@@ -22,10 +23,12 @@ class BufferShards:
 
     buffer: FlatBuffer
     world: World
-    main_data: torch.Tensor | None  # 1D fp32 shard frame; None unless params are 16-bit
+    main_data: torch.Tensor | None  # 1D shard frame the runs view; None: they view the params
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
     grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match)
+    host_grads: torch.Tensor | None = None  # the grad shards' host frame ([Note: memory tiers])
+    copy: bool = False  # main_data is a host copy of fp32 params, no value of record
     _split_pieces: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(
         default=None, init=False, repr=False
     )
@@ -33,6 +36,25 @@ class BufferShards:
     @property
     def buckets(self):
         return self.buffer.layout.buckets
+
+    @property
+    def record_main(self) -> torch.Tensor | None:
+        """The main params that are the values of record of 16-bit params ([Note: values of
+        record] in ``wrap/record.py``): ``main_data``, unless it is a host copy of fp32 params."""
+        return None if self.copy else self.main_data
+
+    def fetch_grads(self) -> None:
+        """Copy the grad shards, as the step will use them, into the host frame the runs'
+        grads view (queued: on an accelerator, wait for the stream before reading them)."""
+        if self.host_grads is None:
+            return
+        for bucket in self.buckets:
+            frame = self.buffer.frame_range(bucket)
+            host = self.host_grads[frame.start : frame.end]
+            if not self.buffer.has_grad_shard(bucket):
+                host.zero_()  # (no grad reached it since zero_grad: a zero grad, as on the device)
+                continue
+            host.copy_(self.buffer.grad_shard(bucket), non_blocking=host.is_pinned())
 
     def grad_shards(self) -> list[torch.Tensor]:
         return [self.buffer.grad_shard(b) for b in self.buckets]
@@ -106,7 +128,8 @@ class BufferShards:
         if self.main_data is not None and not self.buffer.shard_dropped:
             for bucket in self.buckets:
                 frame = self.buffer.frame_range(bucket)
-                self.buffer.param_shard(bucket).copy_(self.main_data[frame.start : frame.end])
+                main = self.main_data[frame.start : frame.end]
+                self.buffer.param_shard(bucket).copy_(main, non_blocking=main.is_pinned())
 
 
 def describe_nonfinite(all_shards: Sequence[BufferShards], most: int = 8) -> str:
@@ -131,30 +154,43 @@ def build_shards(
     group_of: dict[str, int],
     shapes: dict[str, tuple[int, ...]],
     main_dtype: torch.dtype = torch.float32,
+    offload: Offload | None = None,
 ) -> BufferShards:
     """The runs of ``buffer``'s shards, over fp32 main params where its params are 16-bit
-    and ``main_dtype`` is fp32, else over the param shard itself (``run_dtype``)."""
+    and ``main_dtype`` is fp32, else over the param shard itself (``run_dtype``); with
+    ``offload.optimizer``, over a host frame in every case, their grads over another
+    ([Note: memory tiers] in ``planner/offload.py``)."""
     runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes)
-    main_data = None
-    if run_dtype(buffer.layout.dtype, main_dtype) != buffer.layout.dtype:
+    dtype = run_dtype(buffer.layout.dtype, main_dtype)
+    host = offload is not None and offload.optimizer
+    main_data = host_grads = None
+    if host:
+        pin = offload is not None and offload.pin_memory and buffer.device.type == "cuda"
+        main_data = torch.zeros(buffer.frame_numel, dtype=dtype, pin_memory=pin)
+        host_grads = torch.zeros(buffer.frame_numel, dtype=buffer.layout.grad_dtype, pin_memory=pin)
+    elif dtype != buffer.layout.dtype:
         main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
     tensors, run_grads = [], []
     for run in runs:
         bucket = buffer.layout.buckets[run.bucket]
         lo, hi = run.in_shard
+        frame = buffer.frame_range(bucket)
         if main_data is None:
             tensor = buffer.param_shard(bucket)[lo:hi]
         else:
-            frame = buffer.frame_range(bucket)
             tensor = main_data[frame.start + lo : frame.start + hi]
-        grads = buffer.grad_shard(bucket) if buffer.full_grads else buffer.allocate_grad_shard(bucket)
-        grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
+        if host_grads is not None:
+            grad = host_grads[frame.start + lo : frame.start + hi]
+        else:
+            grads = buffer.grad_shard(bucket) if buffer.full_grads else buffer.allocate_grad_shard(bucket)
+            grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
         if run.shape is not None:  # a whole-param run: the param's own shape
             tensor, grad = tensor.view(run.shape), grad.view(run.shape)
         if grad.dtype == tensor.dtype:  # (bf16 runs, the params themselves, have fp32 grads
             tensor.grad = grad  # that torch refuses as their .grad: they are read from ``grads``)
         tensors.append(tensor)
         run_grads.append(grad)
-    shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads)
+    copy = host and dtype == buffer.layout.dtype
+    shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads, host_grads, copy)
     shards.load_main_from_params()
     return shards

@@ -69,9 +69,10 @@ class WrappedTree:
     """What ``shard`` wrapped: every module's own params (by identity, with
     ``requires_grad``) and its numbers of child modules and params."""
 
-    def __init__(self, module: nn.Module, rebound: Rebound | None = None) -> None:
+    def __init__(self, module: nn.Module, rebound: Rebound | None = None, watch_fp32: bool = False) -> None:
         """``rebound``: when given (stages 0-2), params whose ``.data`` left their buffer view
-        are put back, and it is called with their names and values."""
+        are put back, and it is called with their names and values; ``watch_fp32``: writes to
+        fp32 params are looked for too (their optimizer steps a host copy: [Note: memory tiers])."""
         named = list(module.named_modules(remove_duplicate=False))
         self.modules = [(name or "(root)", m, len(m._modules), len(m._parameters)) for name, m in named]
         self.params = [
@@ -87,7 +88,7 @@ class WrappedTree:
             (_qualified(n, attr), p, local(p), local(p).data_ptr()) for n, _, attr, p, _ in in_buffers
         ]  # (a DTensor's local shard: [Note: tensor-parallel params])
         # the 16-bit ones, with their version counters ([Note: writes through the params])
-        self.watched = [(name, p) for name, p, _, _ in self.bound if p.dtype in HALF_DTYPES]
+        self.watched = [(name, p) for name, p, _, _ in self.bound if watch_fp32 or p.dtype in HALF_DTYPES]
         self.forget_writes()
 
     def check(self) -> None:

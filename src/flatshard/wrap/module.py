@@ -24,6 +24,7 @@ from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
 from flatshard.engine.tensor_parallel import full_value
 from flatshard.planner.layout import Layout
+from flatshard.planner.offload import Offload
 from flatshard.planner.stage import StagePolicy
 from flatshard.units.full_params import (
     full_state_dict,
@@ -72,6 +73,7 @@ class ShardState:
     frozen: BufferSet | None = None  # stage 3: the frozen params' shards ([Note: frozen params])
     tree: WrappedTree | None = None  # what was wrapped ([Note: writes through the params])
     pipeline: Pipeline | None = None  # the pipeline this is a chunk of ([Note: pipeline chunks])
+    offload: Offload | None = None  # host homes ([Note: memory tiers] in planner/offload.py)
     _materialized: int = 0  # depth of param_dtype_shards() blocks
     # while set, settle_gathers does nothing: the root's forward (it waits for the gathers
     # bucket by bucket) or zero_grad (it reads no value) is running

@@ -22,6 +22,7 @@ from flatshard.comm.world import ONE, World, resolve_world, resolve_worlds
 from flatshard.engine.tensor_parallel import TensorParallel, describe, is_distributed, mesh_of, refuse
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision, cast_params
+from flatshard.planner.offload import Offload
 from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
 from flatshard.units.build import is_meta_model, replace_meta_params
 from flatshard.units.unit_tree import Unit
@@ -137,6 +138,7 @@ class WrapPlan:
     broadcast_buffers: bool
     tensor_parallel: TensorParallel | None = None  # DTensor params' tp dimension
     expert_parallel: World | None = None  # Experts.ep ([Note: expert parallelism])
+    offload: Offload | None = None  # host homes ([Note: memory tiers] in planner/offload.py)
 
     @property
     def worlds(self) -> tuple[World, World]:
@@ -158,10 +160,13 @@ def plan_wrap(
     whole_params: WholeParams,
     timeout: float | timedelta | None,
     stage3: Stage3 | None,
+    offload: Offload | None = None,
 ) -> WrapPlan:
     """``shard()``'s arguments checked and its decisions made (see ``shard`` for each)."""
     buckets = bucket_options(buckets)
     policy = StagePolicy.build(stage, stage3)
+    if offload is not None and not isinstance(offload, Offload):
+        raise TypeError(f"offload must be a flatshard.Offload or None, got {offload!r}")
     check_arguments(module, grad_scale)
     if expert is not None:
         check_grad_scale(expert.grad_scale, "Experts.grad_scale")
@@ -199,6 +204,7 @@ def plan_wrap(
         "sync_module_states": sync_module_states,
         "broadcast_buffers": broadcast_buffers,
         "pad_for_high_busbw": buckets.pad_for_high_busbw,
+        "offload": offload,
     }
     agreement = _agreement_lines(
         module, policy, mp, [u.name for u in units], replicated, meta=meta, **options
@@ -221,6 +227,7 @@ def plan_wrap(
         broadcast_buffers,
         tp,
         expert_parallel_world(expert, world.timeout),
+        offload,
     )
 
 

@@ -59,7 +59,9 @@ def main_values(
                 continue
             for bucket in buffer.layout.buckets:
                 frame = buffer.frame_range(bucket)
-                full = torch.zeros(bucket.numel, dtype=main.dtype, device=main.device)
+                full = torch.zeros(
+                    bucket.numel, dtype=main.dtype, device=buffer.device
+                )  # (main: maybe the host's)
                 mine = buffer.own_part(full, bucket) if bucket.sharded else full
                 mine.copy_(main[frame.start : frame.end])
                 if bucket.sharded and bset.world.size > 1:

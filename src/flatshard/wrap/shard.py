@@ -26,6 +26,7 @@ from flatshard.engine.grad_view import ExpertSpread
 from flatshard.engine.param_gather import ParamGather
 from flatshard.planner.layout import plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, input_cast_hook
+from flatshard.planner.offload import Offload
 from flatshard.planner.stage import Buckets, Stage3
 from flatshard.toolkit.malloc import warn_once_without_tunables
 from flatshard.units.build import build_unsharder, initialize_units
@@ -61,6 +62,7 @@ def shard(
     whole_params: WholeParams = None,
     timeout: float | timedelta | None = DEFAULT_TIMEOUT,
     stage3: Stage3 | None = None,
+    offload: Offload | None = None,
 ) -> ShardedModule:
     """Make ``module`` data-parallel over ``group`` with ZeRO stage ``stage``; returns it.
 
@@ -109,6 +111,9 @@ def shard(
             ``forward_prefetch``, ``backward_prefetch``, ``limit_all_gathers``,
             ``unit_bytes``, ``device``, ``param_init_fn``, ``ignored_modules``; [Note:
             unsharding] in ``units/unshard.py``). Refused at stages 0-2.
+        offload: a ``flatshard.Offload``: the ``DistributedOptimizer``'s main params and state
+            on the host, stepped there, and at stage 3 the param shards too ([Note: memory
+            tiers] in ``planner/offload.py``).
     """
     plan = plan_wrap(
         module,
@@ -124,6 +129,7 @@ def shard(
         whole_params=whole_params,
         timeout=timeout,
         stage3=stage3,
+        offload=offload,
     )
     sets = build_sets(module, plan)
     return attach(module, plan, sets)
@@ -180,6 +186,7 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
     state = ShardState(
         policy, trained, sync, stats, gather, originals=originals, unsharder=unsharder, frozen=frozen
     )
+    state.offload = plan.offload
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     if plan.meta:
@@ -249,7 +256,8 @@ def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_wo
     since wrapping (first), rank 0's buffers (``broadcast_buffers``: ``buffer_worlds``), the
     mixed-precision input cast."""
     state = sharded.flatshard_state
-    tree = WrappedTree(sharded, None if state.policy.shards_params else state.take_values)
+    offloaded = state.offload is not None and state.offload.optimizer
+    tree = WrappedTree(sharded, None if state.policy.shards_params else state.take_values, offloaded)
     state.tree = tree
     if not state.policy.shards_params:
         LoadHooks(tree, state.wait_for_params).register(sharded)

@@ -1,0 +1,46 @@
+"""The optimizer's update on the host: which kernel steps it, and the grads it reads
+([Note: memory tiers] in ``planner/offload.py``)."""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from flatshard.optim.shards import BufferShards
+
+FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
+"""torch classes with a fused CPU kernel (``fused=True``): one pass over each tensor."""
+
+
+def host_defaults(optimizer_class: type, classes: Sequence[type], defaults: dict[str, Any]) -> dict[str, Any]:
+    """``defaults`` with the fastest host kernel asked for, where the user chose none: torch's
+    fused one when every class has it, else ``foreach`` when every class takes it (torch's
+    default on the CPU is a loop over tensors, op by op)."""
+    from flatshard.optim.hybrid import HybridDeviceOptimizer
+
+    if isinstance(optimizer_class, type) and issubclass(optimizer_class, HybridDeviceOptimizer):
+        raise ValueError(
+            "a HybridDeviceOptimizer inside a DistributedOptimizer of a model sharded with "
+            "Offload(optimizer=True): the offload already steps every shard on the host; pass the "
+            "host class itself (e.g. torch.optim.AdamW)"
+        )
+    if "fused" in defaults or "foreach" in defaults:
+        return defaults
+    if all(cls in FUSED_ON_HOST for cls in classes):
+        return {**defaults, "fused": True}
+    if all("foreach" in inspect.signature(cls).parameters for cls in classes):
+        return {**defaults, "foreach": True}
+    return defaults
+
+
+def fetch_grads(shards: Sequence[BufferShards]) -> None:
+    """The grads of every offloaded buffer copied to the host, and waited for."""
+    fetched = [s for s in shards if s.host_grads is not None]
+    for s in fetched:
+        s.fetch_grads()
+    devices = {s.buffer.device for s in fetched if s.buffer.device.type == "cuda"}
+    for device in devices:  # (asynchronous copies into pinned memory: done before the host reads)
+        torch.cuda.current_stream(device).synchronize()
