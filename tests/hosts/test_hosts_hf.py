@@ -33,10 +33,12 @@ def _args(out: str, **overrides) -> transformers.TrainingArguments:
 _logged = logged_steps
 
 
-def _against_ddp(stages: list[int], out: str, optim: str, prepare=None, callback=None, **more) -> dict:
+def _against_ddp(
+    stages: list[int], out: str, optim: str, prepare=None, callback=None, shard=None, **more
+) -> dict:
     """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage; each
     side's copy of the model through ``prepare`` first, if given; ``callback()``: a fresh
-    ``TrainerCallback`` for each trainer."""
+    ``TrainerCallback`` for each trainer; ``shard``: more of ``flatshard.shard``'s keywords."""
     from flatshard.hosts import hf
 
     model, data = tiny_llama(), Tokens()
@@ -53,7 +55,8 @@ def _against_ddp(stages: list[int], out: str, optim: str, prepare=None, callback
     logged["ddp"] = [*_logged(reference), (reference.evaluate(data)["eval_loss"], 1.0)]
     for stage in stages:
         args = _args(f"{out}/{stage}", optim=optim, **more)
-        trainer = hf.Trainer(model=fresh(), args=args, train_dataset=data, shard=stage, callbacks=callbacks())
+        how = stage if shard is None else {"stage": stage, **shard}
+        trainer = hf.Trainer(model=fresh(), args=args, train_dataset=data, shard=how, callbacks=callbacks())
         trainer.train()
         logged[stage] = [*_logged(trainer), (trainer.evaluate(data)["eval_loss"], 1.0)]
     return logged
@@ -72,6 +75,19 @@ def _check_follows(logged: dict, rel: float, clip: float = 0.5) -> None:
 
 def test_the_trainer_follows_its_ddp_at_every_stage(tmp_path):
     for logged in run_distributed(_against_ddp, 2, [0, 1, 2, 3], str(tmp_path), "adamw_torch", init=False):
+        _check_follows(logged, rel=1e-5)
+
+
+def test_the_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_path):
+    """``shard={"stage": ..., "offload": flatshard.Offload()}``: the host step takes torch's
+    fused AdamW, so the reference trains with ``optim="adamw_torch_fused"`` (the same kernel);
+    at stage 3 the param shards live on the host too."""
+    import flatshard
+
+    offload = {"offload": flatshard.Offload()}
+    for logged in run_distributed(
+        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch_fused", shard=offload, init=False
+    ):
         _check_follows(logged, rel=1e-5)
 
 

@@ -19,6 +19,7 @@ import os
 import pytest
 import torch
 
+import flatshard
 from _hosted import Tokens, tiny_llama
 from flatshard.toolkit.testing import run_distributed
 
@@ -46,6 +47,7 @@ class _Module(pl.LightningModule):
         self.losses: list[float] = []
         self.norms: list[float] = []
         self.reductions: list[int] = []  # (flatshard's side: reductions so far, at each micro-batch)
+        self.fused = False  # torch's fused AdamW (the kernel an offloaded step takes)
 
     def training_step(self, batch, index):
         if hasattr(self, "comm_stats"):
@@ -69,6 +71,7 @@ class _Module(pl.LightningModule):
                 {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
             ],
             lr=1e-3,
+            fused=self.fused or None,
         )
         schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
@@ -101,16 +104,18 @@ def _against_ddp(stages: list[int], out: str, **more) -> dict:
     model, world_size = tiny_llama(), int(os.environ["WORLD_SIZE"])  # (Lightning's teardown unsets it)
     logged = {}
     unused = more.pop("find_unused_parameters", False)
+    options = more.pop("options", None)  # more of flatshard.shard's keywords
     for stage in ["ddp", *stages]:
         module = _Module(copy.deepcopy(model))
+        module.fused = more.get("fused", False)
         if stage == "ddp":
             name = "ddp_find_unused_parameters_true" if unused else "ddp"
-        elif unused:
-            name = flatshard.hosts.lightning.Strategy(stage, find_unused_parameters=True)
+        elif unused or options:
+            name = flatshard.hosts.lightning.Strategy(stage, find_unused_parameters=unused, **(options or {}))
         else:
             name = f"flatshard_stage_{stage}"
         plugins = {"plugins": more["plugins_each"]()} if "plugins_each" in more else {}
-        settings = {k: v for k, v in more.items() if k != "plugins_each"}
+        settings = {k: v for k, v in more.items() if k not in ("plugins_each", "fused")}
         trainer = _trainer(name, f"{out}/{stage}", world_size, **settings, **plugins)
         trainer.fit(module, _loader())
         (validated,) = trainer.validate(module, _loader(), verbose=False)
@@ -136,6 +141,16 @@ def _check_follows(logged: dict, rel: float = 1e-5) -> None:
 @pytest.mark.parametrize(("world_size", "stages"), [(2, [0, 1, 2, 3]), (3, [2, 3])])
 def test_the_lightning_trainer_follows_its_ddp(tmp_path, world_size, stages):
     for logged in run_distributed(_against_ddp, world_size, stages, str(tmp_path), init=False):
+        _check_follows(logged)
+
+
+def test_the_lightning_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_path):
+    """``Strategy(stage, offload=flatshard.Offload())``: the host step takes torch's fused
+    AdamW, so both sides' modules ask for it (the same kernel); stages 2 and 3."""
+    options = {"offload": flatshard.Offload()}
+    for logged in run_distributed(
+        _against_ddp, 2, [2, 3], str(tmp_path), options=options, fused=True, init=False
+    ):
         _check_follows(logged)
 
 
