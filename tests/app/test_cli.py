@@ -42,7 +42,11 @@ def _check_the_loss_fell(out: subprocess.CompletedProcess, stage: str) -> None:
 
 @pytest.mark.parametrize(
     ("stage", "extra", "started"),
-    [("0", [], "by its launcher"), ("1", ["--offload-fraction", "0.5"], "as under torchrun")],
+    [
+        ("0", [], "by its launcher"),
+        ("1", ["--offload-fraction", "0.5"], "as under torchrun"),
+        ("3", ["--offload-fraction", "1"], "as under torchrun"),
+    ],
 )
 def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
     """Its own launcher starting real processes once; the other case as ranks under torchrun
@@ -52,8 +56,9 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
     args += ["--stage", stage]
     out = _flatshard(*args, *extra) if started == "by its launcher" else _ranks(2, *args, *extra)
     _check_the_loss_fell(out, stage)
-    if extra:
-        assert "50% of the optimizer on the host" in out.stdout
+    if extra:  # (1: flatshard.Offload, the whole optimizer; 0.5: a HybridDeviceOptimizer)
+        assert f"{float(extra[1]):.0%} of the optimizer on the host" in out.stdout
+        assert "on the host" in out.stdout.splitlines()[-1], out.stdout  # (memory_report's homes)
 
 
 @pytest.mark.parametrize(

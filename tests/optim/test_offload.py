@@ -141,6 +141,22 @@ def test_an_offloaded_checkpoint_loads_on_the_device_and_offloaded_at_another_wo
         assert any(not torch.equal(start[k], v) for k, v in moved.items()), stage
 
 
+def test_memory_report_counts_what_a_hybrid_optimizer_keeps_on_the_host():
+    """Half the elements offloaded: their fp32 copies, grad buffers and AdamW state are the
+    host bytes; the device keeps the params, their grads and the other half's state."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
+    opt = flatshard.HybridDeviceOptimizer(
+        model.parameters(), offload_fraction=0.5, cpu_optimizer_class=torch.optim.AdamW, lr=1e-3
+    )
+    model(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    report = flatshard.memory_report(model, opt)
+    first = 4 * (64 * 64 + 64)  # bytes of the first layer's params, the offloaded half
+    assert report.host == first * (1 + 1 + 2) + 2 * 4  # master, grad, two moments, two step counts
+    assert report.device == report.total - report.host == first * (1 + 1 + 1 + 1 + 2) + 2 * 4
+
+
 def test_the_host_step_takes_torchs_fused_kernel_or_foreach_and_keeps_a_users_choice():
     adamw = torch.optim.AdamW
     assert host_defaults(adamw, [adamw], {"lr": 1.0}) == {"lr": 1.0, "fused": True}

@@ -117,6 +117,8 @@ def build(cfg: TrainConfig, device: torch.device):
     kwargs: dict[str, Any] = {}
     if cfg.dtype != "fp32":
         kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
+    if cfg.offload_fraction == 1.0:  # the whole optimizer on the host, fused ([Note: memory tiers])
+        kwargs["offload"] = flatshard.Offload()
     model = flatshard.shard(
         module,
         stage=cfg.stage,
@@ -131,7 +133,7 @@ def _optimizer(cfg: TrainConfig, model):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     inner: dict = {"optimizer_class": torch.optim.AdamW}
-    if cfg.offload_fraction > 0:
+    if 0 < cfg.offload_fraction < 1:  # (1: the model's Offload steps it all on the host)
         inner = {
             "optimizer_class": flatshard.HybridDeviceOptimizer,
             "offload_fraction": cfg.offload_fraction,

@@ -27,7 +27,12 @@ def format_summary(s: dict) -> str:
             f"(uniform guess {s['uniform_loss']:.3f}{floor})",
             f"  model state/rank {mib(mem['total'])}  (params {mib(mem['params'])}, grads "
             f"{mib(mem['grads'])}, main params {mib(mem['main_params'])}, optimizer "
-            f"{mib(mem['optimizer_state'])})",
+            f"{mib(mem['optimizer_state'])})"
+            + (
+                f"; on the host {mib(mem['host'])}, on the device {mib(mem['device'])}"
+                if mem.get("host")
+                else ""
+            ),
         ]
     )
 

@@ -327,8 +327,9 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         """The tensors whose home is the host, by role ([Note: memory tiers]): empty unless the
         model was sharded with ``Offload(optimizer=True)``."""
         offloaded = [s for s in self._buffer_shards if s.host_grads is not None]
-        if not offloaded:
-            return {}
+        if not offloaded:  # (an inner optimizer may keep its own: a HybridDeviceOptimizer)
+            inner = getattr(self.inner, "host_tensors", None)
+            return inner() if callable(inner) else {}
         state = [v for st in self.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
         return {
             "grads": [s.host_grads for s in offloaded if s.host_grads is not None],

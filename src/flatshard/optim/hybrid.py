@@ -241,6 +241,24 @@ class HybridDeviceOptimizer(CompositeOptimizer):
         for param, master in self._device_masters:
             master.copy_(param)
 
+    def host_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors whose home is the host, by role, for ``memory_report``: the offloaded
+        params' host copies (masters), their grad buffers, and their optimizers' state."""
+        state = [
+            v
+            for sub, _ in self._host_subs
+            for st in sub.optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        ]
+        grads = [g for c in self._host for g in (c.grad, c.grad32) if g is not None]
+        uploads = [c.upload for c in self._host if c.half]
+        return {
+            "grads": grads,
+            "main_params": [c.master for c in self._host] + uploads,
+            "optimizer_state": state,
+        }
+
     @property
     def offloaded_params(self) -> list[torch.Tensor]:
         """The params updated on the host, in order."""
