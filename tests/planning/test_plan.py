@@ -44,10 +44,15 @@ def test_count_plan_is_the_design_formula(world):
         assert plans[stage].comm_bytes_per_step == pytest.approx(comm, abs=1)
 
 
-def _measured(stage: int, precision: flatshard.OptimizerPrecision | None = None) -> dict:
+def _measured(
+    stage: int, precision: flatshard.OptimizerPrecision | None = None, offload: bool = False
+) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, buckets=flatshard.Buckets(size=3000))
+    more = {"offload": flatshard.Offload()} if offload else {}
+    model = flatshard.shard(
+        GPT(CFG).to(torch.bfloat16), stage=stage, buckets=flatshard.Buckets(size=3000), **more
+    )
     opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, precision=precision)
     x, y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, rank, 4)
     for _ in range(2):  # the second step is a steady one (stage 3 prefetches across steps)
@@ -68,9 +73,12 @@ def _measured(stage: int, precision: flatshard.OptimizerPrecision | None = None)
         rank=rank,
         stage3_specs=stage3_specs,
         precision=precision,
+        offload=offload,
     )[stage]
     sent = sum(v["wire_bytes"] for op, v in stats.items() if op != "all_reduce" or stage == 0)
-    return {"measured": memory_report(model, opt).as_dict(), "plan": plan.as_dict(), "sent": sent}
+    link = sum(stats.get(op, {}).get("payload_bytes", 0) for op in ("host_to_device", "device_to_host"))
+    measured = memory_report(model, opt).as_dict()
+    return {"measured": measured, "plan": plan.as_dict(), "sent": sent, "link": link}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -81,6 +89,20 @@ def test_layout_plan_equals_what_a_run_measures(stage):
         plan, measured = r["plan"], r["measured"]
         for role in ("params", "grads", "main_params", "optimizer_state"):
             assert plan[role] == measured[role], (role, plan, measured)
+        assert plan["comm_bytes_per_step"] == r["sent"]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_plan_of_an_offloaded_optimizer_equals_what_a_run_measures(stage):
+    """With ``Offload()`` every rank's memory_report equals the plan role by role and in its
+    host and device bytes, and the bytes copied over the host link in a steady step equal
+    the plan's: grads down once, params up once a step (stages 0-2) or once a gather of
+    this rank's part (stage 3, [Note: memory tiers])."""
+    for r in run_distributed(_measured, 3, stage, offload=True):
+        plan, measured = r["plan"], r["measured"]
+        for role in ("params", "grads", "main_params", "optimizer_state", "host", "device"):
+            assert plan[role] == measured[role], (role, plan, measured)
+        assert plan["host"] > 0 and plan["link_bytes_per_step"] == r["link"] > 0, (plan, r["link"])
         assert plan["comm_bytes_per_step"] == r["sent"]
 
 
@@ -128,6 +150,10 @@ def test_plan_cli_json_and_table():
     assert (stages["1"]["main_params"], stages["1"]["optimizer_state"]) == (0, 3.5e9), stages["1"]
     out = cli("plan", "--model", "tiny", "-n", "2", "--unit-bytes", "none")
     assert "stage-3 units (one per module): 3 units of 3 modules" in out.stdout, out.stdout
+    out = cli("plan", "--model", "tiny", "-n", "2", "--offload")  # ([Note: memory tiers])
+    assert "the optimizer offloaded" in out.stdout and "host link/step" in out.stdout, out.stdout
+    refused = cli("plan", "--params", "7e9", "--offload")
+    assert refused.returncode == 2 and "--offload applies to --model only" in refused.stderr
 
 
 def test_plan_with_tensor_parallelism_is_the_plan_of_one_tp_ranks_part():
@@ -171,6 +197,7 @@ def test_plan_help_lists_every_option():
             "--optimizer",
             "--main-dtype",
             "--state-dtype",
+            "--offload",
             "--json",
         ),
     )

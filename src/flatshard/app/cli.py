@@ -305,6 +305,12 @@ def _add_plan(sub) -> None:
         "stage's, after the --tp split; default 1)",
     )
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
+    plan.add_argument(
+        "--offload",
+        action="store_true",
+        help="with --model: as shard(..., offload=flatshard.Offload()): the bytes on the host and "
+        "on the device apart, and the bytes over the host link per step",
+    )
     plan.add_argument("--json", action="store_true", help='print {"stages": {"0": {...}, ...}} instead')
 
 
@@ -416,6 +422,9 @@ def _plan(args: argparse.Namespace) -> int:
 
     precision = OptimizerPrecision(plan.DTYPES[args.main_dtype], plan.DTYPES[args.state_dtype])
     if args.params is not None:
+        if args.offload:
+            print("flatshard plan: --offload applies to --model only", file=sys.stderr)
+            return 2
         per_tp_rank = (args.params + args.tp - 1) // args.tp  # (the larger part of an uneven split)
         plans = plan.plan_from_count(
             (per_tp_rank + args.pp - 1) // args.pp,  # (one pipeline stage's part of it)
@@ -450,6 +459,7 @@ def _plan(args: argparse.Namespace) -> int:
                 frozen_specs=frozen[0],
                 stage3_frozen_specs=frozen[1],
                 precision=precision,
+                offload=args.offload,
             )
         except (ValueError, ImportError, AttributeError) as e:
             print(f"flatshard plan: {e}", file=sys.stderr)
@@ -462,6 +472,7 @@ def _plan(args: argparse.Namespace) -> int:
     else:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
         title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
+        title += ", the optimizer offloaded" if args.offload else ""
         print(plan.format_plan(plans, title))
         if args.model is not None:
             print(units)

@@ -89,9 +89,16 @@ class _Done:
 DONE: Handle = _Done()
 
 
+HOST_TO_DEVICE = "host_to_device"
+DEVICE_TO_HOST = "device_to_host"
+"""Copies over the host link of an offloaded rank, counted beside the collectives (their
+bytes as payload; no wire bytes: [Note: memory tiers] in ``planner/offload.py``)."""
+
+
 @dataclass
 class CommStats:
-    """Counts of collectives and the bytes they moved, per op name."""
+    """Counts of collectives and the bytes they moved, per op name (and the copies over the
+    host link, ``HOST_TO_DEVICE`` and ``DEVICE_TO_HOST``)."""
 
     calls: Counter[str] = field(default_factory=Counter)
     payload_bytes: Counter[str] = field(default_factory=Counter)

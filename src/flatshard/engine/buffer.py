@@ -88,6 +88,7 @@ class FlatBuffer:
         self._frame_starts = starts
         self.frame_numel = offset
         self.main_frame: torch.Tensor | None = None  # stage 3, 16-bit: fp32 main params hold the shard
+        self.main_on_host = False  # that frame is on the host ([Note: memory tiers])
         if sharded_params:
             self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
         else:
@@ -158,12 +159,14 @@ class FlatBuffer:
                 target[frame.start + lo : frame.start + hi].copy_(flat[slice(*piece.in_param)])
 
     # -- stage 3: main-backed shards ([Note: main-backed shards]) -------------------------------
-    def adopt_main(self, main: torch.Tensor) -> None:
+    def adopt_main(self, main: torch.Tensor, host: bool = False) -> None:
         """Let ``main`` (fp32, the shard frame, seeded from the shard) hold this rank's params
-        from now on, and drop the 16-bit shard."""
+        from now on, and drop the 16-bit shard; ``host``: ``main`` lives on the host, so each
+        gather copies this rank's part over the host link ([Note: memory tiers])."""
         if self.param_shard_data is None or main.shape != self.param_shard_data.shape:
             raise RuntimeError("adopt_main: only a stage-3 buffer's shard frame can be held by main params")
         self.main_frame = main
+        self.main_on_host = host
         self.param_shard_data = None
 
     @property

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from flatshard.comm.collectives import CommStats
 from flatshard.optim.shards import BufferShards
 
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -36,11 +37,12 @@ def host_defaults(optimizer_class: type, classes: Sequence[type], defaults: dict
     return defaults
 
 
-def fetch_grads(shards: Sequence[BufferShards]) -> None:
-    """The grads of every offloaded buffer copied to the host, and waited for."""
+def fetch_grads(shards: Sequence[BufferShards], stats: CommStats) -> None:
+    """The grads of every offloaded buffer copied to the host (counted in ``stats``), and
+    waited for."""
     fetched = [s for s in shards if s.host_grads is not None]
     for s in fetched:
-        s.fetch_grads()
+        s.fetch_grads(stats)
     devices = {s.buffer.device for s in fetched if s.buffer.device.type == "cuda"}
     for device in devices:  # (asynchronous copies into pinned memory: done before the host reads)
         torch.cuda.current_stream(device).synchronize()

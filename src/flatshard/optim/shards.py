@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from flatshard.comm.collectives import DEVICE_TO_HOST, HOST_TO_DEVICE, CommStats
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer
 from flatshard.planner.layout import ShardRanges
@@ -43,7 +44,7 @@ class BufferShards:
         record] in ``wrap/record.py``): ``main_data``, unless it is a host copy of fp32 params."""
         return None if self.copy else self.main_data
 
-    def fetch_grads(self) -> None:
+    def fetch_grads(self, stats: CommStats) -> None:
         """Copy the grad shards, as the step will use them, into the host frame the runs'
         grads view (queued: on an accelerator, wait for the stream before reading them)."""
         if self.host_grads is None:
@@ -55,6 +56,7 @@ class BufferShards:
                 host.zero_()  # (no grad reached it since zero_grad: a zero grad, as on the device)
                 continue
             host.copy_(self.buffer.grad_shard(bucket), non_blocking=host.is_pinned())
+            stats.record(DEVICE_TO_HOST, host.numel() * host.element_size(), 0)
 
     def grad_shards(self) -> list[torch.Tensor]:
         return [self.buffer.grad_shard(b) for b in self.buckets]
@@ -124,12 +126,16 @@ class BufferShards:
             if original is not None:
                 main.copy_(original.reshape(-1)[slice(*piece.in_param)])
 
-    def store_main_to_params(self) -> None:
+    def store_main_to_params(self, stats: CommStats) -> None:
+        """The stepped main params into the params (rounded to their dtype); from the host
+        over its link when they live there ([Note: memory tiers])."""
         if self.main_data is not None and not self.buffer.shard_dropped:
             for bucket in self.buckets:
                 frame = self.buffer.frame_range(bucket)
-                main = self.main_data[frame.start : frame.end]
-                self.buffer.param_shard(bucket).copy_(main, non_blocking=main.is_pinned())
+                main, shard = self.main_data[frame.start : frame.end], self.buffer.param_shard(bucket)
+                shard.copy_(main, non_blocking=main.is_pinned())
+                if self.host_grads is not None:
+                    stats.record(HOST_TO_DEVICE, shard.numel() * shard.element_size(), 0)
 
 
 def describe_nonfinite(all_shards: Sequence[BufferShards], most: int = 8) -> str:

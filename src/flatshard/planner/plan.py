@@ -48,13 +48,19 @@ class StagePlan:
     main_params: int
     optimizer_state: int
     comm_bytes_per_step: int
+    host: int = 0  # of bytes_per_rank, those whose home is the host (``Offload``)
+    link_bytes_per_step: int = 0  # copied between host and device in a step, both ways
 
     @property
     def bytes_per_rank(self) -> int:
         return self.params + self.grads + self.main_params + self.optimizer_state
 
+    @property
+    def device(self) -> int:
+        return self.bytes_per_rank - self.host
+
     def as_dict(self) -> dict[str, int]:
-        return {**asdict(self), "bytes_per_rank": self.bytes_per_rank}
+        return {**asdict(self), "bytes_per_rank": self.bytes_per_rank, "device": self.device}
 
 
 def _check(world_size: int, optimizer: str, precision: OptimizerPrecision | None) -> tuple[int, int, bool]:
@@ -132,13 +138,15 @@ def plan_from_specs(
     frozen_specs: Sequence[ParamSpec] = (),
     stage3_frozen_specs: Sequence[ParamSpec] | None = None,
     precision: OptimizerPrecision | None = None,
+    offload: bool = False,
 ) -> dict[int, StagePlan]:
     """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
     as flatshard would use them), on the layout ``shard`` would build; stage 3 lays out
     ``stage3_specs`` (``model_specs(module, stage=3)``: grouped by unit) when given.
     ``frozen_specs`` (``model_specs(module, frozen=True)``) are frozen params: whole on every
     rank at stages 0-2, sharded and gathered with their unit at stage 3 (laid out from
-    ``stage3_frozen_specs`` when given), never with grads or optimizer state."""
+    ``stage3_frozen_specs`` when given), never with grads or optimizer state. ``offload``:
+    as ``shard(..., offload=Offload())`` ([Note: memory tiers] in ``planner/offload.py``)."""
     state_bytes, scalar_bytes, fp32_main = _check(world_size, optimizer, precision)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
@@ -151,21 +159,31 @@ def plan_from_specs(
         )
         gathers = _gathers_per_bucket(staged)
         totals = dict.fromkeys(
-            ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step"), 0
+            ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step", "host"), 0
         )
+        totals["link_bytes_per_step"] = 0
         group_of = {spec.name: 0 for spec in specs}
         for buffer in layout.buffers:
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
             full, shard = buffer.numel, buffer.shard_numel(rank)
             runs = plan_runs(buffer, rank, group_of)
             half = buffer.dtype in HALF_DTYPES and fp32_main  # (at stage 3 they hold the 16-bit shard)
-            totals["params"] += (0 if half else pb * shard) if policy.shards_params else pb * full
+            held_by_main = half or offload  # (offloaded fp32 params get a host copy too)
+            totals["params"] += (0 if held_by_main else pb * shard) if policy.shards_params else pb * full
             totals["grads"] += gb * (shard if policy.shards_grads else full)
-            totals["main_params"] += 4 * shard if half else 0
-            totals["optimizer_state"] += sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
+            main = (4 if half else pb) * shard if held_by_main else 0
+            state = sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
+            totals["main_params"] += main
+            totals["optimizer_state"] += state
             totals["comm_bytes_per_step"] += sum(
                 _comm(policy, b.numel, world_size, pb, gb, gathers(b)) for b in buffer.buckets
             )
+            if offload:  # the grads' host frame; grads down once, params up once a step or gather
+                totals["grads"] += gb * shard
+                totals["host"] += main + state + gb * shard
+                ups = [gathers(b) if policy.shards_params else 1 for b in buffer.buckets]
+                up = sum(pb * b.shard_range(rank).size * n for b, n in zip(buffer.buckets, ups, strict=True))
+                totals["link_bytes_per_step"] += gb * shard + up
         frozen = stage3_frozen_specs if policy.gathers_units and stage3_frozen_specs else frozen_specs
         _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank)
         if world_size == 1:
@@ -209,9 +227,12 @@ def _size(nbytes: int) -> str:
 
 def format_plan(plans: dict[int, StagePlan], title: str) -> str:
     """A table of the plans."""
-    heads = ("params", "grads", "main params", "optimizer", "per rank", "comm/step")
-    lines = [title, f"{'stage':>5}" + "".join(f"{h:>13}" for h in heads)]
+    heads = ["params", "grads", "main params", "optimizer", "per rank", "comm/step"]
+    offloaded = any(p.host for p in plans.values())
+    heads += ["on the host", "on the device", "host link/step"] if offloaded else []
+    lines = [title, f"{'stage':>5}" + "".join(f"{h:>15}" for h in heads)]
     for stage, p in plans.items():
-        cells = (p.params, p.grads, p.main_params, p.optimizer_state, p.bytes_per_rank, p.comm_bytes_per_step)
-        lines.append(f"{stage:>5}" + "".join(f"{_size(c):>13}" for c in cells))
+        cells = [p.params, p.grads, p.main_params, p.optimizer_state, p.bytes_per_rank, p.comm_bytes_per_step]
+        cells += [p.host, p.device, p.link_bytes_per_step] if offloaded else []
+        lines.append(f"{stage:>5}" + "".join(f"{_size(c):>15}" for c in cells))
     return "\n".join(lines)

@@ -131,7 +131,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from flatshard.comm.collectives import CommStats, Handle, all_gather, all_reduce
+from flatshard.comm.collectives import HOST_TO_DEVICE, CommStats, Handle, all_gather, all_reduce
 from flatshard.comm.deadline import HERE
 from flatshard.comm.trace import span
 from flatshard.comm.world import World
@@ -254,6 +254,8 @@ class Unsharder:
                 full = self.allocate(part)
                 mine = part.buffer.own_part(full, part.bucket)
                 mine.copy_(part.buffer.gather_source(part.bucket))
+                if part.buffer.main_on_host:  # (an offloaded shard: [Note: memory tiers])
+                    self.stats.record(HOST_TO_DEVICE, mine.numel() * mine.element_size(), 0)
                 if part.world.size > 1:
                     splits = part.bucket.splits
                     handles.append(all_gather(full, mine, part.world, stats=self.stats, splits=splits))
