@@ -64,6 +64,7 @@ def train_tp_dp(
     batch: int = 2,
     max_norm: float = 0.5,
     compile: str | None = None,
+    offload: bool = False,
 ) -> dict:
     """At each of ``stages``: ``model`` (``MODELS``) as TP x DP under flatshard
     (``DistributedOptimizer`` over SGD with momentum, grads clipped by torch's
@@ -75,7 +76,8 @@ def train_tp_dp(
     the fp32 values: ``main pieces``), the reference stays fp32. ``accumulate``: each rank's
     batch goes through in that many micro-batches, all but the last under ``no_sync()``.
     ``compile``: flatshard's model runs under ``torch.compile`` with that backend
-    (``module.compile()``, so it keeps its class), the reference eagerly."""
+    (``module.compile()``, so it keeps its class), the reference eagerly. ``offload``:
+    ``shard(..., offload=flatshard.Offload())``."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     build, parallel = MODELS[model]
@@ -83,6 +85,8 @@ def train_tp_dp(
     run = partial(
         _train, mesh=mesh, build=build, parallel=parallel, mp=mp, accumulate=accumulate, compile=compile
     )
+    if offload:
+        run = partial(run, offload=flatshard.Offload())
     return {stage: run(stage, steps=steps, batch=batch, max_norm=max_norm) for stage in stages}
 
 
@@ -98,6 +102,7 @@ def _train(
     steps: int,
     batch: int,
     max_norm: float,
+    offload: flatshard.Offload | None = None,
 ):
     torch.manual_seed(0)
     reference = build()
@@ -110,7 +115,9 @@ def _train(
     # (compiled at stage 3: the first block freed after forward and gathered again for
     # backward, as in a deeper model, where by default two blocks stay full)
     stage3 = flatshard.Stage3(backward_prefetch="post") if compile and stage == 3 else None
-    model = flatshard.shard(model, stage=stage, group=mesh["dp"], mixed_precision=mp, stage3=stage3)
+    model = flatshard.shard(
+        model, stage=stage, group=mesh["dp"], mixed_precision=mp, stage3=stage3, offload=offload
+    )
     if compile:
         from torch._dynamo.utils import counters
 

@@ -53,6 +53,17 @@ def test_tensor_parallel_follows_one_process_at_every_stage(world, tp, model):
     assert all(r == results[0] for r in results[1:])  # (every rank measured the same)
 
 
+def test_an_offloaded_tensor_parallel_model_follows_one_process():
+    """TP2 x DP2 with ``Offload()``: the local shards' main params and SGD's momentum on the
+    host (stepped by torch's fused SGD), at stage 3 the param shards too; the RELATIVE bound."""
+    results = run_distributed(train_tp_dp, 4, [1, 3], 2, "tiny", offload=True, timeout=240)
+    for stage, r in results[0].items():
+        assert r["ref_norm"] > 0.5, "clipping must scale the grads for the norm to matter"
+        assert max(r["loss"]) < RELATIVE, (stage, r["loss"])
+        assert max(r["norm"]) < RELATIVE, (stage, r["norm"])
+        assert max(r["params"].values()) < RELATIVE, (stage, r["params"])
+
+
 def test_accumulating_under_no_sync_with_tensor_parallelism_follows_one_process():
     """Two micro-batches a step, the first under no_sync(): the Partial grads of the
     sequence-parallel norms are summed over tp in each micro-batch and summed in the

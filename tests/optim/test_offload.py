@@ -15,7 +15,7 @@ from _parity import SGD, check_parity, decay_groups, train_optimizer_side_by_sid
 from flatshard import Buckets, Offload
 from flatshard.optim.host_step import host_defaults
 from flatshard.toolkit.data import SyntheticCorpus
-from flatshard.toolkit.models import GPT, GPTConfig
+from flatshard.toolkit.models import GPT, GPTConfig, tiny_model
 from flatshard.toolkit.testing import run_distributed
 
 STAGES = [0, 1, 2, 3]
@@ -105,6 +105,47 @@ def test_offloading_changes_where_bytes_live_and_not_one_bit_of_training(bf16):
 
 def _both(bf16: bool) -> tuple[dict, dict]:
     return tuple({s: _train(s, offload, bf16) for s in STAGES} for offload in (False, True))
+
+
+def _lora_or_low_state(stage: int, offload: bool, what: str) -> tuple[list[float], dict]:
+    """A Llama with a LoRA adapter (its base frozen), or the GPT in bf16 with bf16 main params
+    and state (``OptimizerPrecision``), trained 3 steps."""
+    torch.manual_seed(0)
+    kwargs: dict = {"stage": stage, **({"offload": Offload()} if offload else {})}
+    if what == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        lora = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        model = flatshard.shard(get_peft_model(tiny_model("llama", seq_len=16), lora), **kwargs)
+        opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, **FUSED)
+    else:
+        model = flatshard.shard(GPT(CFG), mixed_precision=flatshard.MixedPrecision(torch.bfloat16), **kwargs)
+        low = flatshard.OptimizerPrecision(main_dtype=torch.bfloat16, state_dtype=torch.bfloat16)
+        opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2, precision=low)
+    x = torch.randint(1, 60, (2, 16), generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+    losses = []
+    for _ in range(3):
+        loss = model(input_ids=x, labels=x).loss if what == "lora" else model(x[:, :-1], x[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, model.full_state_dict()
+
+
+@pytest.mark.parametrize("what", ["lora", "bf16 state"])
+def test_offloading_a_lora_model_or_low_precision_state_changes_no_bit(what):
+    """At stages 1 and 3 on 2 ranks: a LoRA model (its frozen base stays on the device) and
+    bf16 main params and state ([Note: precision-aware optimizer]) train offloaded exactly
+    as on the device."""
+    for rank_result in run_distributed(_lora_or_low_both, 2, what):
+        for stage, ((device, d_params), (host, h_params)) in rank_result.items():
+            assert device == host, (stage, device, host)
+            assert all(torch.equal(d_params[k], v) for k, v in h_params.items()), stage
+
+
+def _lora_or_low_both(what: str) -> dict:
+    return {s: tuple(_lora_or_low_state(s, off, what) for off in (False, True)) for s in (1, 3)}
 
 
 def _save_and_resume(path: str, world_size_saved: int) -> dict:
