@@ -22,8 +22,8 @@ STAGES = [0, 1, 2, 3]
 FUSED = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}  # (both sides: the host's kernel)
 
 
-def _against_ddp(stages: list[int], **kwargs) -> dict:
-    shard = {"buckets": Buckets(size=3000), "offload": Offload()}
+def _against_ddp(stages: list[int], share: float = 1.0, **kwargs) -> dict:
+    shard = {"buckets": Buckets(size=3000), "offload": Offload(optimizer=share)}
     return {s: train_optimizer_side_by_side({**shard, "stage": s}, **kwargs) for s in stages}
 
 
@@ -38,6 +38,16 @@ def test_an_offloaded_adamw_follows_ddp_at_every_stage(world_size):
     for stage, result in results.items():
         assert len(result["param_diffs"]) == 4, stage
         check_parity(result, params=1e-5 if world_size <= 2 else 1e-2)
+
+
+def test_a_share_of_the_optimizer_offloaded_follows_ddp():
+    """``Offload(optimizer=0.3)``: the first 30% of each rank's elements stepped on the host
+    by a ``HybridDeviceOptimizer`` inside, the rest on the device; 2 ranks, 1e-5."""
+    (results, *_) = run_distributed(
+        _against_ddp, 2, STAGES, 0.3, opt_kwargs=FUSED, groups=decay_groups, schedule=True
+    )
+    for result in results.values():
+        check_parity(result, params=1e-5)
 
 
 def test_an_offloaded_sgd_with_clipping_follows_ddp_on_3_ranks():
@@ -213,6 +223,13 @@ def test_the_host_step_takes_torchs_fused_kernel_or_foreach_and_keeps_a_users_ch
 def test_offload_takes_an_offload_object(bad):
     with pytest.raises(TypeError, match=f"offload must be a flatshard.Offload or None, got {bad!r}"):
         flatshard.shard(torch.nn.Linear(2, 2), offload=bad)
-    odd = 1 if bad is True else bad  # (True is a valid pin_memory; 1 is not a bool)
-    with pytest.raises(TypeError, match=f"Offload.pin_memory must be True or False, got {odd!r}"):
-        Offload(pin_memory=odd)
+
+
+@pytest.mark.parametrize("bad", [1.5, -0.1, "all", None])
+def test_offload_names_a_share_that_is_not_one(bad):
+    with pytest.raises(
+        ValueError, match=rf"Offload.optimizer must be True, False or a share in \[0, 1\], got {bad!r}"
+    ):
+        Offload(optimizer=bad)
+    with pytest.raises(TypeError, match=f"Offload.pin_memory must be True or False, got {bad!r}"):
+        Offload(pin_memory=bad)

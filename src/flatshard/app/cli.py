@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--offload-fraction",
         type=_fraction,
         default=0.0,
-        help="share of each rank's optimizer state and updates kept on the host (1: "
-        "flatshard.Offload, the whole optimizer and at stage 3 the param shards, stepped fused; "
-        "below 1: HybridDeviceOptimizer; default 0)",
+        help="share of each rank's optimizer state and updates kept on the host: "
+        "shard(offload=flatshard.Offload(optimizer=F)); 1 puts the whole optimizer there, and at "
+        "stage 3 the param shards (default 0)",
     )
     train.add_argument("--seed", type=int, default=0, help="model init seed (default 0)")
     train.add_argument(

@@ -88,17 +88,24 @@ def _torch_zero1(model: nn.Module, bucket_size: int | None, compute: torch.dtype
     return Trainer(model, optimizer, optimizer.optim, autocast=compute)
 
 
-def _fsdp2(reshard_after_forward: bool) -> Peer:
+def _fsdp2(reshard_after_forward: bool, offload: bool = False) -> Peer:
     """``fully_shard`` per block, then the root; ``reshard_after_forward=False`` keeps params
-    unsharded between forward and backward (ZeRO-2-like). Its resident state is counted from
-    the local shards of its DTensors."""
+    unsharded between forward and backward (ZeRO-2-like); ``offload``: ``CPUOffloadPolicy``
+    (sharded params, grads and so the optimizer state on the host). Its resident state is
+    counted from the local shards of its DTensors."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
+        from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
         mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
+        where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+        reshard = reshard_after_forward
         for block in blocks(model):
-            fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
-        fully_shard(model, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=policy)
+            fully_shard(
+                block, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=where
+            )
+        fully_shard(model, mesh=mesh, reshard_after_forward=reshard, mp_policy=policy, offload_policy=where)
         optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
         return Trainer(model, optimizer, optimizer)
 
@@ -330,6 +337,10 @@ OPTIMIZER_PEERS: dict[str, Peer] = {
     "hybrid-1.0": _hybrid(1.0, overlap=True),
     "hybrid-1.0-sync": _hybrid(1.0, overlap=False),
 }
+OFFLOAD_PEERS: dict[str, Peer] = {  # (not run by default)
+    "fsdp2-zero3-offload": _fsdp2(True, offload=True),
+    **{f"flatshard-{s}+offload": _flatshard(s, offload=flatshard.Offload()) for s in (1, 3)},
+}
 COMPILED_PEERS: dict[str, Peer] = {  # (not run by default: inductor compiles in every peer process)
     f"{name}+compile": _block_compiled(STAGE_PEERS[name])
     for name in ("ddp", "fsdp2", "flatshard-0", "flatshard-1", "flatshard-2", "flatshard-3")
@@ -352,6 +363,9 @@ RING_UNITS: dict[str, tuple[int, int]] = {
     "flatshard-2": (1, 1),
     "flatshard-3": (1, 2),
     "flatshard-3-no-reshard": (1, 1),
+    "fsdp2-zero3-offload": (1, 2),
+    "flatshard-1+offload": (1, 1),
+    "flatshard-3+offload": (1, 2),
 }
 """What a peer's algorithm must send per step, in ring collectives over all the grads and
 all the params: (grad units, param units); a unit moves (N - 1) / N of those bytes per rank
@@ -370,6 +384,7 @@ PEERS: dict[str, Peer] = {
     **STAGE_PEERS,
     **DEEPSPEED_PEERS,
     **OPTIMIZER_PEERS,
+    **OFFLOAD_PEERS,
     **COMPILED_PEERS,
     **MUON_PEERS,
 }

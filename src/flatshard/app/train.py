@@ -117,8 +117,8 @@ def build(cfg: TrainConfig, device: torch.device):
     kwargs: dict[str, Any] = {}
     if cfg.dtype != "fp32":
         kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
-    if cfg.offload_fraction == 1.0:  # the whole optimizer on the host, fused ([Note: memory tiers])
-        kwargs["offload"] = flatshard.Offload()
+    if cfg.offload_fraction > 0:  # ([Note: memory tiers])
+        kwargs["offload"] = flatshard.Offload(optimizer=cfg.offload_fraction)
     model = flatshard.shard(
         module,
         stage=cfg.stage,
@@ -132,20 +132,13 @@ def build(cfg: TrainConfig, device: torch.device):
 def _optimizer(cfg: TrainConfig, model):
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-    inner: dict = {"optimizer_class": torch.optim.AdamW}
-    if 0 < cfg.offload_fraction < 1:  # (1: the model's Offload steps it all on the host)
-        inner = {
-            "optimizer_class": flatshard.HybridDeviceOptimizer,
-            "offload_fraction": cfg.offload_fraction,
-            "cpu_optimizer_class": torch.optim.AdamW,
-        }
-    optimizer = flatshard.DistributedOptimizer(
+    optimizer = flatshard.DistributedOptimizer(  # (on the host as the model's Offload says)
         model,
+        torch.optim.AdamW,
         params=[{"params": decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=cfg.lr,
         weight_decay=0.1,
         betas=(0.9, 0.95),
-        **inner,
     )
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(cfg.warmup, cfg.steps))
     return optimizer, schedule

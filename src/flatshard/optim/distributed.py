@@ -52,7 +52,7 @@ from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.grad_prep import GradPreparation
 from flatshard.optim.held import HeldBack
-from flatshard.optim.host_step import fetch_grads, host_defaults
+from flatshard.optim.host_step import fetch_grads, resolve_offload
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
@@ -129,7 +129,13 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
                 f"{type(model).__name__} has no parameter that requires grad: nothing to optimize (a "
                 "stage-3 model of frozen params serves forward passes: a reference model, a teacher)"
             )
+        params = None if params is None else list(params)  # (offload may lay the groups out again)
         groups, group_of, classes = param_groups(state, params, optimizer_class)
+        offload, optimizer_class, defaults = resolve_offload(
+            state.offload, optimizer_class, classes, defaults
+        )
+        if classes and optimizer_class not in classes:  # (a share on the host: a HybridDeviceOptimizer)
+            groups, group_of, classes = param_groups(state, params, optimizer_class)
         check_optimizer_class(
             optimizer_class, defaults, elementwise=elementwise, groups=groups, classes=classes
         )
@@ -137,9 +143,6 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         low = resolve_precision(precision, state, classes, whole)  # None: the class steps the runs
         shapes = whole_shapes(state, group_of, classes, whole)
         main_dtype = torch.float32 if low is None else low.main_dtype
-        offload = state.offload if state.offload is not None and state.offload.optimizer else None
-        if offload is not None:
-            defaults = host_defaults(optimizer_class, classes, defaults)
         self._model = model
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group

@@ -11,6 +11,7 @@ import torch
 
 from flatshard.comm.collectives import CommStats
 from flatshard.optim.shards import BufferShards
+from flatshard.planner.offload import Offload
 
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 """torch classes with a fused CPU kernel (``fused=True``): one pass over each tensor."""
@@ -35,6 +36,25 @@ def host_defaults(optimizer_class: type, classes: Sequence[type], defaults: dict
     if all("foreach" in inspect.signature(cls).parameters for cls in classes):
         return {**defaults, "foreach": True}
     return defaults
+
+
+def resolve_offload(
+    offload: Offload | None, optimizer_class: type, classes: Sequence[type], defaults: dict[str, Any]
+) -> tuple[Offload | None, type, dict[str, Any]]:
+    """What ``Offload`` makes of a ``DistributedOptimizer``: the offload whose host frames
+    its shards get (all of the optimizer on the host; None otherwise), the class that steps
+    them (a ``HybridDeviceOptimizer`` over ``optimizer_class`` for a share below 1) and its
+    defaults, with the host kernel asked for."""
+    share = 0.0 if offload is None else offload.fraction
+    if share == 0.0:
+        return None, optimizer_class, defaults
+    defaults = host_defaults(optimizer_class, classes, defaults)
+    if share == 1.0:
+        return offload, optimizer_class, defaults
+    from flatshard.optim.hybrid import HybridDeviceOptimizer
+
+    hybrid = {"offload_fraction": share, "cpu_optimizer_class": optimizer_class}
+    return None, HybridDeviceOptimizer, {**defaults, **hybrid}
 
 
 def fetch_grads(shards: Sequence[BufferShards], stats: CommStats) -> None:

@@ -164,11 +164,11 @@ def build_shards(
 ) -> BufferShards:
     """The runs of ``buffer``'s shards, over fp32 main params where its params are 16-bit
     and ``main_dtype`` is fp32, else over the param shard itself (``run_dtype``); with
-    ``offload.optimizer``, over a host frame in every case, their grads over another
+    the whole optimizer offloaded, over a host frame in every case, their grads over another
     ([Note: memory tiers] in ``planner/offload.py``)."""
     runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes)
     dtype = run_dtype(buffer.layout.dtype, main_dtype)
-    host = offload is not None and offload.optimizer
+    host = offload is not None and offload.fraction == 1.0
     main_data = host_grads = None
     if host:
         pin = offload is not None and offload.pin_memory and buffer.device.type == "cuda"

@@ -49,14 +49,25 @@ class Offload:
     params on the host, stepped there; at stage 3 its param shards with them ([Note: memory
     tiers] in ``planner/offload.py``).
 
-    optimizer: the optimizer's main params and state on the host, its update fused there.
+    optimizer: the optimizer's main params and state on the host, its update fused there
+        (True or 1.0); a fraction in (0, 1): that share of each rank's elements (in param-group
+        order) keeps its state and takes its update on the host, the rest on the device, by
+        ``HybridDeviceOptimizer`` inside the ``DistributedOptimizer`` ([Note: host overlap] in
+        ``optim/hybrid.py``); False or 0: none.
     pin_memory: page-locked host tensors, so that copies overlap compute (CUDA only).
     """
 
-    optimizer: bool = True
+    optimizer: bool | float = True
     pin_memory: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("optimizer", "pin_memory"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"Offload.{name} must be True or False, got {getattr(self, name)!r}")
+        if not isinstance(self.pin_memory, bool):
+            raise TypeError(f"Offload.pin_memory must be True or False, got {self.pin_memory!r}")
+        share = self.optimizer
+        if not isinstance(share, (bool, int, float)) or not 0 <= share <= 1:
+            raise ValueError(f"Offload.optimizer must be True, False or a share in [0, 1], got {share!r}")
+
+    @property
+    def fraction(self) -> float:
+        """The share of each rank's optimizer elements on the host."""
+        return float(self.optimizer)

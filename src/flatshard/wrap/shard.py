@@ -256,7 +256,7 @@ def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_wo
     since wrapping (first), rank 0's buffers (``broadcast_buffers``: ``buffer_worlds``), the
     mixed-precision input cast."""
     state = sharded.flatshard_state
-    offloaded = state.offload is not None and state.offload.optimizer
+    offloaded = state.offload is not None and state.offload.fraction == 1.0
     tree = WrappedTree(sharded, None if state.policy.shards_params else state.take_values, offloaded)
     state.tree = tree
     if not state.policy.shards_params:
