@@ -83,10 +83,10 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
     state_bytes = 0
     if optimizer is not None:
         main_params = getattr(optimizer, "main_params", None)
-        if callable(main_params):
-            main_bytes = _storage_bytes(main_params(), seen)
+        mains = [*(main_params() if callable(main_params) else []), *homed.get("main_params", [])]
+        main_bytes = _storage_bytes(mains, seen)  # (an inner optimizer's host copies too)
         state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        state_bytes = _storage_bytes(state, seen)
+        state_bytes = _storage_bytes(state + homed.get("optimizer_state", []), seen)
     host = {t.untyped_storage().data_ptr() for role in homed.values() for t in role}
     host_bytes = sum(n for key, n in seen.items() if key in host)
     return MemoryReport(param_bytes, grad_bytes, main_bytes, state_bytes, host_bytes)

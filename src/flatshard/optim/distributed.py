@@ -154,10 +154,8 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         originals = state.take_originals()
         for shards in self._buffer_shards:
             shards.load_main_values(originals)
-            if shards.main_data is not None and shards.buffer.sharded_params:  # stage 3:
-                shards.buffer.adopt_main(
-                    shards.main_data, host=offload is not None
-                )  # [Note: main-backed shards]
+            if shards.main_data is not None and shards.buffer.sharded_params:  # [Note: main-backed shards]
+                shards.buffer.adopt_main(shards.main_data, host=offload is not None)
         inner_groups = [{**hyper, "params": []} for hyper in groups]
         for shards in self._buffer_shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
@@ -289,9 +287,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
             self._settings.after_step(self.inner)
         self._norm_checked_settings = False
         self._apply_grad_factor()
-        fetch_grads(
-            self._buffer_shards, self._sharded.stats
-        )  # (offloaded: to the host, [Note: memory tiers])
+        fetch_grads(self._buffer_shards, self._sharded.stats)  # (offloaded: [Note: memory tiers])
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
         with self._held.step(self.inner, self._buffer_shards, without):
             self.inner.step()

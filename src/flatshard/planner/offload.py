@@ -53,7 +53,8 @@ class Offload:
         (True or 1.0); a fraction in (0, 1): that share of each rank's elements (in param-group
         order) keeps its state and takes its update on the host, the rest on the device, by
         ``HybridDeviceOptimizer`` inside the ``DistributedOptimizer`` ([Note: host overlap] in
-        ``optim/hybrid.py``); False or 0: none.
+        ``optim/hybrid.py``), a run of a bucket's shard at a time (a run whose middle falls
+        within the share goes; ``memory_report`` says what did); False or 0: none.
     pin_memory: page-locked host tensors, so that copies overlap compute (CUDA only).
     """
 
