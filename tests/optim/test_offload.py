@@ -5,6 +5,7 @@ update fused there, and at stage 3 the param shards with them ([Note: memory tie
 On this CPU machine host and device are one memory, so every copy runs and the homes are
 accounted by ownership: the trajectories are the real check, the bytes the second."""
 
+import copy
 import os
 
 import pytest
@@ -145,9 +146,9 @@ def _lora_or_low_state(stage: int, offload: bool, what: str) -> tuple[list[float
 
 @pytest.mark.parametrize("what", ["lora", "bf16 state"])
 def test_offloading_a_lora_model_or_low_precision_state_changes_no_bit(what):
-    """At stages 1 and 3 on 2 ranks: a LoRA model (its frozen base stays on the device) and
-    bf16 main params and state ([Note: precision-aware optimizer]) train offloaded exactly
-    as on the device."""
+    """On 2 ranks: a LoRA model at stage 3 (its frozen base stays on the device) and bf16 main
+    params and state ([Note: precision-aware optimizer]) at stages 1 and 3 train offloaded
+    exactly as on the device."""
     for rank_result in run_distributed(_lora_or_low_both, 2, what):
         for stage, ((device, d_params), (host, h_params)) in rank_result.items():
             assert device == host, (stage, device, host)
@@ -155,7 +156,8 @@ def test_offloading_a_lora_model_or_low_precision_state_changes_no_bit(what):
 
 
 def _lora_or_low_both(what: str) -> dict:
-    return {s: tuple(_lora_or_low_state(s, off, what) for off in (False, True)) for s in (1, 3)}
+    stages = (3,) if what == "lora" else (1, 3)  # (LoRA: stage 3, the QLoRA-FSDP use)
+    return {s: tuple(_lora_or_low_state(s, off, what) for off in (False, True)) for s in stages}
 
 
 def _save_and_resume(path: str, world_size_saved: int) -> dict:
@@ -206,6 +208,43 @@ def test_memory_report_counts_what_a_hybrid_optimizer_keeps_on_the_host():
     first = 4 * (64 * 64 + 64)  # bytes of the first layer's params, the offloaded half
     assert report.host == first * (1 + 1 + 2) + 2 * 4  # master, grad, two moments, two step counts
     assert report.device == report.total - report.host == first * (1 + 1 + 1 + 1 + 2) + 2 * 4
+
+
+def _state_dicts_across(stage: int) -> dict:
+    """Two steps, then the model's and the optimizer's per-rank state dicts loaded into a new
+    pair (offloaded or not, as the saving pair or the other way): the third step equals the
+    saving pair's own, to the bit."""
+    corpus, rank, out = SyntheticCorpus(CFG.vocab_size, CFG.seq_len), torch.distributed.get_rank(), {}
+
+    def pair(offload: bool):
+        torch.manual_seed(0)
+        model = flatshard.shard(GPT(CFG), stage=stage, **({"offload": Offload()} if offload else {}))
+        return model, flatshard.DistributedOptimizer(model, torch.optim.AdamW, **FUSED)
+
+    def step(model, opt, n: int) -> None:
+        model(*corpus.batch(n, rank, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for saved, loaded in [(True, True), (False, True), (True, False)]:
+        model, opt = pair(saved)
+        step(model, opt, 0)
+        step(model, opt, 1)
+        states = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict())
+        step(model, opt, 2)
+        other, other_opt = pair(loaded)
+        other.load_state_dict(states[0])
+        other_opt.load_state_dict(states[1])
+        step(other, other_opt, 2)
+        want, got = model.state_dict(), other.state_dict()
+        out[(saved, loaded)] = all(torch.equal(want[k], got[k]) for k in want)
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_optimizer_state_dict_loads_offloaded_or_not(stage):
+    for result in run_distributed(_state_dicts_across, 2, stage):
+        assert all(result.values()), result
 
 
 def test_the_host_step_takes_torchs_fused_kernel_or_foreach_and_keeps_a_users_choice():
