@@ -79,8 +79,8 @@ def test_a_stage_that_is_not_0_to_3_is_refused(stage):
     ["bucket_size", "buckets_per_group", "pad_for_high_busbw", "unit_bytes", "units"],  # (retired spellings)
 )
 def test_the_options_objects_are_the_only_spelling(keyword):
-    """``Buckets`` and ``Stage3`` hold these options; ``shard()`` itself takes 12 keywords,
-    each in its signature (a misspelled one is a type checker's error, and Python's)."""
+    """``Buckets``, ``Stage3`` and ``Offload`` hold these options; ``shard()`` itself takes 13
+    keywords, each in its signature (a misspelled one is a type checker's error, and Python's)."""
     import inspect
 
     with pytest.raises(TypeError, match=f"unexpected keyword argument '{keyword}'"):
@@ -88,7 +88,7 @@ def test_the_options_objects_are_the_only_spelling(keyword):
     kinds = {p.kind for p in inspect.signature(flatshard.shard).parameters.values()}
     assert inspect.Parameter.VAR_KEYWORD not in kinds
     keywords = [p for p in inspect.signature(flatshard.shard).parameters.values() if p.kind is p.KEYWORD_ONLY]
-    assert len(keywords) == 12, [p.name for p in keywords]
+    assert len(keywords) == 13, [p.name for p in keywords]
 
 
 def test_stage3_and_buckets_are_checked_where_they_are_built():
