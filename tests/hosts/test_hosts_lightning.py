@@ -50,11 +50,21 @@ class _Module(pl.LightningModule):
         self.fused = False  # torch's fused AdamW (the kernel an offloaded step takes)
 
     def training_step(self, batch, index):
+        self._note_reductions()
+        loss = self.model(**batch).loss
+        self._note_loss(loss)
+        return loss
+
+    # (outside torch.compile's graphs: traced, each append to a list is a new guard, and the
+    # compiled test recompiled its step at every micro-batch, 7 times)
+    @torch.compiler.disable
+    def _note_reductions(self) -> None:
         if hasattr(self, "comm_stats"):
             self.reductions.append(sum(n for op, n in self.comm_stats.calls.items() if "reduce" in op))
-        loss = self.model(**batch).loss
+
+    @torch.compiler.disable
+    def _note_loss(self, loss: torch.Tensor) -> None:
         self.losses.append(float(loss.detach()))
-        return loss
 
     def on_before_optimizer_step(self, optimizer):
         grads = [p.grad for p in self.parameters() if p.grad is not None]
