@@ -53,7 +53,12 @@ def resolve_offload(
         return offload, optimizer_class, defaults
     from flatshard.optim.hybrid import HybridDeviceOptimizer
 
-    hybrid = {"offload_fraction": share, "cpu_optimizer_class": optimizer_class}
+    assert offload is not None  # (a share above 0)
+    hybrid = {
+        "offload_fraction": share,
+        "cpu_optimizer_class": optimizer_class,
+        "pin_memory": offload.pin_memory,
+    }
     return None, HybridDeviceOptimizer, {**defaults, **hybrid}
 
 

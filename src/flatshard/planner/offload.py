@@ -46,8 +46,8 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Offload:
     """``shard(..., offload=flatshard.Offload())``: this rank's optimizer state and main
-    params on the host, stepped there; at stage 3 its param shards with them ([Note: memory
-    tiers] in ``planner/offload.py``).
+    params on the host, stepped there; with all of them there, at stage 3 its param shards
+    too ([Note: memory tiers] in ``planner/offload.py``).
 
     optimizer: the optimizer's main params and state on the host, its update fused there
         (True or 1.0); a fraction in (0, 1): that share of each rank's elements (in param-group
