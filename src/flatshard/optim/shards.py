@@ -29,7 +29,6 @@ class BufferShards:
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
     grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match)
     host_grads: torch.Tensor | None = None  # the grad shards' host frame ([Note: memory tiers])
-    copy: bool = False  # main_data is a host copy of fp32 params, no value of record
     _split_pieces: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(
         default=None, init=False, repr=False
     )
@@ -41,8 +40,11 @@ class BufferShards:
     @property
     def record_main(self) -> torch.Tensor | None:
         """The main params that are the values of record of 16-bit params ([Note: values of
-        record] in ``wrap/record.py``): ``main_data``, unless it is a host copy of fp32 params."""
-        return None if self.copy else self.main_data
+        record] in ``wrap/record.py``): ``main_data``, unless it is an offloaded copy of params
+        in their own dtype (fp32 params: they are their own record)."""
+        main = self.main_data
+        copy = main is not None and self.host_grads is not None and main.dtype == self.buffer.layout.dtype
+        return None if copy else main
 
     def fetch_grads(self, stats: CommStats) -> None:
         """Copy the grad shards, as the step will use them, into the host frame the runs'
@@ -196,7 +198,6 @@ def build_shards(
             tensor.grad = grad  # that torch refuses as their .grad: they are read from ``grads``)
         tensors.append(tensor)
         run_grads.append(grad)
-    copy = host and dtype == buffer.layout.dtype
-    shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads, host_grads, copy)
+    shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads, host_grads)
     shards.load_main_from_params()
     return shards

@@ -184,9 +184,16 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
     )
     originals = plan.originals or None
     state = ShardState(
-        policy, trained, sync, stats, gather, originals=originals, unsharder=unsharder, frozen=frozen
+        policy,
+        trained,
+        sync,
+        stats,
+        gather,
+        originals=originals,
+        unsharder=unsharder,
+        frozen=frozen,
+        offload=plan.offload,
     )
-    state.offload = plan.offload
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     if plan.meta:
