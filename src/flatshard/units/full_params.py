@@ -31,6 +31,7 @@ from flatshard.comm.collectives import all_gather
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Grads
 from flatshard.engine.tensor_parallel import as_grad_of, full_value, local, local_shape, local_values
+from flatshard.engine.wrapper_tensors import copy_to
 from flatshard.units.placeholder import loading_into
 from flatshard.units.unshard import Part, Unsharder
 
@@ -209,7 +210,7 @@ def full_state_dict(
             if id(t) in skip:
                 out[k] = None  # (the caller fills it)
             else:
-                out[k] = t.detach().to("cpu", copy=True) if isinstance(t, torch.Tensor) else t
+                out[k] = copy_to(t, "cpu") if isinstance(t, torch.Tensor) else t
     return {k: out[k] for k in entries}
 
 

@@ -6,5 +6,6 @@ initializes a meta-device model (``init``) and swaps the module's class to gain
 ``ShardedModule``'s methods (``module``, which also holds ``ShardState``: everything attached
 to a wrapped module). After wrapping: changes to the module are noticed (``changes``), full
 values of record are read (``record``), uneven inputs end together (``uneven``) and a
-pipeline's chunks on a rank know each other (``pipeline``). The optimizer attaches itself
-through the ``ShardState`` seams."""
+pipeline's chunks on a rank know each other (``pipeline``). Params of a wrapper tensor
+subclass are made plain, replicated or refused before planning (``subclass_params``). The
+optimizer attaches itself through the ``ShardState`` seams."""

@@ -23,6 +23,7 @@ from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.grad_sync import GradSync
 from flatshard.engine.param_gather import ParamGather
 from flatshard.engine.tensor_parallel import full_value
+from flatshard.engine.wrapper_tensors import copy_to
 from flatshard.planner.layout import Layout
 from flatshard.planner.offload import Offload
 from flatshard.planner.stage import StagePolicy
@@ -274,7 +275,7 @@ class ShardedModule(nn.Module):
                 out = full_state_dict(state, partial(nn.Module.state_dict, self), skip=covered)
             else:
                 out = {  # (a tp shard is gathered full by every tp rank: [Note: tensor-parallel params])
-                    k: full_value(v, v.detach()).to("cpu", copy=True) for k, v in super().state_dict().items()
+                    k: copy_to(full_value(v, v.detach()), "cpu") for k, v in super().state_dict().items()
                 }
         if not rank0:
             return {}

@@ -34,6 +34,7 @@ from flatshard.wrap.arguments import (
     check_grad_scale,
 )
 from flatshard.wrap.specs import WholeParams, param_specs, stage3_units, tied_params, whole_param_names
+from flatshard.wrap.subclass_params import frozen_wrappers, make_plain
 
 FROZEN = "frozen"
 """The key of stage 3's frozen params' ``ParamPart`` (a buffer set without grads)."""
@@ -180,6 +181,7 @@ def plan_wrap(
             f"mixed_precision must be a flatshard.MixedPrecision or None, got {mixed_precision!r}"
         )
     mp = mixed_precision or MixedPrecision()
+    make_plain(module)  # ([Note: tensor-subclass params])
     world, replicate = _worlds(group, policy, timeout)
     s3 = policy.stage3
     replicated = _frozen_replicated(module, policy, expert, s3.ignored_modules)
@@ -273,15 +275,18 @@ def _worlds(group: object, policy: StagePolicy, timeout: float | timedelta | Non
 
 def _frozen_replicated(module: nn.Module, policy: StagePolicy, expert, ignored_modules) -> set[int]:
     """Ids of the frozen params replicated on every rank (not sharded): all of them below stage 3;
-    at stage 3 those of ``ignored_modules``, expert params and non-floating ones."""
+    at stage 3 those of ``ignored_modules``, expert params, non-floating ones and those of a
+    wrapper tensor class."""
     frozen = {id(p): (n, p) for n, p in module.named_parameters() if not p.requires_grad}
     if not policy.shards_params:
         return set(frozen)
+    kept_whole = frozen_wrappers(module)  # ([Note: tensor-subclass params])
     ignored = {id(p) for m in (ignored_modules or ()) for p in _checked_ignored(module, m).parameters()}
     return {
         key
         for key, (n, p) in frozen.items()
         if key in ignored
+        or key in kept_whole
         or not p.is_floating_point()
         or p.numel() == 0  # (nothing to shard)
         or (expert is not None and expert.match(n, p))

@@ -14,6 +14,7 @@ from flatshard.comm.collectives import broadcast
 from flatshard.comm.world import World
 from flatshard.engine.buffer import BufferSet
 from flatshard.engine.tensor_parallel import local
+from flatshard.engine.wrapper_tensors import inner_values
 from flatshard.units.build import broadcast_values, unsharded_tensors
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.plan import ParamPart
@@ -28,7 +29,8 @@ def broadcast_before_binding(
     """Stage 3 ``sync_module_states``: rank 0's full values, before each rank keeps its shards."""
     pairs = [(local(p), w) for part in parts for _, p in part.named for w in (part.world, part.replicate)]
     in_parts = {id(p) for part in parts for _, p in part.named}
-    pairs += [(t, w) for t in unsharded_tensors(module) if id(t) not in in_parts for w in worlds]
+    unsharded = [v for t in unsharded_tensors(module) if id(t) not in in_parts for v in inner_values(t)]
+    pairs += [(t, w) for t in unsharded for w in worlds]
     pairs += [(t, w) for t in originals.values() for w in worlds]
     broadcast_values(pairs)
 
@@ -45,8 +47,8 @@ def broadcast_states(
         pairs = [(b.param_data, world) for s in sets if s.replicate is world for b in s.buffers]
     else:
         pairs = [(b.param_data, s.world) for s in sets for b in s.buffers]
-    pairs += [(local(p), world) for p in module.parameters() if id(p) not in in_buffers]
-    pairs += [(local(t), world) for t in module.buffers()]  # (a DTensor's local shard)
+    pairs += [(v, world) for p in module.parameters() if id(p) not in in_buffers for v in inner_values(p)]
+    pairs += [(v, world) for t in module.buffers() for v in inner_values(t)]  # (a DTensor's local shard)
     handles = [broadcast(t, w) for t, w in pairs if t is not None]  # (stages 0-2: every buffer has its data)
     for h in handles:
         h.wait()
