@@ -20,8 +20,9 @@ The reasoning is [Note: package layers] below."""
 # 4. ``wrap/``: ``shard()`` and the ``ShardedModule`` mixin with its ``ShardState``;
 # 5. ``optim/``: the distributed, hybrid and owner-sharded optimizers, loss scaling;
 # 6. ``checkpoint/``: checkpoint directories, pieces, checksums, weights files;
-# 7. the public surface: this module (``flatshard.__all__``) and ``memory``
-#    (``memory_report``, which reads a wrapped module and its optimizer);
+# 7. the public surface: this module (``flatshard.__all__``), ``memory``
+#    (``memory_report``, which reads a wrapped module and its optimizer) and ``phases``
+#    (``offload_states``/``reload_states``: the model state to the host between phases);
 # 8. tools on top: ``app/`` (CLI, training loop, launcher, bench and its peers, drawings),
 #    ``hosts/`` (flatshard inside other libraries' loops: ``hf``, ``accelerate``, ``lightning``,
 #    ``pipelining``) and
@@ -50,6 +51,7 @@ from flatshard.optim.grouped import GroupedOptimizer
 from flatshard.optim.hybrid import HybridDeviceOptimizer
 from flatshard.optim.loss_scale import DynamicLossScaler, StaticLossScaler
 from flatshard.optim.owner import OwnerShardedOptimizer
+from flatshard.phases import offload_states, offloaded, reload_states
 from flatshard.planner.layout import Layout, ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, OptimizerPrecision
 from flatshard.planner.offload import Offload
@@ -89,7 +91,10 @@ __all__ = [
     "load_pretrained",
     "load_weights",
     "memory_report",
+    "offload_states",
+    "offloaded",
     "plan_layout",
+    "reload_states",
     "save_checkpoint",
     "save_pretrained",
     "shard",

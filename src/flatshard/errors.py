@@ -64,7 +64,8 @@ class ChecksumError(CheckpointError):
 
 class ShardedParamError(RuntimeError):
     """A stage-3 param's values were read while they are sharded: outside the forward and
-    backward of the unit that holds it and outside ``summon_full_params``. The message names
+    backward of the unit that holds it and outside ``summon_full_params``; or any param of a
+    flat buffer read while ``offload_states`` holds its bytes on the host. The message names
     the param, its unit and the operation ([Note: placeholders] in ``units/placeholder.py``)."""
 
 

@@ -10,6 +10,7 @@ from torch import nn
 
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.grad_view import ShardedGrad
+from flatshard.engine.wrapper_tensors import inner_values
 
 
 @dataclass(frozen=True)
@@ -36,12 +37,13 @@ class MemoryReport:
         return {**asdict(self), "total": self.total, "device": self.device}
 
 
+ROLES = ("params", "grads", "main_params", "optimizer_state")
+
+
 def _storage_bytes(tensors: Iterable[torch.Tensor], seen: dict[int, int]) -> int:
     total = 0
-    for t in tensors:
-        if hasattr(t, "to_local"):  # a DTensor (torch FSDP2): this rank's local shard
-            t = t.to_local()
-        storage = t.untyped_storage()
+    for t in (v for tensor in tensors for v in inner_values(tensor)):  # (a DTensor's local shard,
+        storage = t.untyped_storage()  # a wrapper's inner tensors: torchao's NF4)
         key = storage.data_ptr()
         if key in seen or storage.nbytes() == 0:
             continue
@@ -50,20 +52,18 @@ def _storage_bytes(tensors: Iterable[torch.Tensor], seen: dict[int, int]) -> int
     return total
 
 
-def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
-    """Count the params, grads, main params and optimizer state that ``model`` and
-    ``optimizer`` keep on this rank. Flat buffers count once however many params view
-    them; a storage shared by two roles counts for the first (params, grads, state). At
-    stage 3 a unit's full params count while they exist (between steps: the units a step
-    prefetched for the next forward; ``model.wait_for_params()`` frees them);
-    ``model.flatshard_state.unsharder.peak_full_bytes`` says the most ever alive."""
-    seen: dict[int, int] = {}  # storage -> its bytes
+def state_tensors(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+) -> dict[str, list[torch.Tensor]]:
+    """Every tensor of the model state that ``model`` and ``optimizer`` keep on this rank, by
+    role ("params", "grads", "main_params", "optimizer_state"; a storage may appear under
+    several), with "host" listing those whose home is the host."""
     model = uncompiled(model)
     host_tensors = getattr(optimizer, "host_tensors", None)
     homed: dict[str, list[torch.Tensor]] = host_tensors() if callable(host_tensors) else {}
     params = list(model.parameters())
     state = getattr(model, "flatshard_state", None)
-    held = params
+    held: list[torch.Tensor] = list(params)
     if state is not None:  # the flat buffers, then params outside them (stage 3: placeholders skipped)
         in_buffers = {id(p) for bset in state.param_sets() for p in bset.params}
         held = [b.param_storage() for bset in state.param_sets() for b in bset.buffers]
@@ -71,25 +71,51 @@ def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = No
         held += [p for p in params if id(p) not in in_buffers]
         if state.unsharder is not None:  # stage-3 units full right now (e.g. prefetched)
             held += [p.full_tensor() for parts in state.unsharder.parts for p in parts]
-    param_bytes = _storage_bytes(held, seen)
     grads = [g for p in params for g in (getattr(p, "main_grad", None), p.grad) if g is not None]
     grads = [g for g in grads if not isinstance(g, ShardedGrad)]  # (no storage: views of the buffers')
     if state is not None:  # grads that no param views between backwards (stage-2/3 shards)
         grads += [g for bset in state.sets.values() for b in bset.buffers for g in b.grad_storage()]
         grads += state.grad_sync.pooled_scratch()
     grads += homed.get("grads", [])  # (the host frame an offloaded step reads them from)
-    grad_bytes = _storage_bytes(grads, seen)
-    main_bytes = 0
-    state_bytes = 0
+    mains: list[torch.Tensor] = []
+    inner_state: list[torch.Tensor] = []
     if optimizer is not None:
         main_params = getattr(optimizer, "main_params", None)
         mains = [*(main_params() if callable(main_params) else []), *homed.get("main_params", [])]
-        main_bytes = _storage_bytes(mains, seen)  # (an inner optimizer's host copies too)
-        state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-        state_bytes = _storage_bytes(state + homed.get("optimizer_state", []), seen)
-    host = {t.untyped_storage().data_ptr() for role in homed.values() for t in role}
+        inner_state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        inner_state += homed.get("optimizer_state", [])
+    return {
+        "params": held,
+        "grads": grads,
+        "main_params": mains,  # (an inner optimizer's host copies too)
+        "optimizer_state": inner_state,
+        "host": [t for role in homed.values() for t in role],
+    }
+
+
+def memory_report(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> MemoryReport:
+    """Count the params, grads, main params and optimizer state that ``model`` and
+    ``optimizer`` keep on this rank. Flat buffers count once however many params view
+    them; a storage shared by two roles counts for the first (params, grads, state). At
+    stage 3 a unit's full params count while they exist (between steps: the units a step
+    prefetched for the next forward; ``model.wait_for_params()`` frees them);
+    ``model.flatshard_state.unsharder.peak_full_bytes`` says the most ever alive. Between
+    ``offload_states`` and ``reload_states`` every byte counts on the host."""
+    seen: dict[int, int] = {}  # storage -> its bytes
+    roles = state_tensors(model, optimizer)
+    counts = {role: _storage_bytes(roles[role], seen) for role in ROLES}
+    host = {t.untyped_storage().data_ptr() for t in roles["host"]}
+    parked = getattr(getattr(uncompiled(model), "flatshard_state", None), "parked", None)
+    if parked is not None:  # ([Note: states between phases] in flatshard/phases.py)
+        host |= parked.host_storages()
     host_bytes = sum(n for key, n in seen.items() if key in host)
-    return MemoryReport(param_bytes, grad_bytes, main_bytes, state_bytes, host_bytes)
+    if parked is not None:
+        for role, nbytes in parked.bytes_by_role().items():
+            counts[role] += nbytes
+            host_bytes += nbytes
+    return MemoryReport(
+        counts["params"], counts["grads"], counts["main_params"], counts["optimizer_state"], host_bytes
+    )
 
 
 def mib(nbytes: int | None) -> str:

@@ -66,7 +66,7 @@ LAYERS = [
     ["flatshard.wrap"],
     ["flatshard.optim"],
     ["flatshard.checkpoint"],
-    ["flatshard", "flatshard.memory"],
+    ["flatshard", "flatshard.memory", "flatshard.phases"],
     ["flatshard.app", "flatshard.toolkit", "flatshard.hosts", "flatshard.__main__"],
 ]
 

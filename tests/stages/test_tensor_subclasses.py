@@ -10,10 +10,11 @@ import pytest
 import torch
 from torch import nn
 from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor, to_nf4
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import NF4Tensor
 
 import flatshard
 from _parity import SGD, TiedGPT, check_parity, train_optimizer_side_by_side
+from _subclasses import LoraNF4, qlora
 from flatshard import Buckets
 from flatshard.toolkit.testing import run_distributed
 
@@ -84,32 +85,13 @@ def test_a_compiled_float8_model_follows_ddp():
         check_parity(result, params=1e-5)
 
 
-class LoraNF4(nn.Module):
-    """A linear whose frozen base is torchao's NF4 (QLoRA's) and a trainable low-rank update."""
-
-    def __init__(self, dim: int, rank: int = 4) -> None:
-        super().__init__()
-        base = torch.randn(dim, dim) * 0.1
-        self.weight = nn.Parameter(to_nf4(base, 64, 64), requires_grad=False)
-        self.a = nn.Parameter(torch.randn(rank, dim) * 0.1)
-        self.b = nn.Parameter(torch.randn(dim, rank) * 0.01)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight) + x @ self.a.t() @ self.b.t()
-
-
-def _qlora(seed: int) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(LoraNF4(64), nn.ReLU(), LoraNF4(64), nn.ReLU(), nn.Linear(64, 1))
-
-
 def _qlora_against_one_process(stage: int) -> dict:
     """Every rank builds its base from its own seed: ``sync_module_states`` must give all of
     them rank 0's. The reference is one process on the whole batch."""
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    model = flatshard.shard(_qlora(rank), stage=stage)
+    model = flatshard.shard(qlora(rank), stage=stage)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
-    reference = _qlora(0)
+    reference = qlora(0)
     opt_ref = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
     for step in range(3):
         gen = torch.Generator().manual_seed(step)

@@ -257,6 +257,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One update of this rank's shards, then the param all-gathers; see the note."""
+        self._sharded.check_resident("optimizer.step() was called")
         loss = run_closure(closure)
         without = self._check_grads_synced()
         scaled = self._scaled_step()

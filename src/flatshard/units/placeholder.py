@@ -102,6 +102,10 @@ _READS_NO_VALUES = frozenset(
 )
 
 
+# Set on a param while ``flatshard.offload_states`` holds its bytes on the host: a refused
+# read says so ([Note: states between phases] in ``flatshard/phases.py``).
+OFFLOADED = "flatshard_offloaded"
+
 Load = Callable[[nn.Parameter, torch.Tensor], None]
 _LOADING: ContextVar[Load | None] = ContextVar("flatshard_loading", default=None)
 
@@ -140,6 +144,12 @@ class Placeholder(nn.Parameter):
         op = getattr(func, "__name__", str(func))
         if op in ("__get__", "__set__"):  # (a property: name it, as in ``param.data``)
             op = getattr(func.__self__, "__name__", op)
+        if getattr(param, OFFLOADED, False):
+            raise ShardedParamError(
+                f"{where} was read by {op!r} while the model's states are offloaded "
+                "(flatshard.offload_states): call flatshard.reload_states(model) first "
+                "([Note: states between phases] in flatshard/phases.py)"
+            )
         raise ShardedParamError(
             f"{where} was read by {op!r} while it is sharded (stage 3): only its unit's forward "
             "and backward see its values. Read it inside a module of that unit, or inside "

@@ -131,6 +131,13 @@ class WrappedTree:
         self.forget_writes()  # (before rebound, which may look again)
         self.rebound({**written, **moved})
 
+    def take_storages(self) -> None:
+        """The buffer views' storages were reallocated by flatshard itself (``reload_states``,
+        [Note: states between phases] in ``flatshard/phases.py``): their pointers and the
+        params' versions as they are now are the ones to compare with."""
+        self.bound = [(name, p, view, local(p).data_ptr()) for name, p, view, _ in self.bound]
+        self.forget_writes()
+
     def forget_writes(self) -> None:
         """Take the params' values as they are now as seen (after flatshard wrote them itself)."""
         self.versions = [p._version for _, p in self.watched]

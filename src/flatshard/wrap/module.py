@@ -75,6 +75,8 @@ class ShardState:
     tree: WrappedTree | None = None  # what was wrapped ([Note: writes through the params])
     pipeline: Pipeline | None = None  # the pipeline this is a chunk of ([Note: pipeline chunks])
     offload: Offload | None = None  # host homes ([Note: memory tiers] in planner/offload.py)
+    # the bytes offload_states moved to the host ([Note: states between phases] in flatshard/phases.py)
+    parked: Any = None
     _materialized: int = 0  # depth of param_dtype_shards() blocks
     # while set, settle_gathers does nothing: the root's forward (it waits for the gathers
     # bucket by bucket) or zero_grad (it reads no value) is running
@@ -125,10 +127,22 @@ class ShardState:
                 if any(written) and self.optimizer is not None:
                     self.optimizer.main_params_changed()
 
+    def check_resident(self, what: str) -> None:
+        """Refuse ``what`` while ``offload_states`` holds the model's bytes on the host."""
+        if self.parked is not None:
+            raise RuntimeError(
+                f"{what} while the model's states are offloaded (flatshard.offload_states): call "
+                "flatshard.reload_states(model) first ([Note: states between phases] in flatshard/phases.py)"
+            )
+
+    def check_resident_hook(self, module: nn.Module, args: tuple) -> None:
+        self.check_resident("a forward ran")
+
     def wait_for_params(self) -> None:
         """Wait for every param all-gather still in flight after a step; at stage 3, free
         every unit (so a step never leaves a stale full copy); at stages 0-2, params written
         by torch since the last look reach the main params ([Note: writes through the params])."""
+        self.check_resident("the params were read (a state dict, a checkpoint, summon_full_params)")
         if self.param_gather is not None:
             self.param_gather.wait_all()
         if self.unsharder is not None:
@@ -340,6 +354,7 @@ class ShardedModule(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """torch's, without waiting for the param all-gathers (grads only)."""
+        self._flatshard.check_resident("zero_grad was called")
         state, paused = self._flatshard, self._flatshard.settle_paused
         state.settle_paused = True
         try:

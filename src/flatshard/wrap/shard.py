@@ -271,6 +271,7 @@ def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_wo
     sharded.register_forward_pre_hook(eager(tree.hook), prepend=True)
     sharded.register_forward_pre_hook(eager(state.take_dropped_grads), prepend=True)
     sharded.register_forward_pre_hook(eager(state.forward_began), prepend=True)
+    sharded.register_forward_pre_hook(eager(state.check_resident_hook), prepend=True)  # (first)
     sharded.register_forward_hook(eager(state.forward_ended), always_call=True)
     if buffer_worlds and any(w.size > 1 for w in buffer_worlds) and any(True for _ in sharded.buffers()):
         sharded.register_forward_pre_hook(eager(buffer_broadcast_hook(buffer_worlds)))
