@@ -23,7 +23,7 @@ from _parity import (
     train_optimizer_side_by_side,
 )
 from flatshard import DistributedOptimizer, HybridDeviceOptimizer
-from flatshard.optim.hybrid import _offloaded
+from flatshard.planner.offload import offloaded_items as _offloaded
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
 

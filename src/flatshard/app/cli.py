@@ -3,55 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 
 from flatshard.app import launcher
-from flatshard.planner.stage import DEFAULT_BUCKET_SIZE, DEFAULT_UNIT_BYTES, STAGES, StagePolicy
-
-MODEL_HELP = (
-    "a GPT preset, hf:<model_type> (a tiny transformers model), a directory or config.json (the "
-    "transformers model it configures) or module:factory (an nn.Module)"
+from flatshard.app.cli_args import (
+    MODEL_HELP,
+    add_layout_options,
+    bucket_size,
+    fraction,
+    model_specs_of,
+    positive_float,
+    positive_int,
 )
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(float(text)) if "e" in text.lower() else int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
-
-
-def _bucket_size(text: str) -> int | None:
-    return None if text.lower() in ("none", "one") else _positive_int(text)
-
-
-def _unit_bytes(text: str) -> int | None:
-    return None if text.lower() == "none" else _positive_int(text)
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1], got {text!r}")
-    return value
+from flatshard.app.plan_command import add_plan, run_plan
+from flatshard.planner.stage import DEFAULT_BUCKET_SIZE, STAGES, StagePolicy
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -66,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
         "parallelism. Starts --world-size local ranks itself, or runs as one rank under torchrun.",
     )
     train.add_argument(
-        "--world-size", "-n", type=_positive_int, default=2, help="local ranks to start (default 2)"
+        "--world-size", "-n", type=positive_int, default=2, help="local ranks to start (default 2)"
     )
     train.add_argument(
         "--stage",
@@ -83,13 +49,13 @@ def build_parser() -> argparse.ArgumentParser:
         "directory (its causal LM, random init), or module:factory, a function returning an "
         "nn.Module whose forward(tokens, targets) returns the loss",
     )
-    train.add_argument("--steps", type=_positive_int, default=300, help="optimizer steps (default 300)")
+    train.add_argument("--steps", type=positive_int, default=300, help="optimizer steps (default 300)")
     train.add_argument(
-        "--batch-size", type=_positive_int, default=16, help="sequences per rank per micro-batch (default 16)"
+        "--batch-size", type=positive_int, default=16, help="sequences per rank per micro-batch (default 16)"
     )
     train.add_argument(
         "--micro-batches",
-        type=_positive_int,
+        type=positive_int,
         default=1,
         help="micro-batches per step, grads accumulated (default 1)",
     )
@@ -103,17 +69,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--data",
         help="a text file to train on, as byte-level tokens (default: the built-in synthetic corpus)",
     )
-    train.add_argument("--seq-len", type=_positive_int, help="tokens per sequence (default: the model's)")
-    train.add_argument("--lr", type=_positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
+    train.add_argument("--seq-len", type=positive_int, help="tokens per sequence (default: the model's)")
+    train.add_argument("--lr", type=positive_float, default=3e-3, help="peak learning rate (default 3e-3)")
     train.add_argument(
         "--bucket-size",
-        type=_bucket_size,
+        type=bucket_size,
         default=DEFAULT_BUCKET_SIZE,
         help="elements per bucket, or 'none' for one bucket per buffer (default %(default)s)",
     )
     train.add_argument(
         "--offload-fraction",
-        type=_fraction,
+        type=fraction,
         default=0.0,
         help="share of each rank's optimizer state and updates kept on the host: "
         "shard(offload=flatshard.Offload(optimizer=F)); 1 puts the whole optimizer there, and at "
@@ -126,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--checkpoint-every",
-        type=_positive_int,
+        type=positive_int,
         default=0,
         help="steps between checkpoints (default: at the end only)",
     )
@@ -148,12 +114,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     train.add_argument(
         "--timeout",
-        type=_positive_float,
+        type=positive_float,
         default=600.0,
         help="seconds a collective may take before every rank stops with a DesyncError naming "
         "where each rank is (default 600)",
     )
-    _add_plan(sub)
+    add_plan(sub)
     _add_layout(sub)
     _add_export(sub)
     _add_verify(sub)
@@ -203,7 +169,7 @@ def _add_export(sub) -> None:
     )
     export.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], help="cast floating-point tensors")
     export.add_argument(
-        "--chunk-mib", type=_positive_int, default=256, help="MiB of data read at a time (default 256)"
+        "--chunk-mib", type=positive_int, default=256, help="MiB of data read at a time (default 256)"
     )
 
 
@@ -221,97 +187,8 @@ def _add_layout(sub) -> None:
         help=MODEL_HELP,
     )
     layout.add_argument("--stage", type=int, choices=STAGES, default=2, help="default 2")
-    _add_layout_options(layout, world_size=2, bucket_help="")
+    add_layout_options(layout, world_size=2, bucket_help="")
     layout.add_argument("--out", help="also write the drawing to this PNG file")
-
-
-def _add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
-    """The options ``plan`` and ``layout`` share: ranks, param dtype, bucket size."""
-    from flatshard.planner.plan import DTYPE_BYTES
-
-    parser.add_argument(
-        "--world-size",
-        "--world",
-        "-n",
-        type=_positive_int,
-        default=world_size,
-        help=f"ranks (default {world_size})",
-    )
-    parser.add_argument("--param-dtype", choices=sorted(DTYPE_BYTES), default="bf16", help="default bf16")
-    parser.add_argument(
-        "--bucket-size",
-        type=_bucket_size,
-        default=DEFAULT_BUCKET_SIZE,
-        help=f"{bucket_help}(default %(default)s)",
-    )
-    parser.add_argument(
-        "--whole-params",
-        metavar="REGEX",
-        help="keep the 2-D params whose names match REGEX whole in one rank's shard, as "
-        "shard(whole_params=...) does for Muon (e.g. 'blocks\\.'; default: none)",
-    )
-    parser.add_argument(
-        "--unit-bytes",
-        type=_unit_bytes,
-        default=DEFAULT_UNIT_BYTES,
-        help="stage 3: adjacent small units merge while their params fit in this many bytes, as "
-        "Stage3(unit_bytes=...) does; 'none': one unit per module (default %(default)s)",
-    )
-
-
-def _add_plan(sub) -> None:
-    from flatshard.planner.plan import DTYPE_BYTES, OPTIMIZERS
-
-    plan = sub.add_parser(
-        "plan",
-        help="per-rank model-state memory and bytes sent per step, stages 0-3",
-        description="Per-rank model-state memory (params, grads, fp32 main params, optimizer "
-        "state) and wire bytes sent per optimizer step at stages 0-3: from a parameter count "
-        "(the ZeRO formulas) or from a model's real flat layout, padding included.",
-    )
-    source = plan.add_mutually_exclusive_group(required=True)
-    source.add_argument("--params", type=_positive_int, help="number of parameters, e.g. 7.5e9")
-    source.add_argument(
-        "--model",
-        help=MODEL_HELP,
-    )
-    _add_layout_options(plan, world_size=8, bucket_help="with --model ")
-    plan.add_argument(
-        "--grad-dtype",
-        choices=sorted(DTYPE_BYTES),
-        help="with --params (default fp32); a model's grads follow flatshard's policy",
-    )
-    plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="default adam")
-    for what in ("main", "state"):
-        plan.add_argument(
-            f"--{what}-dtype",
-            choices=("fp32", "bf16"),
-            default="fp32",
-            help=f"the optimizer's {what} {'params' if what == 'main' else 'tensors'} "
-            "(flatshard.OptimizerPrecision; default fp32)",
-        )
-    plan.add_argument(
-        "--tp",
-        type=_positive_int,
-        default=1,
-        help="with --params: tensor-parallel ranks every param is split over (each holds 1/TP "
-        "of it); --world-size is then the data-parallel ranks (default 1)",
-    )
-    plan.add_argument(
-        "--pp",
-        type=_positive_int,
-        default=1,
-        help="with --params: pipeline stages the params are cut into evenly (each rank holds one "
-        "stage's, after the --tp split; default 1)",
-    )
-    plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
-    plan.add_argument(
-        "--offload",
-        action="store_true",
-        help="with --model: as shard(..., offload=flatshard.Offload()): the bytes on the host and "
-        "on the device apart, and the bytes over the host link per step",
-    )
-    plan.add_argument("--json", action="store_true", help='print {"stages": {"0": {...}, ...}} instead')
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "train":
         return _train(args, argv)
     if args.command == "plan":
-        return _plan(args)
+        return run_plan(args)
     if args.command == "layout":
         return _layout(args)
     if args.command == "export":
@@ -414,78 +291,13 @@ def _check_train_args(args: argparse.Namespace) -> str | None:
     return None
 
 
-def _plan(args: argparse.Namespace) -> int:
-    import json
-
-    from flatshard.planner import plan
-    from flatshard.planner.mixed_precision import OptimizerPrecision
-
-    precision = OptimizerPrecision(plan.DTYPES[args.main_dtype], plan.DTYPES[args.state_dtype])
-    if args.params is not None:
-        if args.offload:
-            print("flatshard plan: --offload applies to --model only", file=sys.stderr)
-            return 2
-        per_tp_rank = (args.params + args.tp - 1) // args.tp  # (the larger part of an uneven split)
-        plans = plan.plan_from_count(
-            (per_tp_rank + args.pp - 1) // args.pp,  # (one pipeline stage's part of it)
-            world_size=args.world_size,
-            param_dtype=args.param_dtype,
-            grad_dtype=args.grad_dtype or "fp32",
-            optimizer=args.optimizer,
-            precision=precision,
-        )
-        title = f"{args.params:,} params" + (
-            f" split over {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
-        )
-        title += f" in {args.pp} pipeline stages" if args.pp > 1 else ""
-    else:
-        for option, given in (
-            ("--grad-dtype", args.grad_dtype is not None),
-            ("--tp", args.tp > 1),
-            ("--pp", args.pp > 1),
-        ):
-            if given:
-                print(f"flatshard plan: {option} applies to --params only", file=sys.stderr)
-                return 2
-        try:
-            specs, stage3_specs, units, frozen = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
-            plans = plan.plan_from_specs(
-                specs,
-                world_size=args.world_size,
-                bucket_size=args.bucket_size,
-                optimizer=args.optimizer,
-                rank=args.rank,
-                stage3_specs=stage3_specs,
-                frozen_specs=frozen[0],
-                stage3_frozen_specs=frozen[1],
-                precision=precision,
-                offload=args.offload,
-            )
-        except (ValueError, ImportError, AttributeError) as e:
-            print(f"flatshard plan: {e}", file=sys.stderr)
-            return 2
-        counts = f"{sum(s.numel for s in specs):,} params"
-        counts += f" trained, {sum(s.numel for s in frozen[0]):,} frozen" if frozen[0] else ""
-        title = f"{args.model} ({counts}), rank {args.rank}"
-    if args.json:
-        print(json.dumps({"stages": {str(s): p.as_dict() for s, p in plans.items()}}))
-    else:
-        title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
-        title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
-        title += ", the optimizer offloaded" if args.offload else ""
-        print(plan.format_plan(plans, title))
-        if args.model is not None:
-            print(units)
-    return 0
-
-
 def _layout(args: argparse.Namespace) -> int:
     from flatshard.app import draw
     from flatshard.planner import plan
     from flatshard.planner.layout import plan_layout
 
     try:
-        specs, stage3_specs, units, frozen = _model_specs(args.model, plan.DTYPES[args.param_dtype], args)
+        specs, stage3_specs, units, frozen = model_specs_of(args.model, plan.DTYPES[args.param_dtype], args)
     except (ValueError, ImportError, AttributeError) as e:
         print(f"flatshard layout: {e}", file=sys.stderr)
         return 2
@@ -548,40 +360,3 @@ def _verify(args: argparse.Namespace) -> int:
     note = f" ({counts['unchecked']} written without checksums)" if counts["unchecked"] else ""
     print(f"{args.path}: {counts['checked']} pieces in {counts['files']} files match their checksums{note}")
     return 0
-
-
-def _model_specs(model: str, dtype, args: argparse.Namespace):
-    """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
-    its specs as stages 0-2 and stage 3 lay them out (``--whole-params``: a regex of the
-    names of 2-D params kept whole), a table of its stage-3 units (``--unit-bytes``), and the
-    specs of its frozen params at stages 0-2 and 3 (no grads, no optimizer state)."""
-    import re
-
-    import torch
-
-    from flatshard.app.draw import format_units
-    from flatshard.toolkit.models import model_factory
-    from flatshard.wrap.specs import model_specs, stage3_units, unit_nbytes
-
-    build = model_factory(model)
-    with torch.device("meta"):
-        module = build().to(dtype)
-    whole = args.whole_params
-    try:
-        pattern = re.compile(whole) if whole else None
-    except re.error as e:
-        raise ValueError(f"--whole-params {whole!r} is not a regular expression: {e}") from None
-    kept = None if pattern is None else (lambda name, p: p.ndim == 2 and pattern.search(name) is not None)
-    units, unit_of = stage3_units(module, [], None, args.unit_bytes)
-    table = format_units(
-        [u.name for u in units],
-        [len(u.modules) for u in units],
-        unit_nbytes(module, unit_of, len(units)),
-        args.unit_bytes,
-    )
-    stage3 = model_specs(module, stage=3, whole_params=kept, unit_bytes=args.unit_bytes)
-    frozen = (
-        model_specs(module, frozen=True),
-        model_specs(module, stage=3, frozen=True, unit_bytes=args.unit_bytes),
-    )
-    return model_specs(module, whole_params=kept), stage3, table, frozen

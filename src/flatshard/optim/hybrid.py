@@ -37,6 +37,7 @@ import torch
 from flatshard.engine.tensor_parallel import refuse_distributed_params
 from flatshard.optim.composite import CompositeOptimizer, SubOptimizer, run_closure
 from flatshard.planner.mixed_precision import HALF_DTYPES
+from flatshard.planner.offload import offloaded_items
 
 
 @dataclass
@@ -123,7 +124,7 @@ class HybridDeviceOptimizer(CompositeOptimizer):
         self.offload_threshold = offload_threshold
         self.overlap = overlap
         ordered = self.ordered_params()
-        offloaded = _offloaded([p.numel() for _, p in ordered], self.offload_fraction, offload_threshold)
+        offloaded = offloaded_items([p.numel() for _, p in ordered], self.offload_fraction, offload_threshold)
         self._host: list[_HostCopy] = []
         self._host_subs: list[tuple[SubOptimizer, list[_HostCopy]]] = []
         self._device_masters: list[tuple[torch.Tensor, torch.Tensor]] = []  # (16-bit param, fp32 master)
@@ -271,17 +272,6 @@ class HybridDeviceOptimizer(CompositeOptimizer):
             f"HybridDeviceOptimizer({len(self._host)} params, {host} of {total} elements on the host, "
             f"overlap={self.overlap}, {len(self.subs)} sub-optimizers)"
         )
-
-
-def _offloaded(numels: list[int], fraction: float, smallest: int = 0) -> list[bool]:
-    """Whether each param is offloaded: the middle of its elements, counted in order, lies
-    in the first ``fraction`` of all elements, and it has at least ``smallest`` of them."""
-    limit = fraction * sum(numels)
-    out, before = [], 0
-    for n in numels:
-        out.append(before + n / 2 < limit and n >= smallest)
-        before += n
-    return out
 
 
 def _host_copy(param: torch.Tensor, pin_memory: bool) -> _HostCopy:

@@ -2,6 +2,6 @@
 module. ``layout`` (the flat layout: buffers, buckets, shards), ``stage`` (``StagePolicy``,
 ``Stage3`` and ``Buckets``: what each stage keeps sharded and the options that shape it),
 ``shard_map`` (which parts of a shard an optimizer run covers), ``plan`` (memory and bytes
-per rank before anything runs), ``mixed_precision`` and ``offload`` (``Offload``: which
-bytes live on the host). Everything above reads offsets and
-stage rules from here; nothing here imports from above."""
+per rank before anything runs), ``budget`` (the least offload that fits a device budget),
+``mixed_precision`` and ``offload`` (``Offload``: which bytes live on the host). Everything
+above reads offsets and stage rules from here; nothing here imports from above."""

@@ -72,3 +72,16 @@ class Offload:
     def fraction(self) -> float:
         """The share of each rank's optimizer elements on the host."""
         return float(self.optimizer)
+
+
+def offloaded_items(numels: list[int], fraction: float, smallest: int = 0) -> list[bool]:
+    """Whether each item (a param, or a run of a shard) goes to the host under a share
+    ``fraction``: the middle of its elements, counted in order, lies in the first
+    ``fraction`` of all elements, and it has at least ``smallest`` of them ([Note: host
+    overlap] in ``optim/hybrid.py``; the budget planner counts with the same rule)."""
+    limit = fraction * sum(numels)
+    out, before = [], 0
+    for n in numels:
+        out.append(before + n / 2 < limit and n >= smallest)
+        before += n
+    return out

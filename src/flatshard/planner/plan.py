@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flatshard.planner.layout import BucketLayout, ParamSpec, plan_layout
+from flatshard.planner.layout import BucketLayout, Layout, ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import HALF_DTYPES, OptimizerPrecision
 from flatshard.planner.shard_map import plan_runs
 from flatshard.planner.stage import STAGES, StagePolicy
@@ -127,6 +127,13 @@ def plan_from_count(
     return plans
 
 
+def layout_at(
+    policy: StagePolicy, specs: Sequence[ParamSpec], world_size: int, bucket_size: int | None
+) -> Layout:
+    """The layout ``shard`` builds for ``specs`` at ``policy``'s stage."""
+    return plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=policy.pads_for_shards)
+
+
 def plan_from_specs(
     specs: Sequence[ParamSpec],
     *,
@@ -154,9 +161,7 @@ def plan_from_specs(
     for stage in STAGES:
         policy = StagePolicy(stage)
         staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
-        layout = plan_layout(
-            staged, world_size=world_size, bucket_size=bucket_size, shard=policy.pads_for_shards
-        )
+        layout = layout_at(policy, staged, world_size, bucket_size)
         gathers = _gathers_per_bucket(staged)
         totals = dict.fromkeys(
             ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step", "host"), 0

@@ -1,0 +1,184 @@
+"""A device budget: the least offload with which a rank's model state fits in the bytes its
+device may hold, decided before anything runs ([Note: device budget])."""
+
+# [Note: device budget]
+#
+# Given the bytes a rank's device may hold for the model state, ``fit_budget`` decides, for
+# one stage, how much of the optimizer goes to the host. Offloading costs two copies a step
+# and a host update, so the least that fits is the fastest; the candidates, in order:
+#
+# 1. nothing on the host;
+# 2. a share of the optimizer (``Offload(optimizer=s)``): the state of the first runs of the
+#    rank's shards, taken by the rule the ``HybridDeviceOptimizer`` inside takes them with
+#    (``offloaded_items``), one candidate a run, each share ending on a run's last element,
+#    so the plan's bytes are the run's; the host copies it keeps (main params, grads) count
+#    on the host;
+# 3. all of it (``Offload()``): the main params, grads' frame and state on the host, and at
+#    stage 3 the param shards with them.
+#
+# What a device holds is ``memory_report``'s count (the plan's ``device`` bytes: params,
+# grads, main params and state whose home is the device) plus, at stage 3, the units in full
+# at the peak: two of the largest unit's params and grads (the one running, the one
+# prefetched or reducing) and the root unit's params ([Note: stage-3 memory] in
+# ``units/unshard.py``). A budget below those in-flight bytes alone is refused naming the
+# largest unit and what it needs (no offload lowers them: a smaller unit does); a budget
+# below what the stage needs with everything offloaded is refused naming that. Activations
+# are not model state: the budget is what the model state may take.
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from flatshard.planner.layout import ParamSpec
+from flatshard.planner.mixed_precision import HALF_DTYPES, OptimizerPrecision
+from flatshard.planner.offload import offloaded_items
+from flatshard.planner.plan import OPTIMIZERS, StagePlan, layout_at, plan_from_specs
+from flatshard.planner.shard_map import plan_runs
+from flatshard.planner.stage import StagePolicy
+
+__all__ = ["BudgetFit", "fit_budget", "in_flight_bytes"]
+
+
+@dataclass(frozen=True)
+class BudgetFit:
+    """The decision for one stage: the share of the optimizer on the host (0, a share, or
+    1 for all of it), the plan with it, and the stage-3 units in full at the peak."""
+
+    stage: int
+    share: float
+    plan: StagePlan
+    in_flight: int
+
+    @property
+    def device_peak(self) -> int:
+        """The model state's bytes on the device at the peak."""
+        return self.plan.device + self.in_flight
+
+    def describe(self) -> str:
+        what = {0.0: "nothing offloaded", 1.0: "Offload(): all of the optimizer on the host"}
+        return what.get(self.share, f"Offload(optimizer={self.share:.4g})")
+
+
+def in_flight_bytes(
+    specs: Sequence[ParamSpec], frozen: Sequence[ParamSpec] = ()
+) -> tuple[int, str | None, int]:
+    """Stage 3's units in full at the peak (two of the largest unit's params and grads, and
+    the root unit's params; ``frozen`` params count without grads), the largest unit's name
+    and its bytes in full."""
+    units: dict[str, int] = {}
+    for spec, grads in [*((s, True) for s in specs), *((s, False) for s in frozen)]:
+        if spec.unit is not None:
+            full = spec.numel * (spec.dtype.itemsize + (spec.grad_dtype.itemsize if grads else 0))
+            units[spec.unit] = units.get(spec.unit, 0) + full
+    root = sum(s.numel * s.dtype.itemsize for s in [*specs, *frozen] if s.unit == "0")
+    others = {u: n for u, n in units.items() if u != "0"}
+    if not others:
+        return root, None, 0
+    largest = max(others, key=lambda u: others[u])
+    return 2 * others[largest] + root, largest, others[largest]
+
+
+def fit_budget(
+    budget: int,
+    specs: Sequence[ParamSpec],
+    *,
+    stage: int,
+    world_size: int,
+    bucket_size: int | None,
+    optimizer: str = "adamw",
+    rank: int = 0,
+    stage3_specs: Sequence[ParamSpec] | None = None,
+    frozen_specs: Sequence[ParamSpec] = (),
+    stage3_frozen_specs: Sequence[ParamSpec] | None = None,
+    precision: OptimizerPrecision | None = None,
+) -> BudgetFit:
+    """The least offload with which ``rank``'s model state at ``stage`` fits in ``budget``
+    bytes of its device (arguments as ``plan_from_specs``); a ``ValueError`` naming what
+    does not fit when nothing does ([Note: device budget])."""
+    if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
+        raise ValueError(f"the device budget must be a positive number of bytes, got {budget!r}")
+    common: dict[str, Any] = {
+        "world_size": world_size,
+        "bucket_size": bucket_size,
+        "optimizer": optimizer,
+        "rank": rank,
+        "stage3_specs": stage3_specs,
+        "frozen_specs": frozen_specs,
+        "stage3_frozen_specs": stage3_frozen_specs,
+        "precision": precision,
+    }
+    policy = StagePolicy(stage)
+    staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
+    in_flight, unit, unit_bytes = (0, None, 0)
+    if policy.gathers_units:
+        in_flight, unit, unit_bytes = in_flight_bytes(staged, stage3_frozen_specs or frozen_specs)
+    if unit is not None and in_flight > budget:
+        raise ValueError(
+            f"device budget {budget} bytes: stage 3's unit {unit} needs {unit_bytes} bytes in full "
+            f"(params and grads), twice at the peak with the root unit's params: {in_flight} bytes "
+            "before any model state; no offload lowers that. Give more bytes, or split the unit "
+            "(Stage3(units=...), a smaller Stage3(unit_bytes=...))"
+        )
+    base = plan_from_specs(specs, **common)[stage]
+    for share, plan in _shares(base, staged, policy, rank, world_size, bucket_size, optimizer, precision):
+        if plan.device + in_flight <= budget:
+            return BudgetFit(stage, share, plan, in_flight)
+    full = plan_from_specs(specs, offload=True, **common)[stage]
+    if full.device + in_flight <= budget:
+        return BudgetFit(stage, 1.0, full, in_flight)
+    raise ValueError(
+        f"device budget {budget} bytes: stage {stage} needs {full.device + in_flight} bytes on "
+        f"rank {rank}'s device with all of the optimizer on the host ({full.params} of params, "
+        f"{full.device - full.params} of grads"
+        + (f", {in_flight} of units in full" if in_flight else "")
+        + "). Give more bytes, or a stage that shards more"
+    )
+
+
+def _shares(
+    base: StagePlan,
+    specs: Sequence[ParamSpec],
+    policy: StagePolicy,
+    rank: int,
+    world_size: int,
+    bucket_size: int | None,
+    optimizer: str,
+    precision: OptimizerPrecision | None,
+) -> Iterator[tuple[float, StagePlan]]:
+    """(share, plan) for nothing offloaded, then each share ending on a run, ascending."""
+    yield 0.0, base
+    state_bytes, scalar_bytes = OPTIMIZERS[optimizer]
+    precision = precision or OptimizerPrecision()
+    state_bytes = state_bytes * precision.state_dtype.itemsize // 4
+    fp32_main = precision.main_dtype.itemsize == 4
+    runs = []  # (elements, state bytes, host grads' bytes, host main params' bytes, width)
+    for buffer in layout_at(policy, specs, world_size, bucket_size).buffers:
+        half = buffer.dtype in HALF_DTYPES
+        width = 4 if half and fp32_main else buffer.dtype.itemsize  # (the run's dtype)
+        wide = width == 4 or not half
+        for r in plan_runs(buffer, rank, {spec.name: 0 for spec in specs}):
+            n = r.in_shard.size
+            grads = n * width + (0 if wide else 4 * n)  # (a 16-bit run: an fp32 grad beside)
+            mains = n * width if wide else 4 * n + n * width  # (a 16-bit run: fp32 master, upload)
+            runs.append((n, state_bytes * n + scalar_bytes, grads, mains, width))
+    numels = [r[0] for r in runs]
+    total = sum(numels)
+    end = 0
+    for j in range(len(runs) - 1):
+        end += numels[j]
+        share = end / total
+        chosen = [r for r, off in zip(runs, offloaded_items(numels, share), strict=True) if off]
+        state = sum(r[1] for r in chosen)
+        grads, mains = sum(r[2] for r in chosen), sum(r[3] for r in chosen)
+        yield (
+            share,
+            replace(
+                base,
+                grads=base.grads + grads,
+                main_params=base.main_params + mains,
+                host=state + grads + mains,
+                link_bytes_per_step=sum(2 * r[0] * r[4] for r in chosen),  # (grads down, values up)
+            ),
+        )

@@ -1,0 +1,106 @@
+"""The device budget ([Note: device budget] in ``planner/budget.py``): the least offload that
+fits, the bytes it plans equal to what a run holds, and a budget nothing fits refused by name."""
+
+import json
+
+import pytest
+import torch
+
+import flatshard
+from flatshard.planner.budget import fit_budget, in_flight_bytes
+from flatshard.planner.plan import plan_from_specs
+from flatshard.toolkit.data import SyntheticCorpus
+from flatshard.toolkit.models import GPT, GPTConfig
+from flatshard.toolkit.testing import run_distributed
+from flatshard.wrap.specs import model_specs
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2)
+
+
+def _specs(dtype: torch.dtype = torch.float32) -> tuple[list, list]:
+    with torch.device("meta"):
+        meta = GPT(CFG).to(dtype)
+    return model_specs(meta), model_specs(meta, stage=3, unit_bytes=None)
+
+
+def _fit(budget: int, stage: int, world: int = 2, rank: int = 0, dtype=torch.float32):
+    specs, stage3 = _specs(dtype)
+    return fit_budget(
+        budget, specs, stage=stage, world_size=world, bucket_size=3000, rank=rank, stage3_specs=stage3
+    )
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_the_decision_is_the_least_offload_that_fits(stage):
+    """Budgets from generous to tight: nothing offloaded while it fits, then shares that grow
+    as the budget shrinks (each one fits, and the smallest share that fits is the one taken:
+    the share before it does not), then all of the optimizer; below that, an error."""
+    specs, stage3 = _specs()
+    kwargs = {"world_size": 2, "bucket_size": 3000, "stage3_specs": stage3}
+    base = plan_from_specs(specs, **kwargs)[stage]
+    full = plan_from_specs(specs, offload=True, **kwargs)[stage]
+    in_flight = _fit(10**9, stage).in_flight
+    assert _fit(base.device + in_flight, stage).share == 0.0
+    shares = []
+    for budget in range(base.device + in_flight - 1, full.device + in_flight - 1, -997):
+        fit = _fit(budget, stage)
+        assert fit.device_peak <= budget < base.device + in_flight
+        shares.append(fit.share)
+    assert shares == sorted(shares) and shares[-1] == 1.0 and 0 < shares[0] < 1
+    with pytest.raises(ValueError, match=f"stage {stage} needs {full.device + in_flight} bytes"):
+        _fit(full.device + in_flight - 1, stage)
+
+
+def test_a_budget_below_one_unit_is_refused_naming_it():
+    """Stage 3 holds two of its largest unit in full at the peak (and the root unit): a budget
+    below that is refused naming the unit and the bytes it needs, whatever is offloaded."""
+    _, stage3 = _specs()
+    total, unit, unit_bytes = in_flight_bytes(stage3)
+    block = [s for s in stage3 if s.unit == unit]
+    assert unit_bytes == sum(s.numel * 8 for s in block)  # (fp32 params and fp32 grads)
+    with pytest.raises(ValueError, match=f"unit {unit} needs {unit_bytes} bytes in full") as e:
+        _fit(total - 1, 3)
+    assert "split the unit" in str(e.value)
+
+
+def _planned_against_run(stage: int, fraction: float) -> tuple:
+    """The plan of a budget ``fraction`` of the way from what all of the optimizer offloaded
+    needs to what nothing offloaded does, and what a run with the decided ``Offload`` holds
+    after a step (``memory_report``), on this rank."""
+    specs, stage3 = _specs()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    kwargs = {"world_size": world, "bucket_size": 3000, "rank": rank, "stage3_specs": stage3}
+    base = plan_from_specs(specs, **kwargs)[stage]
+    full = plan_from_specs(specs, offload=True, **kwargs)[stage]
+    budget = full.device + int(fraction * (base.device - 1 - full.device))
+    fit = fit_budget(budget, specs, stage=stage, **kwargs)
+    offload = {"offload": flatshard.Offload(optimizer=fit.share)} if fit.share else {}
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(CFG), stage=stage, buckets=flatshard.Buckets(size=3000), **offload)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    model(*SyntheticCorpus(64, 16).batch(0, rank, 4)).backward()
+    opt.step()
+    report = flatshard.memory_report(model, opt)
+    return fit.share, (fit.plan.device, report.device), (fit.plan.host, report.host)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_the_planned_bytes_are_what_a_run_holds(stage):
+    """Budgets that need a share of the optimizer and all of it, on 3 ranks (uneven shards):
+    the device and host bytes the plan gives equal ``memory_report`` of the run with the
+    decided ``Offload``, on every rank."""
+    for fraction in (0.9, 0.5, 0.0):
+        for share, device, host in run_distributed(_planned_against_run, 3, stage, fraction):
+            assert 0 < share <= 1
+            assert device[0] == device[1] and host[0] == host[1], (fraction, share, device, host)
+
+
+def test_flatshard_plan_prints_each_stage_decision(capsys):
+    from flatshard.app.cli import main
+
+    assert main(["plan", "--model", "tiny", "-n", "2", "--device-budget", "300000", "--json"]) == 0
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert stages["2"]["fits"] and stages["2"]["share"] == 0.0
+    assert stages["1"]["fits"] and 0 < stages["1"]["share"] < 1 and stages["1"]["device_peak"] <= 300000
+    assert not stages["3"]["fits"] and "needs" in stages["3"]["why"]
+    assert main(["plan", "--model", "tiny", "--device-budget", "300000", "--offload"]) == 2
