@@ -42,7 +42,8 @@ def test_the_decision_is_the_least_offload_that_fits(stage):
     in_flight = _fit(10**9, stage).in_flight
     assert _fit(base.device + in_flight, stage).share == 0.0
     shares = []
-    for budget in range(base.device + in_flight - 1, full.device + in_flight - 1, -997):
+    step = max(1, (base.device - full.device) // 40)  # (40 budgets between the two)
+    for budget in range(base.device + in_flight - 1, full.device + in_flight - 1, -step):
         fit = _fit(budget, stage)
         assert fit.device_peak <= budget < base.device + in_flight
         shares.append(fit.share)
@@ -104,3 +105,75 @@ def test_flatshard_plan_prints_each_stage_decision(capsys):
     assert stages["1"]["fits"] and 0 < stages["1"]["share"] < 1 and stages["1"]["device_peak"] <= 300000
     assert not stages["3"]["fits"] and "needs" in stages["3"]["why"]
     assert main(["plan", "--model", "tiny", "--device-budget", "300000", "--offload"]) == 2
+
+
+def _train_offloaded(stage: int, offload: flatshard.Offload | None) -> tuple:
+    """Two AdamW steps of the GPT sharded with ``offload``: (the optimizer's decided
+    ``Offload``, ``memory_report``'s device bytes after them, the full state dict)."""
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(CFG), stage=stage, buckets=flatshard.Buckets(size=3000), offload=offload)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
+    corpus, rank = SyntheticCorpus(64, 16), torch.distributed.get_rank()
+    for step in range(2):
+        model(*corpus.batch(step, rank, 4)).backward()
+        opt.step()
+        opt.zero_grad()
+    model.wait_for_params()
+    return opt.offload, flatshard.memory_report(model, opt).device, model.full_state_dict()
+
+
+def _budgeted(stage: int, fraction: float) -> tuple:
+    """A run with ``Offload(device_budget=B)``, B ``fraction`` of the way between what all of
+    the optimizer offloaded and nothing offloaded need on the most loaded rank, beside the
+    same run given the share it decided by hand."""
+    with torch.device("meta"):
+        specs = model_specs(GPT(CFG), stage=stage)  # (as shard lays them out)
+    world = torch.distributed.get_world_size()
+    kwargs = {"world_size": world, "bucket_size": 3000, "stage3_specs": specs}
+    base = max(plan_from_specs(specs, rank=r, **kwargs)[stage].device for r in range(world))
+    full = max(plan_from_specs(specs, rank=r, offload=True, **kwargs)[stage].device for r in range(world))
+    in_flight = in_flight_bytes(specs)[0] if stage == 3 else 0
+    budget = full + int(fraction * (base - 1 - full)) + in_flight
+    decided, device, values = _train_offloaded(stage, flatshard.Offload(device_budget=budget))
+    by_hand = _train_offloaded(stage, decided)[2]
+    same = all(torch.equal(values[k], by_hand[k]) for k in values)
+    return decided.fraction, device + in_flight <= budget, same
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_a_device_budget_given_to_shard_is_met(stage):
+    """``shard(..., offload=Offload(device_budget=B))`` on 3 ranks: the optimizer takes the
+    least share that fits on every rank (a share, then all of it as the budget shrinks), the
+    device holds no more than B after the steps (stage 3: with the units in full at the peak
+    added), and the run equals the one given that share by hand, bit for bit."""
+    for fraction, expected in ((0.6, "a share"), (0.0, "all")):
+        results = run_distributed(_budgeted, 3, stage, fraction)
+        assert all(fits and same for _, fits, same in results), results
+        shares = {share for share, _, _ in results}
+        assert len(shares) == 1  # (every rank decides the same, without a word between them)
+        share = shares.pop()
+        assert (0 < share < 1) if expected == "a share" else share == 1.0, (fraction, share)
+
+
+def _refusals() -> list[str]:
+    out = []
+    for budget, cls in ((10**9, torch.optim.RMSprop), (1000, torch.optim.AdamW)):
+        model = flatshard.shard(GPT(CFG), stage=3, offload=flatshard.Offload(device_budget=budget))
+        try:
+            flatshard.DistributedOptimizer(model, cls, lr=1e-2)
+            out.append("no error")
+        except ValueError as e:
+            out.append(str(e))
+    return out
+
+
+def test_a_budget_that_cannot_be_met_is_refused_when_the_optimizer_is_built():
+    """An optimizer whose state the planner does not know, a budget below stage 3's units in
+    full: each a ValueError naming it; a budget beside a share is refused at once."""
+    ((unknown, small),) = run_distributed(_refusals, 1)
+    assert "RMSprop" in unknown and "Offload(optimizer=...)" in unknown
+    assert "unit" in small and "needs" in small and "device budget 1000 bytes" in small
+    with pytest.raises(ValueError, match="not both"):
+        flatshard.Offload(optimizer=0.5, device_budget=10**9)
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        flatshard.Offload(device_budget=0)

@@ -52,7 +52,7 @@ from flatshard.optim.agreement import SettingsCheck
 from flatshard.optim.composite import run_closure
 from flatshard.optim.grad_prep import GradPreparation
 from flatshard.optim.held import HeldBack
-from flatshard.optim.host_step import fetch_grads, resolve_offload
+from flatshard.optim.host_step import budget_offload, fetch_grads, resolve_offload
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
@@ -131,9 +131,10 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
             )
         params = None if params is None else list(params)  # (offload may lay the groups out again)
         groups, group_of, classes = param_groups(state, params, optimizer_class)
-        offload, optimizer_class, defaults = resolve_offload(
-            state.offload, optimizer_class, classes, defaults
+        self.offload = budget_offload(  # (with a device budget: the share it decided)
+            state.offload, state.budget_specs, state.stage, optimizer_class, defaults, precision
         )
+        offload, optimizer_class, defaults = resolve_offload(self.offload, optimizer_class, classes, defaults)
         if classes and optimizer_class not in classes:  # (a share on the host: a HybridDeviceOptimizer)
             groups, group_of, classes = param_groups(state, params, optimizer_class)
         check_optimizer_class(

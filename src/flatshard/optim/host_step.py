@@ -11,6 +11,7 @@ import torch
 
 from flatshard.comm.collectives import CommStats
 from flatshard.optim.shards import BufferShards
+from flatshard.planner.budget import least_share
 from flatshard.planner.offload import Offload
 
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -36,6 +37,33 @@ def host_defaults(optimizer_class: type, classes: Sequence[type], defaults: dict
     if all("foreach" in inspect.signature(cls).parameters for cls in classes):
         return {**defaults, "foreach": True}
     return defaults
+
+
+def budget_offload(
+    offload: Offload | None,
+    planned: Any,
+    stage: int,
+    optimizer_class: type,
+    defaults: dict[str, Any],
+    precision,
+) -> Offload | None:
+    """``offload`` with its device budget decided: the least share of the optimizer that fits
+    on every rank ([Note: device budget] in ``planner/budget.py``); None for none."""
+    if offload is None or offload.device_budget is None:
+        return offload
+    kinds = {torch.optim.Adam: "adamw", torch.optim.AdamW: "adamw", torch.optim.Adagrad: "adagrad"}
+    if optimizer_class is torch.optim.SGD:
+        kind = "sgd-momentum" if defaults.get("momentum", 0) else "sgd"
+    elif optimizer_class in kinds:
+        kind = kinds[optimizer_class]
+    else:
+        raise ValueError(
+            f"Offload(device_budget=...) plans the state of torch's Adam, AdamW, SGD and Adagrad, not "
+            f"{getattr(optimizer_class, '__name__', optimizer_class)}: give the share instead "
+            "(Offload(optimizer=...))"
+        )
+    share = least_share(offload.device_budget, planned, stage=stage, optimizer=kind, precision=precision)
+    return Offload(optimizer=share, pin_memory=offload.pin_memory) if share else None
 
 
 def resolve_offload(

@@ -24,6 +24,11 @@ device may hold, decided before anything runs ([Note: device budget])."""
 # largest unit and what it needs (no offload lowers them: a smaller unit does); a budget
 # below what the stage needs with everything offloaded is refused naming that. Activations
 # are not model state: the budget is what the model state may take.
+#
+# ``shard(..., offload=Offload(device_budget=B))`` is decided when the ``DistributedOptimizer``
+# is built (the optimizer's class sets the state's bytes): every rank plans every rank's
+# shard from the same specs and takes the largest share any of them needs (``least_share``),
+# so all ranks decide alike without a collective.
 
 from __future__ import annotations
 
@@ -38,7 +43,18 @@ from flatshard.planner.plan import OPTIMIZERS, StagePlan, layout_at, plan_from_s
 from flatshard.planner.shard_map import plan_runs
 from flatshard.planner.stage import StagePolicy
 
-__all__ = ["BudgetFit", "fit_budget", "in_flight_bytes"]
+__all__ = ["BudgetFit", "BudgetSpecs", "fit_budget", "in_flight_bytes", "least_share"]
+
+
+@dataclass(frozen=True)
+class BudgetSpecs:
+    """What a sharded model's budget is planned from: its trainable params' specs as laid
+    out, its frozen ones', the bucket size and the shard world's size."""
+
+    specs: tuple[ParamSpec, ...]
+    frozen: tuple[ParamSpec, ...]
+    bucket_size: int | None
+    world_size: int
 
 
 @dataclass(frozen=True)
@@ -182,3 +198,28 @@ def _shares(
                 link_bytes_per_step=sum(2 * r[0] * r[4] for r in chosen),  # (grads down, values up)
             ),
         )
+
+
+def least_share(
+    budget: int, planned: BudgetSpecs, *, stage: int, optimizer: str, precision: OptimizerPrecision | None
+) -> float:
+    """The share of the optimizer to offload so that every rank fits ``budget``: the largest
+    any rank needs (ranks' shards differ by padding), the same on every rank without a word
+    between them; a ``ValueError`` naming the first rank that cannot fit."""
+    stage3 = StagePolicy(stage).gathers_units
+    fits = [
+        fit_budget(
+            budget,
+            planned.specs,
+            stage=stage,
+            world_size=planned.world_size,
+            bucket_size=planned.bucket_size,
+            optimizer=optimizer,
+            rank=rank,
+            frozen_specs=() if stage3 else planned.frozen,
+            stage3_frozen_specs=planned.frozen if stage3 else None,
+            precision=precision,
+        )
+        for rank in range(planned.world_size)
+    ]
+    return max(fit.share for fit in fits)

@@ -56,10 +56,15 @@ class Offload:
         ``optim/hybrid.py``), a run of a bucket's shard at a time (a run whose middle falls
         within the share goes; ``memory_report`` says what did); False or 0: none.
     pin_memory: page-locked host tensors, so that copies overlap compute (CUDA only).
+    device_budget: instead of ``optimizer``, the bytes of model state each rank's device may
+        hold: the ``DistributedOptimizer`` built over the model takes the least offload that
+        fits on every rank ([Note: device budget] in ``planner/budget.py``), or raises naming
+        what does not fit.
     """
 
     optimizer: bool | float = True
     pin_memory: bool = True
+    device_budget: int | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
@@ -67,6 +72,14 @@ class Offload:
         share = self.optimizer
         if not isinstance(share, (bool, int, float)) or not 0 <= share <= 1:
             raise ValueError(f"Offload.optimizer must be True, False or a share in [0, 1], got {share!r}")
+        budget = self.device_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+            raise ValueError(f"Offload.device_budget must be a positive number of bytes, got {budget!r}")
+        if budget is not None and share is not True:
+            raise ValueError(
+                f"Offload: give a share (optimizer={share!r}) or a device_budget, not both: the "
+                "budget decides the share"
+            )
 
     @property
     def fraction(self) -> float:

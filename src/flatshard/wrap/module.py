@@ -77,6 +77,8 @@ class ShardState:
     offload: Offload | None = None  # host homes ([Note: memory tiers] in planner/offload.py)
     # the bytes offload_states moved to the host ([Note: states between phases] in flatshard/phases.py)
     parked: Any = None
+    # what an Offload(device_budget=...) is decided from ([Note: device budget] in planner/budget.py)
+    budget_specs: Any = None
     _materialized: int = 0  # depth of param_dtype_shards() blocks
     # while set, settle_gathers does nothing: the root's forward (it waits for the gathers
     # bucket by bucket) or zero_grad (it reads no value) is running

@@ -24,7 +24,8 @@ from flatshard.engine.dynamo import eager
 from flatshard.engine.grad_sync import GradSync, build_reductions
 from flatshard.engine.grad_view import ExpertSpread
 from flatshard.engine.param_gather import ParamGather
-from flatshard.planner.layout import plan_layout
+from flatshard.planner.budget import BudgetSpecs
+from flatshard.planner.layout import ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, input_cast_hook
 from flatshard.planner.offload import Offload
 from flatshard.planner.stage import Buckets, Stage3
@@ -194,6 +195,8 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
         frozen=frozen,
         offload=plan.offload,
     )
+    if plan.offload is not None and plan.offload.device_budget is not None:
+        state.budget_specs = _budget_specs(module, plan)
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     if plan.meta:
@@ -305,3 +308,26 @@ def _backward_start_hook(sync: GradSync):
             register_multi_grad_hook(tensors, lambda grad: sync.on_backward_start(), mode="any")
 
     return hook
+
+
+def _budget_specs(module: nn.Module, plan: WrapPlan) -> BudgetSpecs:
+    """What the optimizer's device-budget decision plans from ([Note: device budget] in
+    ``planner/budget.py``): the trainable params' specs and the frozen ones' (sharded at
+    stage 3, else replicated on every rank)."""
+    parts = {part.key: part for part in plan.parts}
+    if "expert" in parts:
+        raise ValueError(
+            "Offload(device_budget=...) with experts: the budget plans one set of buffers; give "
+            "the share instead (Offload(optimizer=...)), e.g. from flatshard plan --device-budget"
+        )
+    main = parts["main"]
+    if FROZEN in parts:
+        frozen = parts[FROZEN].specs
+    else:  # (the replicated ones: whole on each rank, in no unit)
+        in_parts = {id(p) for part in plan.parts for _, p in part.named}
+        frozen = tuple(
+            ParamSpec(n, p.numel(), p.dtype, p.dtype)
+            for n, p in module.named_parameters()
+            if not p.requires_grad and p.numel() and p.is_floating_point() and id(p) not in in_parts
+        )
+    return BudgetSpecs(main.specs, frozen, plan.buckets.size, main.world.size)
