@@ -113,18 +113,17 @@ def run_plan(args: argparse.Namespace) -> int:
             specs, stage3_specs, units, frozen = model_specs_of(
                 args.model, plan.DTYPES[args.param_dtype], args
             )
-            plans = plan.plan_from_specs(
-                specs,
-                world_size=args.world_size,
-                bucket_size=args.bucket_size,
-                optimizer=args.optimizer,
-                rank=args.rank,
-                stage3_specs=stage3_specs,
-                frozen_specs=frozen[0],
-                stage3_frozen_specs=frozen[1],
-                precision=precision,
-                offload=args.offload,
-            )
+            planning = {
+                "world_size": args.world_size,
+                "bucket_size": args.bucket_size,
+                "optimizer": args.optimizer,
+                "rank": args.rank,
+                "stage3_specs": stage3_specs,
+                "frozen_specs": frozen[0],
+                "stage3_frozen_specs": frozen[1],
+                "precision": precision,
+            }
+            plans = plan.plan_from_specs(specs, offload=args.offload, **planning)
         except (ValueError, ImportError, AttributeError) as e:
             print(f"flatshard plan: {e}", file=sys.stderr)
             return 2
@@ -132,7 +131,7 @@ def run_plan(args: argparse.Namespace) -> int:
         counts += f" trained, {sum(s.numel for s in frozen[0]):,} frozen" if frozen[0] else ""
         title = f"{args.model} ({counts}), rank {args.rank}"
         if args.device_budget is not None:
-            print(_budget(args, specs, stage3_specs, frozen, precision))
+            print(_budget(args, specs, planning))
             return 0
     if args.json:
         print(json.dumps({"stages": {str(s): p.as_dict() for s, p in plans.items()}}))
@@ -146,7 +145,7 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(args: argparse.Namespace, specs, stage3_specs, frozen, precision) -> str:
+def _budget(args: argparse.Namespace, specs, planning: dict) -> str:
     """Each stage's decision for ``--device-budget`` ([Note: device budget]), as lines or JSON."""
     import json
 
@@ -159,19 +158,7 @@ def _budget(args: argparse.Namespace, specs, stage3_specs, frozen, precision) ->
     ]
     for stage in STAGES:
         try:
-            fit = fit_budget(
-                args.device_budget,
-                specs,
-                stage=stage,
-                world_size=args.world_size,
-                bucket_size=args.bucket_size,
-                optimizer=args.optimizer,
-                rank=args.rank,
-                stage3_specs=stage3_specs,
-                frozen_specs=frozen[0],
-                stage3_frozen_specs=frozen[1],
-                precision=precision,
-            )
+            fit = fit_budget(args.device_budget, specs, stage=stage, **planning)
         except ValueError as e:
             out[str(stage)] = {"fits": False, "why": str(e)}
             lines.append(f"  stage {stage}: does not fit: {e}")
