@@ -10,7 +10,9 @@ The reasoning is [Note: fused Adam step] below."""
 # (exactly those classes; a subclass may change the update) this module does the same update in
 # one function that reads each param, grad and moment once and writes the param and moments
 # back, rounded ([Note: rounding bits]); on an accelerator the function is compiled, so a chunk
-# is one kernel. What stays the same as the chunked path:
+# is one kernel, and on the CPU the same function is a native loop ([Note: native CPU Adam] in
+# ``cpu_adam.py``; torch's CPU ops where it cannot be built). What stays the same as the
+# chunked path:
 #
 # * the arithmetic: torch's single-tensor Adam, op for op, in fp32 (bias corrections and step
 #   size computed on the host in double, as torch does), so with fp32 params and state it is
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from flatshard.optim import cpu_adam
 from flatshard.optim.rounding import noise, salt, stochastic
 
 FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
@@ -124,12 +127,16 @@ def step_run(
     count = int(state["step"].item())
     seed, group_index, place = where
     halves = [half for key in STATE_KEYS for half in salt(seed, count, group_index, place, key)]
-    hyper = torch.tensor(scalars(group, count), dtype=torch.float32, device=run.device)
     l2 = 0.0 if group.get("decoupled_weight_decay", False) else float(group["weight_decay"])
     maximize = bool(group.get("maximize", False))
-    kernel = adam_chunk if run.device.type == "cpu" else compiled_adam_chunk()
     m, v = state["exp_avg"].view(-1), state["exp_avg_sq"].view(-1)
     flat, g = run.view(-1), grad.view(-1)
+    if run.device.type == "cpu" and cpu_adam.step(
+        flat, g, m, v, 0, halves, scalars(group, count), l2, maximize
+    ):
+        return  # ([Note: native CPU Adam]: the whole run in one call)
+    hyper = torch.tensor(scalars(group, count), dtype=torch.float32, device=run.device)
+    kernel = adam_chunk if run.device.type == "cpu" else compiled_adam_chunk()
     for start in range(0, flat.numel(), chunk):
         end = min(flat.numel(), start + chunk)
         ints = torch.tensor([start, *halves], dtype=torch.int64, device=run.device)
