@@ -97,6 +97,10 @@ def test_the_rounding_bits_are_uniform():
     """Each of the 16 bits is set in half the elements and neighbouring elements' bits are
     uncorrelated (4M draws: a bit's share has std 0.00025, a correlation std 0.0005; 8 std)."""
     bits = noise(torch.arange(1 << 22), salt(3, 5, 1, 2, "exp_avg_sq"))
+    near = torch.arange((1 << 32) - 1000, 1 << 32)  # (far=False skips work, never changes bits)
+    assert torch.equal(
+        noise(near, salt(3, 5, 1, 2, "param"), far=False), noise(near, salt(3, 5, 1, 2, "param"))
+    )
     shares = torch.stack([(bits >> b) & 1 for b in range(16)]).double().mean(dim=1)
     assert (shares - 0.5).abs().max().item() < 8 * 0.00025, shares
     pair = torch.stack([bits[:-1], bits[1:]]).double()

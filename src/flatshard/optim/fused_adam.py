@@ -76,12 +76,14 @@ def adam_chunk(
     hyper: torch.Tensor,
     l2: float,
     maximize: bool,
+    far: bool = True,
 ) -> None:
     """One Adam step of a chunk, in place: ``param`` and the moments are fp32 or bf16,
     ``grad`` any float dtype. ``ints`` (int64): the chunk's first element's place in its run,
     then the (lo, hi) salt of each of ``STATE_KEYS``; ``hyper`` (fp32): ``scalars``. Values
     that change from step to step are tensors, so a compiled kernel takes them as inputs
-    (a Python float would be a constant, and each step would recompile it)."""
+    (a Python float would be a constant, and each step would recompile it). ``far``: the
+    chunk may reach past 2**32 of its run ([Note: rounding bits])."""
     decay, weight1, beta2, weight2, correction2_sqrt, eps, neg_step_size = hyper.unbind()
     g = grad.float()
     if maximize:
@@ -99,7 +101,7 @@ def adam_chunk(
     index = torch.arange(param.numel(), device=param.device) + ints[0]
     salts = ints[1:].view(3, 2)
     for out, value, halves in zip((param, exp_avg, exp_avg_sq), (w, m, v), salts, strict=True):
-        out.copy_(value if out.dtype == torch.float32 else stochastic(value, noise(index, halves)))
+        out.copy_(value if out.dtype == torch.float32 else stochastic(value, noise(index, halves, far)))
 
 
 @functools.cache
@@ -140,4 +142,5 @@ def step_run(
     for start in range(0, flat.numel(), chunk):
         end = min(flat.numel(), start + chunk)
         ints = torch.tensor([start, *halves], dtype=torch.int64, device=run.device)
-        kernel(flat[start:end], g[start:end], m[start:end], v[start:end], ints, hyper, l2, maximize)
+        far = end > 1 << 32  # (a chunk that reaches past 2**32 of the run: the hash's second round)
+        kernel(flat[start:end], g[start:end], m[start:end], v[start:end], ints, hyper, l2, maximize, far)

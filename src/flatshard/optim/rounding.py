@@ -63,13 +63,16 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def noise(index: torch.Tensor, halves: tuple[int, int] | torch.Tensor) -> torch.Tensor:
+def noise(index: torch.Tensor, halves: tuple[int, int] | torch.Tensor, far: bool = True) -> torch.Tensor:
     """16 random bits (int64 in ``[0, 65536)``) for each int64 ``index`` (at most 2**63) under
-    the salt ``halves`` (a pair of ints, or a 2-element int64 tensor for compiled callers)."""
+    the salt ``halves`` (a pair of ints, or a 2-element int64 tensor for compiled callers).
+    ``far=False`` promises every index is below 2**32 and skips the second round's work."""
     lo, hi = halves[0], halves[1]
     h = _fmix((index & _M32) ^ lo)
-    top = index >> 32
-    h = torch.where(top == 0, h, _fmix(h ^ top)) ^ hi  # (the second round: past 2**32 of a run only)
+    if far:  # (the second round, for elements past 2**32 of a run)
+        top = index >> 32
+        h = torch.where(top == 0, h, _fmix(h ^ top))
+    h = h ^ hi
     return (h ^ (h >> 16)) & 0xFFFF
 
 
@@ -91,12 +94,13 @@ def round_into(out: torch.Tensor, value: torch.Tensor, halves: tuple[int, int], 
     if out.dtype != torch.bfloat16:
         raise TypeError(f"stochastic rounding writes fp32 or bf16, not {out.dtype}")
     ints = torch.tensor([start, *halves], dtype=torch.int64, device=value.device)
-    (_round if value.device.type == "cpu" else _compiled_round())(out, value, ints)
+    far = start + value.numel() > 1 << 32
+    (_round if value.device.type == "cpu" else _compiled_round())(out, value, ints, far)
 
 
-def _round(out: torch.Tensor, value: torch.Tensor, ints: torch.Tensor) -> None:
+def _round(out: torch.Tensor, value: torch.Tensor, ints: torch.Tensor, far: bool) -> None:
     index = torch.arange(value.numel(), device=value.device) + ints[0]
-    out.copy_(stochastic(value, noise(index, ints[1:])).view(out.shape))
+    out.copy_(stochastic(value, noise(index, ints[1:], far)).view(out.shape))
 
 
 @functools.cache
