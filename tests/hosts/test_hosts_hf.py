@@ -307,3 +307,42 @@ def test_a_layer_frozen_mid_run_by_a_callback_follows_the_trainers_ddp(tmp_path)
         _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", callback=_FreezeLayer0, init=False
     ):
         _check_follows(logged, rel=1e-5)
+
+
+class _OffloadBetweenSteps(transformers.TrainerCallback):
+    """Gives the device away between steps, as an RL loop does for its rollouts: every
+    training byte of a sharded model and its optimizer to the host after each step, back
+    before the next and before the run's evaluation (the DDP reference keeps its own)."""
+
+    def __init__(self) -> None:
+        self.cycles, self.parked = 0, False
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        import flatshard
+
+        if isinstance(model, flatshard.ShardedModule):
+            flatshard.offload_states(model)
+            self.cycles, self.parked = self.cycles + 1, True
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        import flatshard
+
+        if self.parked:
+            flatshard.reload_states(model)
+            self.parked = False
+
+    def on_train_end(self, args, state, control, model=None, **kwargs):
+        self.on_step_begin(args, state, control, model=model)
+        reference = args.output_dir.endswith("/ddp")  # (_against_ddp's folder for the Trainer's DDP)
+        assert self.cycles == (0 if reference else state.global_step), (args.output_dir, self.cycles)
+
+
+def test_states_offloaded_between_the_trainers_steps_follow_its_ddp(tmp_path):
+    """``flatshard.offload_states`` / ``reload_states`` from a callback, around every step of
+    the Trainer's loop (its optimizer and scheduler hold the same objects throughout): the
+    run follows the Trainer's DDP as a run without them does ([Note: states between
+    phases] in phases.py)."""
+    for logged in run_distributed(
+        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", callback=_OffloadBetweenSteps, init=False
+    ):
+        _check_follows(logged, rel=1e-5)

@@ -239,7 +239,7 @@ def _library() -> ctypes.CDLL | None:
             _build(compiler, path)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
-        _fall_back(f"{type(e).__name__}: {e}")
+        _fall_back(f"{type(e).__name__}: {e}; FLATSHARD_CACHE_DIR sets where it is built")
         return None
     for combo in ("f32", "bf16"):
         for g in ("f32", "bf16"):
