@@ -346,3 +346,39 @@ def test_states_offloaded_between_the_trainers_steps_follow_its_ddp(tmp_path):
         _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", callback=_OffloadBetweenSteps, init=False
     ):
         _check_follows(logged, rel=1e-5)
+
+
+class _ShareDecided(transformers.TrainerCallback):
+    """Checks, at the end, the share of the optimizer a device budget put on the host: a
+    share strictly between none and all (the DDP reference has no such optimizer)."""
+
+    def on_train_end(self, args, state, control, optimizer=None, **kwargs):
+        if args.output_dir.endswith("/ddp"):
+            return
+        decided = getattr(optimizer, "optimizer", optimizer).offload  # (accelerate wraps it)
+        assert decided is not None and 0 < decided.fraction < 1, decided
+
+
+def _budgeted_against_ddp(out: str) -> dict:
+    """``_against_ddp`` at stage 1 with ``Offload(device_budget=B)``, B 60% of the way from
+    what all of the optimizer on the host needs on the most loaded rank to what none does."""
+    import flatshard
+    from flatshard.planner.plan import plan_from_specs
+    from flatshard.wrap.specs import model_specs
+
+    with torch.device("meta"):
+        specs = model_specs(tiny_llama(), stage=1)
+    kwargs = {"world_size": 2, "bucket_size": 3000, "stage3_specs": specs}
+    none = max(plan_from_specs(specs, rank=r, **kwargs)[1].device for r in range(2))
+    full = max(plan_from_specs(specs, rank=r, offload=True, **kwargs)[1].device for r in range(2))
+    budget = full + int(0.6 * (none - 1 - full))
+    shard = {"offload": flatshard.Offload(device_budget=budget), "buckets": flatshard.Buckets(size=3000)}
+    return _against_ddp([1], out, "adamw_torch_fused", shard=shard, callback=_ShareDecided)
+
+
+def test_a_device_budget_under_the_trainer_follows_its_ddp(tmp_path):
+    """``shard={"offload": flatshard.Offload(device_budget=B)}``: the optimizer built by the
+    Trainer takes the least share of its state on the host that fits B (a share, not all),
+    and the run follows the Trainer's DDP with the same fused AdamW on both sides."""
+    for logged in run_distributed(_budgeted_against_ddp, 2, str(tmp_path), init=False):
+        _check_follows(logged, rel=1e-5)

@@ -269,7 +269,7 @@ def _build(compiler: str, path: Path) -> None:
 def _fall_back(reason: str) -> None:
     warnings.warn(
         f"flatshard's native CPU Adam step is not available ({reason}); the host step of "
-        "Adam with bf16 params or state runs as torch ops, several times slower",
+        "Adam with bf16 params or state runs as torch ops, tens of times slower",
         stacklevel=3,
     )
     return None
