@@ -382,3 +382,25 @@ def test_a_device_budget_under_the_trainer_follows_its_ddp(tmp_path):
     and the run follows the Trainer's DDP with the same fused AdamW on both sides."""
     for logged in run_distributed(_budgeted_against_ddp, 2, str(tmp_path), init=False):
         _check_follows(logged, rel=1e-5)
+
+
+def _float8(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder's linears converted to torchao's float8 training (emulated on the CPU),
+    their weights wrapped for FSDP2's fp8 gather, as a user's recipe converts them."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    return convert_to_float8_training(
+        model, config=config, module_filter_fn=lambda m, name: ".layers." in name
+    )
+
+
+def test_a_float8_model_under_the_trainer_follows_its_ddp(tmp_path):
+    """A transformers Llama converted to float8 training, the same conversion on both sides:
+    flatshard makes torchao's wrapped weights plain params ([Note: tensor-subclass params]),
+    and at 2 ranks the grads are the same sums as DDP's, so the fp8 casts of the same weights
+    are the same and the run follows DDP as an fp32 one does."""
+    for logged in run_distributed(
+        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", prepare=_float8, init=False
+    ):
+        _check_follows(logged, rel=1e-5)
