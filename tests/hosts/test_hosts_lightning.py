@@ -190,6 +190,42 @@ def test_a_layer_frozen_mid_run_by_a_callback_follows_lightnings_ddp(tmp_path):
         _check_follows(logged)
 
 
+class _OffloadBetweenSteps(pl.Callback):
+    """Gives the device away after each optimizer step (the second micro-batch of two), as an
+    RL loop does for its rollouts: every training byte of the sharded module and its optimizer
+    to the host, back before the next batch and before validation. Lightning's DDP keeps its
+    own."""
+
+    def on_train_start(self, trainer, pl_module):
+        self.cycles, self.parked = 0, False
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if isinstance(pl_module, flatshard.ShardedModule) and batch_idx % 2 == 1:
+            flatshard.offload_states(pl_module)
+            self.cycles, self.parked = self.cycles + 1, True
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if self.parked:
+            flatshard.reload_states(pl_module)
+            self.parked = False
+
+    def on_train_end(self, trainer, pl_module):
+        self.on_train_batch_start(trainer, pl_module, None, 0)
+        sharded = isinstance(pl_module, flatshard.ShardedModule)
+        assert self.cycles == (trainer.global_step if sharded else 0), (self.cycles, trainer.global_step)
+        assert not sharded or trainer.global_step == 4
+
+
+def test_states_offloaded_between_lightnings_steps_follow_its_ddp(tmp_path):
+    """``flatshard.offload_states`` / ``reload_states`` from a callback after every optimizer
+    step of Lightning's loop: the run follows Lightning's DDP as a run without them does
+    ([Note: states between phases] in phases.py)."""
+    for logged in run_distributed(
+        _against_ddp, 2, [1, 3], str(tmp_path), callbacks=[_OffloadBetweenSteps()], init=False
+    ):
+        _check_follows(logged)
+
+
 def _fp16(stages: list[int], out: str) -> dict:
     """``16-mixed`` on the CPU (Lightning turns the flag into bf16 there, so the plugin is
     given): each side its own ``GradScaler`` (flatshard's strategy makes its own a
