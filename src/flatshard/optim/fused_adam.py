@@ -16,7 +16,9 @@ The reasoning is [Note: fused Adam step] below."""
 #
 # * the arithmetic: torch's single-tensor Adam, op for op, in fp32 (bias corrections and step
 #   size computed on the host in double, as torch does), so with fp32 params and state it is
-#   torch's step to fp32 rounding;
+#   torch's step to fp32 rounding (the native CPU loop's sqrt is correctly rounded, as in
+#   torch's ``fused=True`` step, which it equals to the bit; torch's CPU ops call MKL's, which
+#   is not always, so the two differ by an ulp of a few updates);
 # * the state: ``step`` (a CPU fp32 scalar tensor, as torch keeps it), ``exp_avg`` and
 #   ``exp_avg_sq`` in the state dtype, so checkpoints, ``memory_report`` and a switch between
 #   the two paths see one format;
