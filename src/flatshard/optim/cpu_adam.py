@@ -149,7 +149,8 @@ _ARGS = (
     ctypes.c_int,  # maximize
 )
 PER_THREAD = 1 << 16
-"""Fewest elements a thread steps: below that, starting a thread costs more than it saves."""
+"""Fewest elements a thread steps: below that, handing a piece to a thread costs more than it saves."""
+_POOLS: dict[tuple[int, int], ThreadPoolExecutor] = {}
 
 
 def available() -> bool:
@@ -193,9 +194,19 @@ def step(
     if len(pieces) == 1:
         run(*pieces[0])
     else:
-        with ThreadPoolExecutor(min(len(pieces), torch.get_num_threads())) as pool:
-            list(pool.map(lambda piece: run(*piece), pieces))
+        list(_threads().map(lambda piece: run(*piece), pieces))
     return True
+
+
+def _threads() -> ThreadPoolExecutor:
+    """A pool of torch's thread count kept for the process (a step calls once per run, and a
+    model has a run per bucket): made again when that count changes, and in a forked child,
+    whose copy of the pool has no threads."""
+    key = (os.getpid(), torch.get_num_threads())
+    if key not in _POOLS:
+        _POOLS.clear()
+        _POOLS[key] = ThreadPoolExecutor(key[1], thread_name_prefix="flatshard-cpu-adam")
+    return _POOLS[key]
 
 
 def _pieces(n: int, start: int) -> list[tuple[int, int]]:
