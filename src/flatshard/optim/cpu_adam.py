@@ -252,10 +252,8 @@ def _library() -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as e:
         _fall_back(f"{type(e).__name__}: {e}; FLATSHARD_CACHE_DIR sets where it is built")
         return None
-    for combo in ("f32", "bf16"):
-        for g in ("f32", "bf16"):
-            for s in ("f32", "bf16"):
-                getattr(library, f"adam_{combo}_{g}_{s}").argtypes = _ARGS
+    for names in itertools.product(_NAMES.values(), repeat=3):  # (param, grad, state)
+        getattr(library, "adam_" + "_".join(names)).argtypes = _ARGS
     return library
 
 
@@ -283,4 +281,3 @@ def _fall_back(reason: str) -> None:
         "Adam with bf16 params or state runs as torch ops, tens of times slower",
         stacklevel=3,
     )
-    return None
