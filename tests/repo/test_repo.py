@@ -381,3 +381,17 @@ def test_tests_live_in_feature_folders_and_import_only_shared_helpers():
     folders = {p.parent.name for p in files}
     text = (ROOT / "docs" / "design.md").read_text()
     assert {f for f in folders if f"`{f}/`" not in text} == set(), "a folder docs/design.md does not name"
+
+
+def test_no_test_runs_pytest_in_its_own_process():
+    """pytester's in-process run (``runpytest``, ``inline_run``) empties ``sys.modules`` when it
+    ends, while the early jobs' threads import on the same worker ([Note: early starts]): a
+    CI run lost 21 tests and the type sweep to modules imported twice. A suite of its own runs
+    in a new interpreter (``runpytest_subprocess``)."""
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "tests").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if re.search(r"\.(runpytest|inline_run|runpytest_inprocess)\(|pytest\.main\(", line)
+    ]
+    assert found == [], found
