@@ -14,7 +14,9 @@ DTYPES = [
 
 
 @st.composite
-def layouts(draw):
+def layouts(draw, aligned: bool = False):
+    """Random specs and their layout; ``aligned``: with ``align`` drawn too ([Note: aligned
+    shards]), and returned third."""
     n = draw(st.integers(1, 24))
     specs = []
     for i in range(n):
@@ -34,7 +36,8 @@ def layouts(draw):
     bucket_size = draw(st.sampled_from([None, 1, 100, 1000, 5000]))
     shard = draw(st.booleans())
     high = draw(st.booleans()) and draw(st.booleans())
+    align = draw(st.sampled_from([64, 128, 192, 256])) if aligned else None
     layout = plan_layout(
-        specs, world_size=world, bucket_size=bucket_size, shard=shard, pad_for_high_busbw=high
+        specs, world_size=world, bucket_size=bucket_size, shard=shard, pad_for_high_busbw=high, align=align
     )
-    return specs, layout
+    return (specs, layout, align) if aligned else (specs, layout)

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import flatshard
 from _layouts import layouts
 from flatshard import ParamSpec, plan_layout
 from flatshard.planner.layout import BUCKET_ALIGN, PARAM_ALIGN, balance, plan_owners
@@ -126,6 +127,37 @@ def test_every_element_owned_once_and_ranges_consistent(case):
             expected = 1 if layout.sharded else layout.world_size
             for name, counts in owners.items():
                 assert set(counts) == {expected}, f"{name}: elements owned {set(counts)} times"
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(aligned=True))
+def test_aligned_layouts_cut_a_param_only_at_multiples_of_align(case):
+    """[Note: aligned shards]: every param starts at a multiple of ``align``, every rank's
+    piece of a param starts at a multiple of it from the param's start and ends at one or at
+    the param's end, and every element is still owned once."""
+    _, layout, align = case
+    for buf in layout.buffers:
+        for bucket in buf.buckets:
+            owned = {slot.name: 0 for slot in bucket.params}
+            for slot in bucket.params:
+                assert not layout.sharded or slot.start % align == 0, slot
+            for rank in range(layout.world_size):
+                for r in bucket.local_ranges(rank):
+                    _, slot = layout.slot(r.name)
+                    assert r.in_param.start % align == 0, (r, align)
+                    assert r.in_param.end % align == 0 or r.in_param.end == slot.numel, (r, align)
+                    owned[r.name] += r.in_param.size
+            expected = 1 if layout.sharded else layout.world_size
+            assert owned == {s.name: s.numel * expected for s in bucket.params}
+
+
+def test_align_must_be_a_multiple_of_64():
+    with pytest.raises(ValueError, match="align must be a positive multiple of 64 elements, got 100"):
+        plan_layout([ParamSpec("w", 10, torch.float32, torch.float32)], world_size=2, align=100)
+    with pytest.raises(
+        ValueError, match=r"Buckets\.align must be a positive multiple of 64 elements"
+    ):
+        flatshard.Buckets(align=32)
 
 
 def _is_whole_bucket(specs, layout, bucket) -> bool:

@@ -27,8 +27,9 @@ The reasoning is in the notes below ([Note: layout], ...)."""
 # 1. params of one buffer never overlap, and each lies inside exactly one bucket;
 # 2. buckets tile their buffer: ``buckets[0].start == 0``, ``buckets[j].end ==
 #    buckets[j + 1].start``, ``buckets[-1].end == buffer.numel``;
-# 3. when ``shard``: param starts are multiples of 64 and bucket sizes of ``pad_multiple``
-#    (a whole-param bucket's shards: of ``BUCKET_ALIGN``);
+# 3. when ``shard``: param starts are multiples of 64 (of ``align`` if given) and bucket sizes of
+#    ``pad_multiple`` (a whole-param bucket's shards: of ``BUCKET_ALIGN``); with ``align``, every
+#    shard bound is a multiple of it ([Note: aligned shards]);
 # 4. when ``shard``: every param element lies in exactly one rank's shard, and the four ranges
 #    of a param in a shard describe the same elements (their sizes are equal and they map
 #    into each other by the bucket start, the shard start and the param start);
@@ -55,6 +56,19 @@ The reasoning is in the notes below ([Note: layout], ...)."""
 # bucket, params are no longer in reverse registration order (a bucket is reduced once all
 # its grads are in, so the order inside it does not matter); ``bucket.params`` is still in
 # buffer order.
+#
+# [Note: aligned shards]
+#
+# An optimizer that keeps its state in blocks (torchao's ``AdamW8bit``: one scale for each 256
+# consecutive elements of a param, flattened) steps a rank's piece of a param exactly as one
+# process steps the whole param only if no block spans two ranks. ``plan_layout(align=A)``
+# (``Buckets(align=A)``, A a multiple of ``PARAM_ALIGN``) makes that hold for every block size
+# dividing A: every param starts at a multiple of A, flat buckets are padded to a multiple of
+# ``lcm(pad_multiple, world_size * A)`` so that each rank's shard is a multiple of A and starts
+# at one (bucket starts are sums of such sizes), and whole-param buckets round each param and
+# each rank's shard up to A (``lcm(BUCKET_ALIGN, A)``). So a shard bound inside a param falls at
+# a multiple of A from the param's start. The padding costs at most A - 1 elements a param and
+# ``world_size * A`` a bucket.
 #
 # The four ranges of a param in one rank's shard (all half-open ``[start, end)``):
 #
@@ -308,8 +322,11 @@ def plan_layout(
     bucket_size: int | None = None,
     shard: bool = True,
     pad_for_high_busbw: bool = False,
+    align: int | None = None,
 ) -> Layout:
     """Plan buffers, buckets and shards for ``specs`` (given in module registration order).
+    ``align``: a multiple of ``PARAM_ALIGN`` at which params start and shards are cut
+    ([Note: aligned shards]); None: the default alignment.
 
     See [Note: layout] at the top of this module for the rules and invariants.
     """
@@ -321,7 +338,12 @@ def plan_layout(
     if len(set(names)) != len(names):
         dup = next(n for n in names if names.count(n) > 1)
         raise ValueError(f"param name {dup!r} appears more than once in specs")
+    if align is not None and (align < 1 or align % PARAM_ALIGN):
+        raise ValueError(f"align must be a positive multiple of {PARAM_ALIGN} elements, got {align}")
     multiple = pad_multiple(world_size, pad_for_high_busbw=pad_for_high_busbw)
+    if align is not None:
+        multiple = math.lcm(multiple, world_size * align)
+    step = align or PARAM_ALIGN
     groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
     for i, spec in enumerate(specs):
         groups.setdefault((spec.dtype, spec.grad_dtype), []).append(i)
@@ -329,8 +351,8 @@ def plan_layout(
     loads = [0] * world_size  # of whole-param buckets, carried from buffer to buffer
     for b, ((dtype, grad_dtype), indices) in enumerate(groups.items()):
         ordered = [specs[i] for i in reversed(indices)]
-        grouped = _group_buckets(ordered, list(reversed(indices)), bucket_size, shard)
-        buckets = _place_buckets(grouped, shard, multiple, world_size, loads)
+        grouped = _group_buckets(ordered, list(reversed(indices)), bucket_size, shard, step)
+        buckets = _place_buckets(grouped, shard, multiple, world_size, loads, step)
         buffers.append(BufferLayout(b, dtype, grad_dtype, buckets[-1].end, tuple(buckets)))
     return Layout(world_size, shard, bucket_size, multiple if shard else 1, tuple(buffers))
 
@@ -391,7 +413,7 @@ class _Pending(NamedTuple):
 
 
 def _group_buckets(
-    specs: list[ParamSpec], indices: list[int], bucket_size: int | None, shard: bool
+    specs: list[ParamSpec], indices: list[int], bucket_size: int | None, shard: bool, step: int
 ) -> list[list[_Pending]]:
     """Cut ``specs`` (already in buffer order) into the params of consecutive buckets."""
     buckets: list[list[_Pending]] = []
@@ -402,7 +424,7 @@ def _group_buckets(
             buckets.append(pending)
             pending, cursor = [], 0
         pending.append(_Pending(spec, index))
-        cursor = (_round_up(cursor, PARAM_ALIGN) if shard else cursor) + spec.numel
+        cursor = (_round_up(cursor, step) if shard else cursor) + spec.numel
         if spec.own_bucket or (bucket_size is not None and cursor >= bucket_size):
             buckets.append(pending)
             pending, cursor = [], 0
@@ -412,31 +434,31 @@ def _group_buckets(
 
 
 def _place_buckets(
-    grouped: list[list[_Pending]], shard: bool, multiple: int, world_size: int, loads: list[int]
+    grouped: list[list[_Pending]], shard: bool, multiple: int, world_size: int, loads: list[int], step: int
 ) -> list[BucketLayout]:
     """Place the buckets one after another: whole-param buckets by owner, with owners
     planned over all of them at once ([Note: whole-param buckets]), the rest flat."""
     by_owner = [shard and world_size > 1 and any(p.spec.whole for p in params) for params in grouped]
     owned = [p for params, w in zip(grouped, by_owner, strict=True) if w for p in params]
-    owners = iter(plan_owners([_round_up(p.spec.numel, PARAM_ALIGN) for p in owned], world_size, loads))
+    owners = iter(plan_owners([_round_up(p.spec.numel, step) for p in owned], world_size, loads))
     buckets: list[BucketLayout] = []
     for params, whole in zip(grouped, by_owner, strict=True):
         start = buckets[-1].end if buckets else 0
         if whole:
             ranks = [next(owners) for _ in params]
-            buckets.append(_place_by_owner(params, ranks, len(buckets), start, world_size))
+            buckets.append(_place_by_owner(params, ranks, len(buckets), start, world_size, step))
         else:
-            buckets.append(_place(params, len(buckets), start, shard, multiple, world_size))
+            buckets.append(_place(params, len(buckets), start, shard, multiple, world_size, step))
     return buckets
 
 
 def _place(
-    pending: list[_Pending], index: int, start: int, shard: bool, multiple: int, world_size: int
+    pending: list[_Pending], index: int, start: int, shard: bool, multiple: int, world_size: int, step: int
 ) -> BucketLayout:
     """A bucket of ``pending`` params one after another, as flat shards cut it."""
     slots, cursor = [], start
     for p in pending:
-        param_start = _round_up(cursor, PARAM_ALIGN) if shard else cursor
+        param_start = _round_up(cursor, step) if shard else cursor
         slots.append(ParamSlot(p.spec.name, p.position, param_start, param_start + p.spec.numel, index))
         cursor = param_start + p.spec.numel
     # (a size, not an offset, is padded: after a whole-param bucket a start is a multiple of
@@ -446,15 +468,15 @@ def _place(
 
 
 def _place_by_owner(
-    pending: list[_Pending], owners: list[int], index: int, start: int, world_size: int
+    pending: list[_Pending], owners: list[int], index: int, start: int, world_size: int, step: int
 ) -> BucketLayout:
     """A whole-param bucket: each rank's shard its params ([Note: whole-param buckets])."""
     slots, cursor, bounds = [], start, [0]
     for rank in range(world_size):
         for p in (p for p, owner in zip(pending, owners, strict=True) if owner == rank):
             slots.append(ParamSlot(p.spec.name, p.position, cursor, cursor + p.spec.numel, index))
-            cursor = _round_up(cursor + p.spec.numel, PARAM_ALIGN)
-        cursor = _round_up(cursor, BUCKET_ALIGN)
+            cursor = _round_up(cursor + p.spec.numel, step)
+        cursor = _round_up(cursor, math.lcm(BUCKET_ALIGN, step))
         bounds.append(cursor - start)
     unpadded = max(slot.end for slot in slots) - start
     return BucketLayout(

@@ -56,11 +56,17 @@ class Buckets:
         one group.
     pad_for_high_busbw: pad sharded buckets to a multiple of 2**16 elements as well (for
         collectives whose bus bandwidth is highest at such sizes).
+    align: elements (a multiple of 64): every param starts, and every rank's shard is cut, at
+        a multiple of this, so that an optimizer keeping its state in blocks of this many
+        elements (or a divisor: torchao's ``AdamW8bit`` and ``AdamWFp8`` 256, ``AdamW4bit``
+        128) steps whole blocks on every rank ([Note: aligned shards] in layout.py). None:
+        params at multiples of 64, shards cut anywhere.
     """
 
     size: int | None = DEFAULT_BUCKET_SIZE
     per_launch: int | None = 1
     pad_for_high_busbw: bool = False
+    align: int | None = None
 
     def __post_init__(self) -> None:
         if self.size is not None and (not _is_int(self.size) or self.size < 1):
@@ -69,6 +75,10 @@ class Buckets:
             raise ValueError(f"Buckets.per_launch must be a positive int or None, got {self.per_launch!r}")
         if not isinstance(self.pad_for_high_busbw, bool):
             raise TypeError(f"pad_for_high_busbw must be True or False, got {self.pad_for_high_busbw!r}")
+        if self.align is not None and (not _is_int(self.align) or self.align < 1 or self.align % 64):
+            raise ValueError(
+                f"Buckets.align must be a positive multiple of 64 elements or None, got {self.align!r}"
+            )
 
 
 @dataclass(frozen=True)

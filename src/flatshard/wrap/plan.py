@@ -206,6 +206,7 @@ def plan_wrap(
         "sync_module_states": sync_module_states,
         "broadcast_buffers": broadcast_buffers,
         "pad_for_high_busbw": buckets.pad_for_high_busbw,
+        "align": buckets.align,
         "offload": offload,
     }
     agreement = _agreement_lines(

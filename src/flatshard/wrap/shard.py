@@ -236,6 +236,7 @@ def _build_set(part: ParamPart, plan: WrapPlan) -> BufferSet:
         bucket_size=plan.buckets.size,
         shard=policy.pads_for_shards,
         pad_for_high_busbw=plan.buckets.pad_for_high_busbw,
+        align=plan.buckets.align,
     )
     params = [p for _, p in named]
     buffers = []
