@@ -155,7 +155,7 @@ CASES = [
         "bf16 state with a class stepped whole",
         lambda t: _opt(cls=NormalizedSGD, precision=BF16_STATE, lr=0.1),
         ValueError,
-        "NormalizedSGD.*stepped whole",
+        "NormalizedSGD.*stepped per param",
     ),
     Case(
         "grad_dtype float16",

@@ -154,9 +154,7 @@ def test_aligned_layouts_cut_a_param_only_at_multiples_of_align(case):
 def test_align_must_be_a_multiple_of_64():
     with pytest.raises(ValueError, match="align must be a positive multiple of 64 elements, got 100"):
         plan_layout([ParamSpec("w", 10, torch.float32, torch.float32)], world_size=2, align=100)
-    with pytest.raises(
-        ValueError, match=r"Buckets\.align must be a positive multiple of 64 elements"
-    ):
+    with pytest.raises(ValueError, match=r"Buckets\.align must be a positive multiple of 64 elements"):
         flatshard.Buckets(align=32)
 
 

@@ -295,7 +295,8 @@ TORCH_PRIVATE = {
 # ([Note: reused ranks])
 # transformers' resolved tensor-parallel plan (its rules with the layer numbers filled in):
 # from_pretrained applies it only on a mesh of its own ([Note: tensor-parallel params])
-THIRD_PARTY_PRIVATE = {"_init_weights", "_shared_state", "_resolve_parallel_plans"}
+THIRD_PARTY_PRIVATE = {"_init_weights", "_shared_state", "_resolve_parallel_plans", "_subclass_zeros"}
+"""(``_subclass_zeros``: the hook by which torchao's low-bit Adams make a quantized moment)"""
 
 
 def test_no_module_reads_another_objects_private_attributes():

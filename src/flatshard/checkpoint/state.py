@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard.checkpoint.pieces import Piece
 from flatshard.engine.tensor_parallel import global_runs, is_distributed, local
+from flatshard.optim.blockwise import new_moment, quantized_parts
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.specs import names_by_param
@@ -209,9 +210,15 @@ def distributed_optimizer_to_save(opt: DistributedOptimizer) -> dict[str, Any]:
     out: dict[str, Any] = {key: piece for key, piece, _ in main_pieces(opt)}
     for _, tensor, pieces in _run_pieces(opt):
         for key, value in opt.inner.state.get(tensor, {}).items():
+            parts = quantized_parts(value)  # ([Note: blockwise state] in optim/blockwise.py)
             for name, numel, offset, span in pieces:
-                entry = _state_entry(key, name, value, tensor.shape, numel, offset, span)
-                out[f"{STATE}{key}/{name}"] = entry
+                if parts is None:
+                    out[f"{STATE}{key}/{name}"] = _state_entry(
+                        key, name, value, tensor.shape, numel, offset, span
+                    )
+                    continue
+                for part, data in parts.items():
+                    out[f"{STATE}{key}.{part}/{name}"] = _part_piece(data, value.numel(), numel, offset, span)
     out[GROUPS] = _group_records(opt.param_groups, _names_by_group(opt))
     out[META] = {
         "loss_scaler": None if opt.loss_scaler is None else opt.loss_scaler.state_dict(),
@@ -236,6 +243,17 @@ def _state_entry(key: str, name: str, value: Any, shape, numel: int, offset: int
     return Piece(numel, offset, _flat(value)[span[0] : span[1]])
 
 
+def _part_piece(data: torch.Tensor, of: int, numel: int, offset: int, span) -> Piece:
+    """The piece of a quantized moment's part ``data`` (codes, or one scale a block) that
+    holds elements ``span`` of its run of ``of`` elements: the same share of the part, of
+    a param whose part has ``numel * data.numel() / of`` entries (exact: a piece is whole
+    blocks)."""
+    per = data.numel()
+    return Piece(
+        numel * per // of, offset * per // of, _flat(data)[span[0] * per // of : span[1] * per // of]
+    )
+
+
 def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, Any]) -> tuple[dict, Callable]:
     """Destinations for the main params and for the inner optimizer's state of every run
     (keys present in the checkpoint only), and the step that hands them over."""
@@ -251,6 +269,15 @@ def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, An
         entries: dict[str, torch.Tensor] = {}
         for name, numel, offset, (lo, hi) in pieces:
             for key, md in saved_state.get(name, ()):
+                moment, _, part = key.partition(".")
+                if part:  # a quantized moment's codes or scales, into the moment as the optimizer keeps it
+                    dest = entries.get(moment)
+                    dest = entries[moment] = (
+                        dest if dest is not None else new_moment(opt.inner, tensor, moment)
+                    )
+                    data = quantized_parts(dest)[part]  # type: ignore[index]
+                    out[f"{STATE}{key}/{name}"] = _part_piece(data, dest.numel(), numel, offset, (lo, hi))
+                    continue
                 if not md.size:  # a scalar: from the run's first param that has it
                     if key not in entries:
                         entries[key] = torch.zeros((), dtype=md.properties.dtype)

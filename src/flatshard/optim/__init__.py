@@ -9,4 +9,4 @@ dict), ``GroupedOptimizer`` (``grouped``: a class per param group), the host/dev
 whole params), what those two share (``composite``), loss scaling (``loss_scale``;
 ``grad_scaler``: torch's GradScaler with a global inf check), and main params and state below
 fp32 (``precision``, with the fused Adam step ``fused_adam``, its native CPU loop ``cpu_adam``
-and stochastic rounding ``rounding``)."""
+and stochastic rounding ``rounding``), and torchao's low-bit state over shards (``blockwise``)."""

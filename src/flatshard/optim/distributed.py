@@ -49,6 +49,7 @@ from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import uncompiled
 from flatshard.engine.lifecycle import Grads
 from flatshard.optim.agreement import SettingsCheck
+from flatshard.optim.blockwise import adopt, piece_params, state_block
 from flatshard.optim.composite import run_closure
 from flatshard.optim.grad_prep import GradPreparation
 from flatshard.optim.held import HeldBack
@@ -140,15 +141,22 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         check_optimizer_class(
             optimizer_class, defaults, elementwise=elementwise, groups=groups, classes=classes
         )
-        whole = [not steps_flat(cls, optimizer_class, elementwise) for cls in classes]
-        low = resolve_precision(precision, state, classes, whole)  # None: the class steps the runs
+        # (a blockwise class steps piece runs even if declared elementwise: [Note: blockwise state])
+        blockwise = [state_block(cls, defaults) is not None for cls in classes]
+        flat = [
+            steps_flat(cls, optimizer_class, elementwise) and not b
+            for cls, b in zip(classes, blockwise, strict=True)
+        ]
+        whole = [not f and not b for f, b in zip(flat, blockwise, strict=True)]
+        low = resolve_precision(precision, state, classes, [not f for f in flat])
         shapes = whole_shapes(state, group_of, classes, whole)
+        pieces = piece_params(state, group_of, classes, defaults)  # ([Note: blockwise state])
         main_dtype = torch.float32 if low is None else low.main_dtype
         self._model = model
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group
         self._buffer_shards = [
-            build_shards(buffer, bset.world, group_of, shapes, main_dtype, offload)
+            build_shards(buffer, bset.world, group_of, shapes, main_dtype, offload, pieces)
             for bset in state.sets.values()
             for buffer in bset.buffers
         ]
@@ -164,6 +172,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         self.inner: torch.optim.Optimizer
         if low is None:
             self.inner = make_inner(optimizer_class, classes, inner_groups, defaults, self._describe_run)
+            adopt(self.inner, self._buffer_shards, pieces)
         else:
             grads = {
                 id(t): g for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)

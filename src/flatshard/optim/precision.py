@@ -259,7 +259,7 @@ def resolve_precision(
     composite = [c for c in classes if issubclass(c, CompositeOptimizer)]
     if any(whole) or len(set(classes)) > 1 or composite:
         names = sorted({c.__name__ for c in classes})
-        why = " (stepped whole)" if any(whole) else " (keeps its own copies)" if composite else ""
+        why = " (stepped per param)" if any(whole) else " (keeps its own copies)" if composite else ""
         what = f"precision={precision}" if precision.lowered else "MixedPrecision(grad_dtype=torch.bfloat16)"
         raise ValueError(
             f"{what} steps one elementwise torch optimizer class over flat shards; "

@@ -163,12 +163,13 @@ def build_shards(
     shapes: dict[str, tuple[int, ...]],
     main_dtype: torch.dtype = torch.float32,
     offload: Offload | None = None,
+    pieces: set[str] | frozenset[str] = frozenset(),
 ) -> BufferShards:
     """The runs of ``buffer``'s shards, over fp32 main params where its params are 16-bit
     and ``main_dtype`` is fp32, else over the param shard itself (``run_dtype``); with
     the whole optimizer offloaded, over a host frame in every case, their grads over another
     ([Note: memory tiers] in ``planner/offload.py``)."""
-    runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes)
+    runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes, pieces)
     dtype = run_dtype(buffer.layout.dtype, main_dtype)
     host = offload is not None and offload.fraction == 1.0
     main_data = host_grads = None

@@ -27,12 +27,16 @@ The reasoning is [Note: optimizer runs] below."""
 #    the previous piece of an unoptimized param ended), and ends at the start of the next
 #    run, at the start of an unoptimized piece, or at the shard's end;
 # 4. a param given a shape is a run of its own, exactly its elements (no gap or padding),
-#    with that shape; the flat runs stop at its start and go on after its end.
+#    with that shape; the flat runs stop at its start and go on after its end;
+# 5. a param named in ``pieces`` is a run of its own in every shard that holds part of it,
+#    exactly that part, flat (shape ``(size,)``): an optimizer whose state is kept in blocks
+#    of a param's consecutive elements ([Note: blockwise state] in ``optim/blockwise.py``)
+#    sees each rank's part of the param alone, never glued to its neighbours.
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import NamedTuple
 
 from flatshard.planner.layout import BufferLayout, Range, ShardRanges
@@ -56,10 +60,12 @@ def plan_runs(
     rank: int,
     group_of: Mapping[str, int],
     shapes: Mapping[str, tuple[int, ...]] | None = None,
+    pieces: Collection[str] = (),
 ) -> list[Run]:
     """The runs of ``rank``'s shards of ``buffer``; ``group_of`` maps an optimized param's
     name to its param group (a param not in it is not optimized); a param in ``shapes`` is
-    a whole-param run of that shape (a ``ValueError`` if the shard holds only part of it)."""
+    a whole-param run of that shape (a ``ValueError`` if the shard holds only part of it), a
+    param in ``pieces`` a flat run of its part of each shard."""
     shapes = shapes or {}
     runs: list[Run] = []
     for bucket in buffer.buckets:
@@ -68,14 +74,19 @@ def plan_runs(
         current: tuple[int, int] | None = None  # (group, start) of the open run
         for piece in bucket.local_ranges(rank):
             group = group_of.get(piece.name)
-            shape = shapes.get(piece.name) if group is not None else None
+            shape: tuple[int, ...] | None = shapes.get(piece.name) if group is not None else None
+            if piece.name in pieces and group is not None:
+                shape = (piece.in_shard.size,)
             if current is not None and group == current[0] and shape is None:
                 continue
             if current is not None:  # close it where this piece starts
                 runs.append(Run(bucket.index, current[0], Range(current[1], piece.in_shard.start)))
                 cursor = piece.in_shard.start
                 current = None
-            if shape is not None and group is not None:
+            if shape is not None and group is not None and piece.name in pieces:
+                runs.append(Run(bucket.index, group, piece.in_shard, shape))
+                cursor = piece.in_shard.end
+            elif shape is not None and group is not None:
                 runs.append(_whole_run(bucket.index, group, piece, shape))
                 cursor = piece.in_shard.end
             elif group is None:
