@@ -53,11 +53,7 @@ def _plain(optimizer):
         model = model.to(BF16)
         opt = optimizer(model.parameters())
 
-        def report():
-            state = [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-            return flatshard.MemoryReport(0, 0, 0, sum(t.numel() * t.element_size() for t in state))
-
-        return model, opt, report
+        return model, opt, lambda: flatshard.memory_report(model, opt)  # (quantized state: its storages)
 
     return make
 
@@ -70,6 +66,31 @@ def _torchao_adamw():
     return _plain(lambda params: _AdamW(params, bf16_stochastic_round=True, **HYPER))
 
 
+def _flatshard_low_bit(name: str):
+    """flatshard over a torchao low-bit Adam (fp32 main params, the state in blocks: [Note:
+    blockwise state]), None where torchao does not install."""
+    try:
+        import torchao.optim
+    except ImportError:
+        return None
+
+    def make(model: nn.Module):
+        mp, aligned = flatshard.MixedPrecision(BF16), flatshard.Buckets(align=256)
+        sharded = flatshard.shard(model, stage=1, mixed_precision=mp, buckets=aligned)
+        opt = flatshard.DistributedOptimizer(sharded, getattr(torchao.optim, name), **HYPER)
+        return sharded, opt, lambda: flatshard.memory_report(sharded, opt)
+
+    return make
+
+
+def _torchao_low_bit(name: str):
+    try:
+        import torchao.optim
+    except ImportError:
+        return None
+    return _plain(lambda params: getattr(torchao.optim, name)(params, **HYPER))
+
+
 RUNS = {
     "flatshard fp32 main + state": _flatshard(None),
     "flatshard bf16 state": _flatshard(flatshard.OptimizerPrecision(state_dtype=BF16)),
@@ -78,6 +99,10 @@ RUNS = {
     ),
     "torchao AdamW bf16, stochastic rounding": _torchao_adamw(),
     "torch AdamW on bf16 params": _plain(lambda params: torch.optim.AdamW(params, **HYPER)),
+    "flatshard fp32 main + AdamW8bit state": _flatshard_low_bit("AdamW8bit"),
+    "flatshard fp32 main + AdamW4bit state": _flatshard_low_bit("AdamW4bit"),
+    "flatshard fp32 main + AdamWFp8 state": _flatshard_low_bit("AdamWFp8"),
+    "torchao AdamW8bit on bf16 params": _torchao_low_bit("AdamW8bit"),
 }
 BASELINE = "flatshard fp32 main + state"
 
@@ -114,6 +139,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--out", default=None, help="PATH: writes PATH.json and PATH.png")
     parser.add_argument("--table", default=None, help="print the table of a JSON written before, and exit")
+    parser.add_argument("--only", nargs="*", default=None, help="only the runs named with one of these")
     args = parser.parse_args()
     if args.table:
         with open(args.table) as f:
@@ -127,6 +153,8 @@ def main() -> None:
     corpus = SyntheticCorpus(vocab, seq_len or 64, seed=1234)
     results = {}
     for name, make in RUNS.items():
+        if args.only is not None and name != BASELINE and not any(part in name for part in args.only):
+            continue
         if make is None:
             print(f"{name}: not installed, skipped")
             continue

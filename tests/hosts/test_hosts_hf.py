@@ -20,6 +20,7 @@ import os
 import pytest
 import torch
 
+import flatshard
 from _hosted import SETTINGS, Tokens, logged_steps, tiny_llama
 from flatshard.toolkit.testing import run_distributed
 
@@ -393,6 +394,29 @@ def _float8(model: torch.nn.Module) -> torch.nn.Module:
     return convert_to_float8_training(
         model, config=config, module_filter_fn=lambda m, name: ".layers." in name
     )
+
+
+def _eager_against_ddp(*args, **kwargs) -> dict:
+    """``_against_ddp`` with torchao's compiled optimizer step on dynamo's "eager" backend
+    (the same graph op by op on both sides; see tests/optim/test_blockwise_state.py)."""
+    torch.compiler.set_default_backend("eager")
+    try:
+        return _against_ddp(*args, **kwargs)
+    finally:
+        torch.compiler.set_default_backend(None)
+
+
+def test_the_trainers_torchao_8bit_adamw_over_aligned_shards_follows_its_ddp(tmp_path):
+    """``optim="adamw_torch_8bit"``: the Trainer's own torchao AdamW8bit, its weight-decay
+    groups and schedule, stepped over shards cut at block bounds ([Note: blockwise state]):
+    the quantized moments are one process's, so the run follows the Trainer's DDP as an
+    fp32-state run does (the embedding, the head, the MLP and the q and o projections, of 4096
+    elements and more, have quantized moments; k, v and the norms plain ones)."""
+    aligned = {"buckets": flatshard.Buckets(align=256)}
+    for logged in run_distributed(
+        _eager_against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch_8bit", shard=aligned, init=False
+    ):
+        _check_follows(logged, rel=1e-5)
 
 
 def test_a_float8_model_under_the_trainer_follows_its_ddp(tmp_path):
