@@ -67,6 +67,30 @@ def test_runs_cover_optimized_params_once_and_nothing_else(case):
                         assert run.shape is None
 
 
+@settings(max_examples=300, deadline=None)
+@given(runs_cases(), st.data())
+def test_piece_params_are_runs_of_their_own_part_of_each_shard(case, data):
+    """Rule 5: a param in ``pieces`` is, in this rank's shard, exactly one flat run of
+    exactly its part; every other optimized piece still lies in one run of its group."""
+    layout, rank, group_of, shapes = case
+    pieces = {n for n in group_of if n not in shapes and data.draw(st.booleans())}
+    for buffer in layout.buffers:
+        runs = plan_runs(buffer, rank, group_of, shapes, pieces)
+        for bucket in buffer.buckets:
+            mine = [r for r in runs if r.bucket == bucket.index]
+            for a, b in itertools.pairwise(mine):
+                assert a.in_shard.end <= b.in_shard.start
+            for piece in bucket.local_ranges(rank):
+                holders = [r for r in mine if r.in_shard.intersect(piece.in_shard) is not None]
+                if piece.name not in group_of:
+                    assert not holders
+                    continue
+                (run,) = holders
+                assert run.group == group_of[piece.name]
+                if piece.name in pieces:
+                    assert run.in_shard == piece.in_shard and run.shape == (piece.in_shard.size,)
+
+
 @settings(max_examples=200, deadline=None)
 @given(layouts())
 def test_one_group_makes_one_run_per_bucket_shard_that_holds_params(case):
