@@ -11,6 +11,7 @@ import flatshard
 from _cli import cli, missing_from_help
 from flatshard import DistributedOptimizer, memory_report
 from flatshard.planner.plan import plan_from_count, plan_from_specs
+from flatshard.planner.state_blocks import FORMATS
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.testing import run_distributed
@@ -45,21 +46,34 @@ def test_count_plan_is_the_design_formula(world):
 
 
 def _measured(
-    stage: int, precision: flatshard.OptimizerPrecision | None = None, offload: bool = False
+    stage: int,
+    precision: flatshard.OptimizerPrecision | None = None,
+    offload: bool = False,
+    low_bit: str | None = None,
 ) -> dict:
+    """``low_bit``: a torchao class name, on the layout aligned to its blocks that the plan
+    of its lower-case name assumes."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     more = {"offload": flatshard.Offload()} if offload else {}
-    model = flatshard.shard(
-        GPT(CFG).to(torch.bfloat16), stage=stage, buckets=flatshard.Buckets(size=3000), **more
-    )
-    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, precision=precision)
+    buckets = flatshard.Buckets(size=3000, align=FORMATS[low_bit.lower()].align if low_bit else None)
+    model = flatshard.shard(GPT(CFG).to(torch.bfloat16), stage=stage, buckets=buckets, **more)
+    if low_bit:
+        import torchao.optim
+
+        torch.compiler.set_default_backend("eager")  # (torchao compiles its step: see test_blockwise_state)
+        opt = DistributedOptimizer(model, getattr(torchao.optim, low_bit), lr=1e-3)
+    else:
+        opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, precision=precision)
     x, y = SyntheticCorpus(CFG.vocab_size, CFG.seq_len).batch(0, rank, 4)
-    for _ in range(2):  # the second step is a steady one (stage 3 prefetches across steps)
-        opt.zero_grad()  # (first: the step's grads are counted, as the plan counts them)
-        model.comm_stats.reset()
-        model(x, y).backward()
-        opt.step()
+    try:
+        for _ in range(2):  # the second step is a steady one (stage 3 prefetches across steps)
+            opt.zero_grad()  # (first: the step's grads are counted, as the plan counts them)
+            model.comm_stats.reset()
+            model(x, y).backward()
+            opt.step()
+    finally:
+        torch.compiler.set_default_backend(None)
     stats = model.comm_stats.as_dict()
     model.wait_for_params()
     with torch.device("meta"):
@@ -69,7 +83,7 @@ def _measured(
         specs,
         world_size=world,
         bucket_size=3000,
-        optimizer="adamw",
+        optimizer=low_bit.lower() if low_bit else "adamw",
         rank=rank,
         stage3_specs=stage3_specs,
         precision=precision,
@@ -118,6 +132,20 @@ def test_the_plan_of_low_precision_state_equals_what_a_run_measures(stage, main)
         for role in ("params", "grads", "main_params", "optimizer_state"):
             assert plan[role] == measured[role], (role, plan, measured)
         assert (plan["main_params"] == 0) == (main == torch.bfloat16)
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+@pytest.mark.parametrize("low_bit", ["AdamW8bit", "AdamW4bit", "AdamWFp8"])
+def test_the_plan_of_torchaos_low_bit_state_equals_what_a_run_measures(stage, low_bit):
+    """torchao's quantized moments ([Note: blockwise state]): each piece run's codes, block
+    scales and code map where its whole param has 4096 elements or more (the MLP matrices
+    here), fp32 moments for the rest, on a layout aligned to the blocks (256; 128 for the
+    4-bit state); planned and measured role by role, at 3 ranks."""
+    for r in run_distributed(_measured, 3, stage, low_bit=low_bit):
+        plan, measured = r["plan"], r["measured"]
+        for role in ("params", "grads", "main_params", "optimizer_state"):
+            assert plan[role] == measured[role], (role, plan, measured)
+        assert plan["comm_bytes_per_step"] == r["sent"]
 
 
 def test_plan_cli_json_and_table():

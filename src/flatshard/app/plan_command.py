@@ -12,6 +12,7 @@ from flatshard.app.cli_args import MODEL_HELP, add_layout_options, model_specs_o
 
 def add_plan(sub) -> None:
     from flatshard.planner.plan import DTYPE_BYTES, OPTIMIZERS
+    from flatshard.planner.state_blocks import FORMATS
 
     plan = sub.add_parser(
         "plan",
@@ -32,7 +33,13 @@ def add_plan(sub) -> None:
         choices=sorted(DTYPE_BYTES),
         help="with --params (default fp32); a model's grads follow flatshard's policy",
     )
-    plan.add_argument("--optimizer", choices=sorted(OPTIMIZERS), default="adam", help="default adam")
+    plan.add_argument(
+        "--optimizer",
+        choices=sorted([*OPTIMIZERS, *FORMATS]),
+        default="adam",
+        help="default adam; adamw8bit, adamw4bit and adamwfp8 are torchao's low-bit Adams, on a "
+        "layout aligned to their blocks",
+    )
     for what in ("main", "state"):
         plan.add_argument(
             f"--{what}-dtype",

@@ -38,9 +38,7 @@ from typing import Any
 import torch
 
 from flatshard.planner.layout import Layout
-
-QUANTIZED_MIN = 4096
-"""torchao quantizes a tensor's state from this many elements on (bitsandbytes' rule)."""
+from flatshard.planner.state_blocks import quantized
 
 
 def _torchao_base() -> type | None:
@@ -60,11 +58,6 @@ def state_block(cls: type, defaults: dict[str, Any]) -> int | None:
     if not isinstance(block, int) or block < 1:
         raise ValueError(f"{cls.__name__}: block_size must be a positive int, got {block!r}")
     return block
-
-
-def quantized(numel: int, block: int) -> bool:
-    """Whether a param of ``numel`` elements gets quantized state (torchao's rule)."""
-    return numel >= QUANTIZED_MIN and numel % block == 0
 
 
 def check_cuts(layout: Layout, names: Iterable[str], block: int, cls: type) -> None:

@@ -3,5 +3,6 @@ module. ``layout`` (the flat layout: buffers, buckets, shards), ``stage`` (``Sta
 ``Stage3`` and ``Buckets``: what each stage keeps sharded and the options that shape it),
 ``shard_map`` (which parts of a shard an optimizer run covers), ``plan`` (memory and bytes
 per rank before anything runs), ``budget`` (the least offload that fits a device budget),
-``mixed_precision`` and ``offload`` (``Offload``: which bytes live on the host). Everything
+``mixed_precision`` and ``offload`` (``Offload``: which bytes live on the host), and
+``state_blocks`` (torchao's low-bit state: which params it quantizes, its bytes). Everything
 above reads offsets and stage rules from here; nothing here imports from above."""

@@ -22,10 +22,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from flatshard.planner.layout import BucketLayout, Layout, ParamSpec, plan_layout
+from flatshard.planner.layout import BucketLayout, BufferLayout, Layout, ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import HALF_DTYPES, OptimizerPrecision
 from flatshard.planner.shard_map import plan_runs
 from flatshard.planner.stage import STAGES, StagePolicy
+from flatshard.planner.state_blocks import FORMATS, BlockFormat, run_state_bytes
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -63,14 +64,20 @@ class StagePlan:
         return {**asdict(self), "bytes_per_rank": self.bytes_per_rank, "device": self.device}
 
 
-def _check(world_size: int, optimizer: str, precision: OptimizerPrecision | None) -> tuple[int, int, bool]:
+def _check(world_size: int, optimizer: str, precision: OptimizerPrecision | None) -> tuple[float, int, bool]:
     """(state bytes an element, scalar bytes a run, whether 16-bit params get fp32 main
-    params) of ``optimizer`` kept at ``precision``."""
+    params) of ``optimizer`` kept at ``precision``; a blockwise format's: two moments'
+    codes and scales, every param taken as quantized."""
     if world_size < 1:
         raise ValueError(f"world size must be >= 1, got {world_size}")
-    if optimizer not in OPTIMIZERS:
-        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted(OPTIMIZERS)}")
+    if optimizer not in OPTIMIZERS and optimizer not in FORMATS:
+        raise ValueError(f"unknown optimizer {optimizer!r}; known: {sorted([*OPTIMIZERS, *FORMATS])}")
     precision = precision or OptimizerPrecision()
+    if optimizer in FORMATS and precision.lowered:
+        raise ValueError(f"{optimizer} keeps its own low-bit state: it takes no OptimizerPrecision")
+    fmt = FORMATS.get(optimizer)
+    if fmt is not None:
+        return 2 * (fmt.bits / 8 + 4 / fmt.block), 4, True
     state_bytes, scalar_bytes = OPTIMIZERS[optimizer]
     state_bytes = state_bytes * precision.state_dtype.itemsize // 4
     return state_bytes, scalar_bytes, precision.main_dtype == torch.float32
@@ -128,10 +135,15 @@ def plan_from_count(
 
 
 def layout_at(
-    policy: StagePolicy, specs: Sequence[ParamSpec], world_size: int, bucket_size: int | None
+    policy: StagePolicy,
+    specs: Sequence[ParamSpec],
+    world_size: int,
+    bucket_size: int | None,
+    align: int | None = None,
 ) -> Layout:
     """The layout ``shard`` builds for ``specs`` at ``policy``'s stage."""
-    return plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=policy.pads_for_shards)
+    shard = policy.pads_for_shards
+    return plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=shard, align=align)
 
 
 def plan_from_specs(
@@ -155,13 +167,14 @@ def plan_from_specs(
     ``stage3_frozen_specs`` when given), never with grads or optimizer state. ``offload``:
     as ``shard(..., offload=Offload())`` ([Note: memory tiers] in ``planner/offload.py``)."""
     state_bytes, scalar_bytes, fp32_main = _check(world_size, optimizer, precision)
+    fmt = FORMATS.get(optimizer)  # (a blockwise format: piece runs on a layout aligned to its blocks)
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of size {world_size}")
     plans = {}
     for stage in STAGES:
         policy = StagePolicy(stage)
         staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
-        layout = layout_at(policy, staged, world_size, bucket_size)
+        layout = layout_at(policy, staged, world_size, bucket_size, fmt.align if fmt else None)
         gathers = _gathers_per_bucket(staged)
         totals = dict.fromkeys(
             ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step", "host"), 0
@@ -171,13 +184,12 @@ def plan_from_specs(
         for buffer in layout.buffers:
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
             full, shard = buffer.numel, buffer.shard_numel(rank)
-            runs = plan_runs(buffer, rank, group_of)
             half = buffer.dtype in HALF_DTYPES and fp32_main  # (at stage 3 they hold the 16-bit shard)
             held_by_main = half or offload  # (offloaded fp32 params get a host copy too)
             totals["params"] += (0 if held_by_main else pb * shard) if policy.shards_params else pb * full
             totals["grads"] += gb * (shard if policy.shards_grads else full)
             main = (4 if half else pb) * shard if held_by_main else 0
-            state = sum(state_bytes * r.in_shard.size + scalar_bytes for r in runs)
+            state = _state_bytes(buffer, rank, group_of, fmt, (state_bytes, scalar_bytes))
             totals["main_params"] += main
             totals["optimizer_state"] += state
             totals["comm_bytes_per_step"] += sum(
@@ -195,6 +207,26 @@ def plan_from_specs(
             totals["comm_bytes_per_step"] = 0
         plans[stage] = StagePlan(**totals)
     return plans
+
+
+def _state_bytes(
+    buffer: BufferLayout,
+    rank: int,
+    group_of: dict[str, int],
+    fmt: BlockFormat | None,
+    rates: tuple[float, int],
+) -> int:
+    """The inner optimizer's state over ``rank``'s runs of ``buffer``: ``rates`` (bytes an
+    element, bytes a run) for flat runs, a piece run per param part for a blockwise format."""
+    if fmt is None:
+        return sum(int(rates[0] * r.in_shard.size) + rates[1] for r in plan_runs(buffer, rank, group_of))
+    total = 0
+    for bucket in buffer.buckets:
+        numel = {slot.name: slot.numel for slot in bucket.params}
+        for piece in bucket.local_ranges(rank):
+            if piece.name in group_of:
+                total += run_state_bytes(fmt, piece.in_shard.size, numel[piece.name])
+    return total
 
 
 def _add_frozen(
