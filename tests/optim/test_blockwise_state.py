@@ -168,3 +168,23 @@ def test_a_checkpoint_keeps_the_codes_and_scales_and_resumes_exactly_at_any_layo
     assert saved.keys() == again.keys()
     for key, value in saved.items():  # (bit for bit, whatever the dtype: uint8 codes, fp32 scales)
         assert torch.equal(value.reshape(-1).view(torch.uint8), again[key].reshape(-1).view(torch.uint8)), key
+
+
+def _load_into(src: str, name: str) -> str:
+    """The error of loading ``src`` into torch's class ``name`` over the same model, if any."""
+    torch.manual_seed(0)
+    model = flatshard.shard(TiedGPT(), stage=2, **ALIGNED)
+    opt = flatshard.DistributedOptimizer(model, getattr(torch.optim, name), lr=1e-2)
+    try:
+        flatshard.load_checkpoint(src, model, opt)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_quantized_moments_do_not_load_into_an_optimizer_that_keeps_none(tmp_path):
+    """A low-bit checkpoint loaded by AdamW (fp32 moments) is refused, naming the state and
+    what loads it, rather than read as something else."""
+    run_distributed(_checkpoint_case, 2, 2, None, str(tmp_path / "a"), 0, timeout=300)
+    (said, _) = run_distributed(_load_into, 2, str(tmp_path / "a"), "AdamW", timeout=300)
+    assert "quantized" in said and "'exp_avg'" in said and "AdamW" in said, said

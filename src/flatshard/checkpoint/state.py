@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from flatshard.checkpoint.pieces import Piece
 from flatshard.engine.tensor_parallel import global_runs, is_distributed, local
-from flatshard.optim.blockwise import new_moment, quantized_parts
+from flatshard.optim.blockwise import quantized_moment, quantized_parts
 from flatshard.optim.distributed import DistributedOptimizer
 from flatshard.wrap.module import ShardedModule
 from flatshard.wrap.specs import names_by_param
@@ -271,10 +271,8 @@ def distributed_optimizer_to_load(opt: DistributedOptimizer, saved: dict[str, An
             for key, md in saved_state.get(name, ()):
                 moment, _, part = key.partition(".")
                 if part:  # a quantized moment's codes or scales, into the moment as the optimizer keeps it
-                    dest = entries.get(moment)
-                    dest = entries[moment] = (
-                        dest if dest is not None else new_moment(opt.inner, tensor, moment)
-                    )
+                    dest = quantized_moment(opt.inner, tensor, moment, entries.get(moment))
+                    entries[moment] = dest
                     data = quantized_parts(dest)[part]  # type: ignore[index]
                     out[f"{STATE}{key}/{name}"] = _part_piece(data, dest.numel(), numel, offset, (lo, hi))
                     continue

@@ -156,11 +156,17 @@ def quantized_parts(value: torch.Tensor) -> dict[str, torch.Tensor] | None:
     return {"codes": value.codes, "scale": value.scale}  # type: ignore[attr-defined]
 
 
-def new_moment(inner: torch.optim.Optimizer, run: torch.Tensor, key: str) -> torch.Tensor:
-    """A zero moment ``key`` of ``run`` as ``inner`` keeps it (a checkpoint's quantized
-    parts load into it); a ``ValueError`` where ``inner`` keeps no such quantized moment."""
+def quantized_moment(
+    inner: torch.optim.Optimizer, run: torch.Tensor, key: str, existing: torch.Tensor | None
+) -> torch.Tensor:
+    """Where a checkpoint's quantized moment ``key`` of ``run`` loads: ``existing`` (made
+    for an earlier piece of the run), else a zero moment as ``inner`` keeps it; a
+    ``ValueError`` where that moment is not quantized (another class, or a run of several
+    params: AdamW's flat runs)."""
     signed = dict(MOMENTS).get(key)
-    made = None if signed is None or not hasattr(inner, "block_size") else inner._new_buffer(run, signed)  # type: ignore[attr-defined]
+    made = existing
+    if made is None and signed is not None and hasattr(inner, "block_size"):
+        made = inner._new_buffer(run, signed)  # type: ignore[attr-defined]
     if made is None or quantized_parts(made) is None:
         raise ValueError(
             f"the checkpoint holds optimizer state {key!r} quantized (a torchao low-bit Adam's), and "
