@@ -27,6 +27,14 @@ The reasoning is [Note: blockwise state] below."""
 # Small params (plain state) step as they would in one process wherever they are cut: their
 # update is elementwise. The step count is per tensor, as in one process: every piece of a
 # param steps when its param does.
+#
+# A checkpoint keeps each quantized moment as its codes and block scales, by param
+# (``state/exp_avg.codes/<name>``, ``state/exp_avg.scale/<name>``), never dequantized: a
+# block whose largest element is negative dequantizes to 0.993 of its scale (the signed map's
+# end), so quantizing it again moves every code of the block. Pieces are whole blocks, so
+# codes and scales cut and join at any layout aligned to the block; plain moments (AdamW's
+# checkpoint) load into a low-bit Adam and are quantized then, and quantized ones are refused
+# by an optimizer that keeps none.
 
 from __future__ import annotations
 
@@ -131,10 +139,10 @@ MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))
 
 
 def _requantize(inner: torch.optim.Optimizer) -> None:
-    """After a load (torch's ``load_state_dict`` leaves each moment a plain tensor of the
-    param's dtype; a checkpoint holds them dequantized, by param, so that they load at any
-    layout): each moment back in the form the optimizer keeps it (rule 3 of [Note:
-    blockwise state]), quantized by ``copy_`` into a new zero state."""
+    """After a load that brought plain moments (a checkpoint of AdamW's fp32 state loaded
+    into a low-bit Adam): each moment back in the form the optimizer keeps it (rule 3 of
+    [Note: blockwise state]), quantized by ``copy_`` into a new zero state. Moments loaded
+    quantized (a low-bit checkpoint's codes and scales) are left as they are."""
     for group in inner.param_groups:
         for p in group["params"]:
             state = inner.state.get(p) or {}
