@@ -188,3 +188,21 @@ def test_quantized_moments_do_not_load_into_an_optimizer_that_keeps_none(tmp_pat
     run_distributed(_checkpoint_case, 2, 2, None, str(tmp_path / "a"), 0, timeout=300)
     (said, _) = run_distributed(_load_into, 2, str(tmp_path / "a"), "AdamW", timeout=300)
     assert "quantized" in said and "'exp_avg'" in said and "AdamW" in said, said
+
+
+def _half_offloaded() -> str:
+    torch.manual_seed(0)
+    model = flatshard.shard(TiedGPT(), stage=2, offload=flatshard.Offload(optimizer=0.5), **ALIGNED)
+    try:
+        flatshard.DistributedOptimizer(model, torchao.optim.AdamW8bit, lr=1e-2, elementwise=True)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_a_share_of_a_low_bit_optimizer_on_the_host_is_refused_even_declared_elementwise():
+    """Part of the optimizer on the host is a HybridDeviceOptimizer, which steps flat runs:
+    they would glue params into one quantized tensor, so a low-bit class is refused there,
+    whatever ``elementwise`` says, naming what works (all of it on the host, or none)."""
+    (said,) = run_distributed(_half_offloaded, 1)
+    assert "blocks" in said and "Offload()" in said, said

@@ -140,9 +140,9 @@ MOMENTS = (("exp_avg", True), ("exp_avg_sq", False), ("max_exp_avg_sq", False))
 
 def _requantize(inner: torch.optim.Optimizer) -> None:
     """After a load that brought plain moments (a checkpoint of AdamW's fp32 state loaded
-    into a low-bit Adam): each moment back in the form the optimizer keeps it (rule 3 of
-    [Note: blockwise state]), quantized by ``copy_`` into a new zero state. Moments loaded
-    quantized (a low-bit checkpoint's codes and scales) are left as they are."""
+    into a low-bit Adam): each moment back in the form the optimizer keeps it (rule 3 of the
+    note above), quantized by ``copy_`` into a new zero state. Moments loaded quantized (a
+    low-bit checkpoint's codes and scales) are left as they are."""
     for group in inner.param_groups:
         for p in group["params"]:
             state = inner.state.get(p) or {}

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from flatshard.optim.blockwise import state_block
 from flatshard.optim.composite import class_defaults
 from flatshard.optim.grouped import GroupedOptimizer, accepted, check_grouped
 from flatshard.wrap.module import ShardState
@@ -99,6 +100,12 @@ def _check_class(cls: Any) -> None:
 def _check_hybrid_class(cls: Any, elementwise: bool) -> None:
     """The host and device classes of a ``HybridDeviceOptimizer`` step flat runs only."""
     _check_class(cls)
+    if state_block(cls, {}) is not None:  # (declared elementwise or not: [Note: blockwise state])
+        raise ValueError(
+            f"{cls.__name__} keeps its state in blocks of each param, and a HybridDeviceOptimizer "
+            "inside DistributedOptimizer steps flat runs that glue params together: offload all of "
+            "it (Offload(), the default optimizer=1.0) or none"
+        )
     if cls not in ELEMENTWISE and not elementwise:
         raise ValueError(
             f"{cls.__name__} is not known to be elementwise, and a HybridDeviceOptimizer inside "
