@@ -319,25 +319,26 @@ def train_optimizer_side_by_side(
     mesh_shape: tuple[int, int] | None = None,
     reference_kwargs: dict | None = None,
     compiled: str | None = None,
+    backend: str = "inductor",
 ) -> dict:
     """Train a flatshard DistributedOptimizer and torch DDP + the same torch optimizer on
     the same data; report loss, grad-norm and param differences at every step. ``compiled``
-    runs ours under ``torch.compile`` (inductor): "block" compiles each block before
-    wrapping, "model" the wrapped model."""
+    runs ours under ``torch.compile`` with ``backend`` (and the reference, the same way):
+    "block" compiles each block before wrapping, "model" the wrapped model."""
     opt_kwargs = {"lr": 1e-2, "weight_decay": 0.1} if opt_kwargs is None else opt_kwargs
     torch.manual_seed(0)
     model = model_cls()
     reference = DDP(copy.deepcopy(model), **(reference_kwargs or {}))
     if compiled == "block":  # (the reference too: inductor's kernels round differently from eager's)
         for block in [*model.blocks, *reference.module.blocks]:
-            block.compile()
+            block.compile(backend=backend)
     if mesh_shape is not None:
         mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("replicate", "shard"))
         shard_kwargs = {**shard_kwargs, "group": mesh}
     ours = flatshard.shard(model, **shard_kwargs)
-    run = torch.compile(ours) if compiled == "model" else ours
+    run = torch.compile(ours, backend=backend) if compiled == "model" else ours
     if compiled == "model":
-        reference = torch.compile(reference)
+        reference = torch.compile(reference, backend=backend)
     ref_params = reference.module.parameters() if groups is None else groups(reference.module)
     opt_ref = optimizer_class(ref_params, **opt_kwargs)
     opt = flatshard.DistributedOptimizer(

@@ -55,7 +55,8 @@ def test_the_python_blocks_of_each_page_run(page, tmp_path):
     script = tmp_path / "page.py"
     script.write_text("\n\n".join(code))
     try:
-        run_script(script, 2, cwd=tmp_path, timeout=420)
+        # (aot_eager: the pages show compile paths; [Note: compile backends in the suite])
+        run_script(script, 2, cwd=tmp_path, timeout=420, compile_backend="aot_eager")
     except RankError as e:
         pytest.fail(f"{_name(page)}'s code failed on rank {e.rank}:\n{e.trace[-6000:]}")
 

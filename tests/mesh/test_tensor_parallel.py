@@ -76,21 +76,19 @@ def test_accumulating_under_no_sync_with_tensor_parallelism_follows_one_process(
 
 
 @pytest.mark.parametrize(
-    ("model", "stages", "backend"),
-    [("tiny", [0], "aot_eager"), ("wide", [3], "inductor"), ("hf", [1], "aot_eager")],
-    ids=["llama", "wide-llama", "hf-llama"],
+    ("model", "stages"), [("tiny", [0]), ("wide", [3]), ("hf", [1])], ids=["llama", "wide-llama", "hf-llama"]
 )
-def test_a_compiled_tensor_parallel_model_follows_one_process(model, stages, backend):
+def test_a_compiled_tensor_parallel_model_follows_one_process(model, stages):
     """The sharded TP2 x DP2 model under ``model.compile()`` (the whole model: flatshard's
     hooks break its graphs, [Note: hooks and torch.compile]) beside the eager one-process
     run: the Llama with a vocab-parallel embedding at stage 0 (one graph) and, 256 wide, at
     stage 3 (hooks on every block and on the embedding, norm and head; a graph's saved local
     shards must not count a gather into their buckets as a write), the transformers Llama through its
-    own plan at stage 1 (the param gather's hooks). The RELATIVE bound: inductor's fused
-    kernels round fp32 in yet another order, a few ulps per op as before. Inductor for the
-    stage-3 case (its kernels over freed and regathered buffers), ``aot_eager`` for the others
-    ([Note: compile backends in the suite] in conftest.py)."""
-    results = run_distributed(train_tp_dp, 4, stages, 2, model, compile=backend, timeout=240)
+    own plan at stage 1 (the param gather's hooks). The RELATIVE bound, as before. Compiled
+    by ``aot_eager``: Dynamo's graphs and breaks and AOTAutograd's DTensor tracing are the
+    subject, inductor's kernels over freed and regathered buffers are tested at stage 3
+    without a mesh ([Note: compile backends in the suite] in conftest.py)."""
+    results = run_distributed(train_tp_dp, 4, stages, 2, model, compile="aot_eager", timeout=240)
     for stage, r in results[0].items():
         assert r["graphs"] > 0, stage
         assert r["ref_norm"] > 0.5, "clipping must scale the grads for the norm to matter"

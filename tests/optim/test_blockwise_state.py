@@ -6,6 +6,7 @@ state quantized exactly where one process quantizes it."""
 import pytest
 import torch
 import torchao.optim
+from torch import nn
 from torchao.optim.subclass_8bit import OptimState8bit
 
 import flatshard
@@ -15,7 +16,23 @@ from flatshard.toolkit.testing import run_distributed
 ALIGNED = {"buckets": flatshard.Buckets(size=3000, align=256)}
 
 
-def _side_by_side(name: str, stages: list[int], backend: str = "eager") -> dict[int, dict]:
+class SquareMLP(nn.Module):
+    """Tokens through a tied 64 x 64 embedding and two 64 x 64 layers: every param has one
+    shape, quantized (4096 elements), and at 2 ranks every piece another (2048), so that
+    inductor builds torchao's step for two shapes a process rather than one for each of the
+    GPT's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(CFG.vocab_size, 64)
+        self.layers = nn.Sequential(nn.Linear(64, 64, bias=False), nn.Tanh(), nn.Linear(64, 64, bias=False))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.layers(self.wte(idx)) @ self.wte.weight.T
+        return nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def _side_by_side(name: str, stages: list[int], backend: str = "eager", model_cls=TiedGPT) -> dict[int, dict]:
     """Stages in turn in these ranks. torchao compiles its step (``torch.compile`` with the
     default backend) once per shape a process: the tests make that default dynamo's "eager"
     backend (the same graph, run op by op, on both sides) except where the compiled step is
@@ -26,7 +43,7 @@ def _side_by_side(name: str, stages: list[int], backend: str = "eager") -> dict[
     try:
         return {
             s: train_optimizer_side_by_side(
-                {**ALIGNED, "stage": s}, optimizer_class=cls, opt_kwargs=kwargs, steps=3
+                {**ALIGNED, "stage": s}, optimizer_class=cls, opt_kwargs=kwargs, steps=3, model_cls=model_cls
             )
             for s in stages
         }
@@ -53,7 +70,7 @@ def test_the_4_bit_and_fp8_states_over_shards_are_ddps_to_the_bit(name):
 def test_the_step_torchao_compiles_with_inductor_is_ddps_to_the_bit():
     """torchao's own default: its step compiled by inductor, per piece shape here and per
     param shape in DDP's process (the kernels are elementwise but for each block's max)."""
-    (result, *_) = run_distributed(_side_by_side, 2, "AdamW8bit", [1], "inductor", timeout=300)
+    (result, *_) = run_distributed(_side_by_side, 2, "AdamW8bit", [1], "inductor", SquareMLP, timeout=300)
     assert max(result[1]["param_diffs"]) == 0.0 and max(result[1]["loss_diffs"]) == 0.0, result
 
 

@@ -35,7 +35,7 @@ def _float8_against_ddp(stages: list[int], compiled: str | None = None) -> dict:
     kwargs = {"buckets": Buckets(size=3000)}
     return {
         s: train_optimizer_side_by_side(
-            {**kwargs, "stage": s}, model_cls=float8_gpt, compiled=compiled, **SGD
+            {**kwargs, "stage": s}, model_cls=float8_gpt, compiled=compiled, backend="aot_eager", **SGD
         )
         for s in stages
     }
@@ -78,8 +78,9 @@ def test_a_float8_model_is_made_plain_and_moves():
 
 
 def test_a_compiled_float8_model_follows_ddp():
-    """The wrapped model compiled (inductor) against DDP compiled too, stages 1 and 3 on 2
-    ranks; SGD to 1e-5 as above."""
+    """Each block compiled against DDP's compiled too, stage 3 on 2 ranks; SGD to 1e-5 as
+    above. ``aot_eager``: the float8 subclass is traced and desugared by AOTAutograd, which it
+    runs in full ([Note: compile backends in the suite] in conftest.py)."""
     (results, *_) = run_distributed(_float8_against_ddp, 2, [3], "block")
     for result in results.values():
         check_parity(result, params=1e-5)

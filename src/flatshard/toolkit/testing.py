@@ -155,21 +155,31 @@ def run_script(
     *argv: str,
     cwd: str | os.PathLike | None = None,
     timeout: float = 300.0,
+    compile_backend: str | None = None,
 ) -> list[str]:
     """Run the file ``path`` with ``argv`` as ``__main__`` on ``world_size`` ranks, as torchrun
     would (the script joins the process group itself), in ``cwd``; each rank's printed text.
-    A script that raises, or exits with a status other than 0, fails as in ``run_distributed``."""
+    A script that raises, or exits with a status other than 0, fails as in ``run_distributed``.
+    ``compile_backend``: what ``torch.compile`` without a backend uses while the script runs."""
     cwd = None if cwd is None else os.fspath(cwd)
     return run_distributed(
-        _script_main, world_size, os.fspath(path), list(argv), cwd, init=False, timeout=timeout
+        _script_main,
+        world_size,
+        os.fspath(path),
+        list(argv),
+        cwd,
+        compile_backend,
+        init=False,
+        timeout=timeout,
     )
 
 
-def _script_main(path: str, argv: list[str], cwd: str | None) -> str:
+def _script_main(path: str, argv: list[str], cwd: str | None, compile_backend: str | None) -> str:
     if cwd is not None:
         os.chdir(cwd)
     printed = io.StringIO()
     sys.argv = [path, *argv]
+    torch.compiler.set_default_backend(compile_backend)  # (None: inductor; reset below, ranks are reused)
     try:
         with contextlib.redirect_stdout(printed):
             runpy.run_path(path, run_name="__main__")
@@ -180,6 +190,8 @@ def _script_main(path: str, argv: list[str], cwd: str | None) -> str:
             ) from e
     except BaseException as e:
         raise RuntimeError(f"{path} raised; it printed:\n{printed.getvalue()[-3000:]}") from e
+    finally:
+        torch.compiler.set_default_backend(None)
     return printed.getvalue()
 
 
