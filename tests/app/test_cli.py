@@ -113,18 +113,12 @@ def test_bad_arguments_exit_nonzero_with_a_reason(args, reason, capsys, monkeypa
     assert reason in capsys.readouterr().err.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize(
-    ("args", "reason"),
-    [
-        (["train", "--stage", "7"], "argument --stage: invalid choice: 7"),
-        (["export", "/nonexistent/ckpt", "out.pt"], "no checkpoint at /nonexistent/ckpt"),
-    ],
-)
-def test_the_command_exits_2_with_the_reason(args, reason):
-    """The same through a real ``python -m flatshard`` process, for a parser error and a check."""
-    out = _flatshard(*args, timeout=60)
+def test_the_command_exits_2_with_the_reason():
+    """The same through a real ``python -m flatshard`` process, for a check after parsing (the
+    status ``main`` returns; argparse's own errors exit 2 by themselves, as above)."""
+    out = _flatshard("export", "/nonexistent/ckpt", "out.pt", timeout=60)
     assert out.returncode == 2
-    assert reason in out.stderr.strip().splitlines()[-1]
+    assert "no checkpoint at /nonexistent/ckpt" in out.stderr.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize(
