@@ -39,14 +39,13 @@ The reasoning is [Note: blockwise state] below."""
 from __future__ import annotations
 
 import inspect
-import math
 from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from flatshard.planner.layout import Layout
-from flatshard.planner.state_blocks import quantized
+from flatshard.planner.state_blocks import block_align, quantized
 
 
 def _torchao_base() -> type | None:
@@ -85,7 +84,7 @@ def check_cuts(layout: Layout, names: Iterable[str], block: int, cls: type) -> N
                             f"{cls.__name__} keeps its state in blocks of {block} elements, and this "
                             f"{layout.world_size}-rank layout cuts param {piece.name!r} at element {cut}, "
                             f"inside a block: shard the model with flatshard.shard(..., "
-                            f"buckets=flatshard.Buckets(align={math.lcm(64, block)}))"
+                            f"buckets=flatshard.Buckets(align={block_align(block)}))"
                         )
 
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from flatshard.planner.layout import PARAM_ALIGN
+
 QUANTIZED_MIN = 4096
 """torchao quantizes a tensor's state from this many elements on (bitsandbytes' rule)."""
 
@@ -22,8 +24,8 @@ class BlockFormat:
 
     @property
     def align(self) -> int:
-        """The smallest ``Buckets.align`` (a multiple of 64) that keeps its blocks whole."""
-        return math.lcm(64, self.block)
+        """``block_align`` of its blocks."""
+        return block_align(self.block)
 
 
 FORMATS = {
@@ -32,6 +34,12 @@ FORMATS = {
     "adamwfp8": BlockFormat(8, 256, 0),
 }
 """The plan's names of torchao's ``AdamW8bit``, ``AdamW4bit`` and ``AdamWFp8``."""
+
+
+def block_align(block: int) -> int:
+    """The smallest ``Buckets.align`` (a multiple of ``PARAM_ALIGN``) that keeps blocks of
+    ``block`` elements whole ([Note: aligned shards] in ``planner/layout.py``)."""
+    return math.lcm(PARAM_ALIGN, block)
 
 
 def quantized(numel: int, block: int) -> bool:
