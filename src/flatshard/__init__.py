@@ -99,6 +99,7 @@ __all__ = [
     "save_pretrained",
     "shard",
     "verify_checkpoint",
+    "wait_for_checkpoint",
 ]
 __version__ = "0.1.0"
 
@@ -106,6 +107,7 @@ _CHECKPOINTS = {
     "load_checkpoint": "directory",
     "save_checkpoint": "directory",
     "verify_checkpoint": "directory",
+    "wait_for_checkpoint": "background",
     "load_pretrained": "pretrained",
     "save_pretrained": "pretrained",
     "export_checkpoint": "weights",
@@ -116,6 +118,7 @@ _CHECKPOINTS = {
 every ``python -m flatshard`` and every rank paid, checkpoint or not)."""
 
 if TYPE_CHECKING:
+    from flatshard.checkpoint.background import wait_for_checkpoint
     from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
     from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
     from flatshard.checkpoint.weights import export_checkpoint, load_weights

@@ -66,6 +66,7 @@ The reasoning is [Note: checkpoints] below."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import pickle
@@ -80,7 +81,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from flatshard.checkpoint import pieces
+from flatshard.checkpoint import background, pieces
 from flatshard.checkpoint import state as cs
 from flatshard.checkpoint.chunks import Part, check_covered, chunk_parts, united_groups, whole_model
 from flatshard.checkpoint.destination import (
@@ -211,7 +212,12 @@ def _same_value(a: Any, b: Any) -> bool:
 
 # -- saving ----------------------------------------------------------------------------------------
 def save_checkpoint(
-    path: str | os.PathLike, model: nn.Module, optimizer: torch.optim.Optimizer | None = None, *, extra=None
+    path: str | os.PathLike,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    extra=None,
+    blocking: bool = True,
 ) -> None:
     """Save ``model`` and ``optimizer`` (every rank calls this) to directory ``path``.
 
@@ -221,15 +227,23 @@ def save_checkpoint(
     the checkpoint is complete; a checkpoint already there is replaced only then. A rank
     running several pipeline chunks passes them as a list, and their optimizers as a list
     ([Note: checkpoints of pipeline chunks] in ``checkpoint/chunks.py``).
+
+    ``blocking=False``: return once this rank's part is copied into host memory, and write it
+    in the background while training goes on ([Note: background saves] in
+    ``checkpoint/background.py``); the next save or load, or ``wait_for_checkpoint()``, waits
+    for it and raises ``CheckpointError`` on every rank if it failed.
     """
+    if not isinstance(blocking, bool):
+        raise TypeError(f"blocking must be True or False, got {blocking!r}")
     path, parts = os.fspath(path), chunk_parts(model, optimizer, "save_checkpoint")
     if extra is not None and not isinstance(extra, Mapping):
         raise TypeError(f"extra must be a dict of values to save with the checkpoint, got {extra!r}")
+    background.wait_for_checkpoint()
     with HERE.during(Phase.SAVE):
-        _save(path, parts, extra)
+        _save(path, parts, extra, blocking)
 
 
-def _save(path: str, parts: list[Part], extra) -> None:
+def _save(path: str, parts: list[Part], extra, blocking: bool) -> None:
     """Agree, collect, write, seal.
 
     [Note: checkpoint pipelines]
@@ -242,23 +256,47 @@ def _save(path: str, parts: list[Part], extra) -> None:
     four too, ``flatshard::load <step>``: **check** (the manifest, the files' sizes, the
     model's shapes; every rank opened the same save), **read** (the pieces this rank's
     layout holds, straight into its storage), **apply** (the optimizer's state through its
-    own ``load_state_dict``) and **restore** (RNG states, ``extra``)."""
+    own ``load_state_dict``) and **restore** (RNG states, ``extra``). In the background
+    ([Note: background saves]), collect also stages, and a thread writes and seals."""
     world = job_world(parts[0][0])  # (checkpoints are collective over every rank)
-    with save_lock(path, world.rank == 0) as lock_problem:
+    with contextlib.ExitStack() as held:
+        lock_problem = held.enter_context(save_lock(path, world.rank == 0))
         with span("save agree"):
             save_id = _agree_on_destination(world, path, lock_problem)
+        writer = world if blocking else background.writer_world(world)
         with _param_dtype_shards(parts):
             with span("save collect"):
-                state = _collect(parts, extra, world.rank)
-                shapes = {n: s for m, _ in parts for n, s in cs.model_shapes(m).items()}
-                aliases = {a: n for m, _ in parts for a, n in cs.model_aliases(m).items()}
-                params, aliases, groups = whole_model(world, shapes, aliases, state.get(cs.GROUPS))
-                if cs.GROUPS in state:
-                    state[cs.GROUPS] = groups
+                state, saved = _collect_whole(parts, extra, world)
+            if not blocking:
+                with span("save stage"):
+                    state = background.stage(state)
+                write = functools.partial(_write_and_seal, state, path, save_id, writer, saved)
+                background.start(path, write, held.pop_all())  # (the lock goes with it)
+                return
             with span("save write"):
                 partial = _write(state, path, save_id, world)
         with span("save seal"):
-            _seal(partial, path, save_id, world, (*parts[0], params, aliases))
+            _seal(partial, path, save_id, world, saved)
+
+
+def _collect_whole(parts: list[Part], extra, world: World) -> tuple[dict[str, Any], tuple]:
+    """This rank's state to write, and what the manifest says of the whole model: (model,
+    optimizer, every param's shape, tied names)."""
+    state = _collect(parts, extra, world.rank)
+    shapes = {n: s for m, _ in parts for n, s in cs.model_shapes(m).items()}
+    aliases = {a: n for m, _ in parts for a, n in cs.model_aliases(m).items()}
+    params, aliases, groups = whole_model(world, shapes, aliases, state.get(cs.GROUPS))
+    if cs.GROUPS in state:
+        state[cs.GROUPS] = groups
+    return state, (*parts[0], params, aliases)
+
+
+def _write_and_seal(state: dict[str, Any], path: str, save_id: str, writer: World, saved: tuple) -> None:
+    """A save's last two steps, on the writers' group ([Note: background saves])."""
+    with span("save write"):
+        partial = _write(state, path, save_id, writer, writer.group)
+    with span("save seal"):
+        _seal(partial, path, save_id, writer, saved)
 
 
 def _param_dtype_shards(parts: list[Part]) -> contextlib.ExitStack:
@@ -288,9 +326,10 @@ def _collect(parts: list[Part], extra, rank: int) -> dict[str, Any]:
     return state
 
 
-def _write(state: dict[str, Any], path: str, save_id: str, world: World) -> str:
+def _write(state: dict[str, Any], path: str, save_id: str, world: World, group=None) -> str:
     """Every rank's pieces into ``PATH.partial`` (made afresh by rank 0, marked unfinished);
-    returns that directory."""
+    returns that directory. DCP's collectives run on ``group`` (default: a gloo group with
+    ``world``'s deadline)."""
     partial = path + ".partial"
     if world.rank == 0:
         if os.path.lexists(partial):
@@ -298,7 +337,8 @@ def _write(state: dict[str, Any], path: str, save_id: str, world: World) -> str:
         os.makedirs(partial)
         open(os.path.join(partial, PARTIAL_MARK), "w").close()
     barrier(world)
-    pieces.save(state, partial, save_id=save_id, group=timed_group(world), single_process=world.size == 1)
+    group = timed_group(world) if group is None else group
+    pieces.save(state, partial, save_id=save_id, group=group, single_process=world.size == 1)
     return partial
 
 
@@ -448,6 +488,7 @@ def load_checkpoint(
     """
     if not isinstance(restore_rng, bool):
         raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
+    background.wait_for_checkpoint()
     path, parts = resolve_checkpoint(path), chunk_parts(model, optimizer, "load_checkpoint")
     with HERE.during(Phase.LOAD):
         return _load(path, parts, extra, restore_rng)
