@@ -148,3 +148,45 @@ def test_a_save_that_fails_on_one_rank_leaves_no_checkpoint_and_every_rank_says_
 def test_blocking_must_be_a_bool():
     with pytest.raises(TypeError, match="blocking must be True or False, got 'no'"):
         flatshard.save_checkpoint("/nonexistent", torch.nn.Linear(2, 2), blocking="no")
+
+
+_SAVE_AND_EXIT = """
+import os, sys, torch, torch.distributed as dist
+import flatshard
+from flatshard.toolkit.models import GPT, PRESETS
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+model = flatshard.shard(GPT(PRESETS["tiny"]), stage=3)
+opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+flatshard.save_checkpoint(sys.argv[1], model, opt, extra={"rank": dist.get_rank()}, blocking=False)
+print("returned", os.path.exists(sys.argv[1]))
+"""
+
+
+def test_a_script_that_ends_with_a_save_in_flight_leaves_it_complete(tmp_path):
+    """A script run as torchrun runs it, whose last call is a save in the background: the
+    interpreter's exit waits for the writer (not a daemon thread), so the checkpoint is whole."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    path = str(tmp_path / "last")
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _SAVE_AND_EXIT, path],
+            env={**env, "RANK": str(rank)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for rank in range(2)
+    ]
+    outs = [p.communicate(timeout=120) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert all("returned" in out for out, _ in outs), outs
+    assert flatshard.verify_checkpoint(path)["files"] > 0
+    assert read_manifest(path)["world_size"] == 2
