@@ -87,6 +87,7 @@ __all__ = [
     "StaticLossScaler",
     "even_batches",
     "export_checkpoint",
+    "latest_checkpoint",
     "load_checkpoint",
     "load_pretrained",
     "load_weights",
@@ -108,6 +109,7 @@ _CHECKPOINTS = {
     "save_checkpoint": "directory",
     "verify_checkpoint": "directory",
     "wait_for_checkpoint": "background",
+    "latest_checkpoint": "latest",
     "load_pretrained": "pretrained",
     "save_pretrained": "pretrained",
     "export_checkpoint": "weights",
@@ -120,6 +122,7 @@ every ``python -m flatshard`` and every rank paid, checkpoint or not)."""
 if TYPE_CHECKING:
     from flatshard.checkpoint.background import wait_for_checkpoint
     from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
+    from flatshard.checkpoint.latest import latest_checkpoint
     from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
     from flatshard.checkpoint.weights import export_checkpoint, load_weights
 
