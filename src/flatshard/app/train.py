@@ -171,12 +171,11 @@ def resume_problem(checkpoint_dir: str | None, steps: int) -> str | None:
 def _start(cfg: TrainConfig, model, optimizer, schedule) -> int:
     """The step to start from: the newest checkpoint's with --resume, else 0 (from
     --init-from weights when given)."""
-    found = checkpoints(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else []
     problem = resume_problem(cfg.checkpoint_dir, cfg.steps) if cfg.resume else None
     if problem is not None:
         raise ValueError(problem)
-    if found:
-        path = found[-1][1]
+    path = flatshard.latest_checkpoint(cfg.checkpoint_dir) if cfg.resume and cfg.checkpoint_dir else None
+    if path is not None:  # (the newest whose save finished whole: [Note: latest checkpoint])
         return int(flatshard.load_checkpoint(path, model, optimizer, extra={"schedule": schedule})["step"])
     if cfg.init_from is not None:
         flatshard.load_weights(model, cfg.init_from, optimizer)
@@ -224,6 +223,9 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
             _save(directory, step + 1, model, optimizer, schedule, rank)
     tokens_per_s = (cfg.steps - first_step) * tokens / (time.perf_counter() - start)
     model.wait_for_params()  # the last step's gathers, before the process group goes away
+    flatshard.wait_for_checkpoint()  # (and the last save's writer, which needs it too)
+    if rank == 0 and cfg.checkpoint_dir is not None:
+        _prune(cfg.checkpoint_dir)
     progress.close()
     metrics.close()
     return _finish(cfg, model, optimizer, corpus, metrics.records, first_step, tokens_per_s, rank, world)
@@ -238,15 +240,23 @@ def _checkpoint_due(cfg: TrainConfig, done: int) -> str | None:
 
 
 def _save(directory: str, done: int, model, optimizer, schedule, rank: int) -> None:
-    """Save ``directory/step-N``; then drop all but the newest ``KEEP_CHECKPOINTS``."""
+    """Save ``directory/step-N`` in the background ([Note: background saves]: the next save
+    or the run's end waits for it); then drop all but the newest ``KEEP_CHECKPOINTS`` that
+    are complete (the one in flight is not yet: the run's end prunes once more)."""
     path = os.path.join(directory, f"step-{done}")  # (listed in numeric order by checkpoints())
-    flatshard.save_checkpoint(path, model, optimizer, extra={"step": done, "schedule": schedule})
+    extra = {"step": done, "schedule": schedule}
+    flatshard.save_checkpoint(path, model, optimizer, extra=extra, blocking=False)
     if rank == 0:
-        for _, old in checkpoints(directory)[:-KEEP_CHECKPOINTS]:
-            try:  # (manifest last: a pruning cut off is listed, and finished, by the next one)
-                remove_saved(old, MANIFEST)
-            except OSError as e:  # the new checkpoint is in place: training goes on
-                warnings.warn(f"could not remove the older checkpoint {old}: {e}", stacklevel=2)
+        _prune(directory)
+
+
+def _prune(directory: str) -> None:
+    """All but the newest ``KEEP_CHECKPOINTS`` complete checkpoints under ``directory`` removed."""
+    for _, old in checkpoints(directory)[:-KEEP_CHECKPOINTS]:
+        try:  # (manifest last: a pruning cut off is listed, and finished, by the next one)
+            remove_saved(old, MANIFEST)
+        except OSError as e:  # the new checkpoint is in place: training goes on
+            warnings.warn(f"could not remove the older checkpoint {old}: {e}", stacklevel=2)
 
 
 def _accumulate(cfg: TrainConfig, model, corpus, step: int, rank: int, device) -> torch.Tensor:
