@@ -11,6 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 import flatshard
 from _checkpoints import ADAMW, build, train
+from _launched import launched
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint.directory import read_manifest
 from flatshard.toolkit.testing import run_distributed
@@ -145,6 +146,23 @@ def test_a_save_that_fails_on_one_rank_leaves_no_checkpoint_and_every_rank_says_
     assert not os.path.exists(path + ".lock")
 
 
+def _blocking_on_rank_0_only(path: str) -> str:
+    model, opt, _ = build(1, ADAMW)
+    try:
+        flatshard.save_checkpoint(path, model, opt, blocking=torch.distributed.get_rank() == 0)
+    except ValueError as e:
+        return str(e)
+    return ""
+
+
+def test_ranks_that_disagree_on_blocking_are_refused_before_anything_is_written(tmp_path):
+    """One rank's writer would wait on a group the other never made: refused on both, naming
+    each rank's choice, with nothing written."""
+    for said in run_distributed(_blocking_on_rank_0_only, 2, str(tmp_path / "c"), timeout=120):
+        assert "blocking=True" in said and "blocking=False" in said, said
+    assert os.listdir(tmp_path) == []
+
+
 def test_blocking_must_be_a_bool():
     with pytest.raises(TypeError, match="blocking must be True or False, got 'no'"):
         flatshard.save_checkpoint("/nonexistent", torch.nn.Linear(2, 2), blocking="no")
@@ -166,27 +184,9 @@ print("returned", os.path.exists(sys.argv[1]))
 def test_a_script_that_ends_with_a_save_in_flight_leaves_it_complete(tmp_path):
     """A script run as torchrun runs it, whose last call is a save in the background: the
     interpreter's exit waits for the writer (not a daemon thread), so the checkpoint is whole."""
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     path = str(tmp_path / "last")
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _SAVE_AND_EXIT, path],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], outs
-    assert all("returned" in out for out, _ in outs), outs
+    _, procs = launched(_SAVE_AND_EXIT, 2, path)
+    assert [p.returncode for p in procs] == [0, 0], [p.stderr[-3000:] for p in procs]
+    assert all("returned" in p.stdout for p in procs)
     assert flatshard.verify_checkpoint(path)["files"] > 0
     assert read_manifest(path)["world_size"] == 2

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import flatshard
+from _launched import launched
 from _parity import CFG
 from flatshard.comm.collectives import choose_impl
 from flatshard.comm.world import resolve_world
@@ -183,30 +184,10 @@ def test_when_rank_0_dies_the_error_names_it(tmp_path):
     from: its death used to leave every rank 'no position published', naming nobody, and
     then rank 0 'unknown: the job's store does not answer'. (Stage 3: its first wait is a
     unit's gather; how each stage's waits give up is tested above, in the ranks kept.)"""
-    stage = 3
-    import os
-    import socket
-    import subprocess
-    import sys
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _RANK_0_DIES, str(stage)],
-            env={**env, "RANK": str(rank)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for rank in range(2)
-    ]
-    outs = [p.communicate(timeout=120) for p in procs]
+    port, procs = launched(_RANK_0_DIES, 2, "3")
     assert procs[0].returncode == -9
-    assert procs[1].returncode == 3, outs[1]
-    error = outs[1][0]
+    assert procs[1].returncode == 3, procs[1].stderr
+    error = procs[1].stdout
     assert "stopped answering: the process that hosts it, rank 0, has exited" in error, error
     assert "rank 0: gone: it hosts the job's store" in error, error  # (it said "rank 0: unknown")
     assert f"127.0.0.1:{port}" in error, error

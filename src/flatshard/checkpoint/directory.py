@@ -262,14 +262,14 @@ def _save(path: str, parts: list[Part], extra, blocking: bool) -> None:
     with contextlib.ExitStack() as held:
         lock_problem = held.enter_context(save_lock(path, world.rank == 0))
         with span("save agree"):
-            save_id = _agree_on_destination(world, path, lock_problem)
-        writer = world if blocking else background.writer_world(world)
+            save_id = _agree_on_destination(world, path, lock_problem, blocking)
         with _param_dtype_shards(parts):
             with span("save collect"):
                 state, saved = _collect_whole(parts, extra, world)
             if not blocking:
                 with span("save stage"):
                     state = background.stage(state)
+                writer = background.writer_world(world)
                 write = functools.partial(_write_and_seal, state, path, save_id, writer, saved)
                 background.start(path, write, held.pop_all())  # (the lock goes with it)
                 return
@@ -353,10 +353,11 @@ def _seal(partial: str, path: str, save_id: str, world: World, saved: tuple) -> 
     barrier(world)
 
 
-def _agree_on_destination(world: World, path: str, lock_problem: str | None) -> str:
-    """Every rank saves to the same ``path``, which rank 0 may write; returns the save's id
-    (rank 0's)."""
-    check_ranks_agree(world, [f"path {os.path.abspath(path)}"], "the checkpoint path of one save")
+def _agree_on_destination(world: World, path: str, lock_problem: str | None, blocking: bool) -> str:
+    """Every rank saves to the same ``path``, which rank 0 may write, the same way (blocking
+    or in the background); returns the save's id (rank 0's)."""
+    description = [f"path {os.path.abspath(path)}", f"blocking={blocking}"]
+    check_ranks_agree(world, description, "the checkpoint path of one save (and whether it blocks)")
     problem = (lock_problem or destination_problem(path) or "") if world.rank == 0 else ""
     decision = f"{uuid.uuid4().hex}\n{problem}" if world.rank == 0 else ""
     if world.group is not None:
