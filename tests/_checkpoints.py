@@ -79,3 +79,18 @@ def load_step_case(path: str, tiny: bool = False):
         return load_checkpoint(path, model)["step"]
     model, opt, _ = build(1)
     return load_checkpoint(path, model, opt)["step"]
+
+
+def saved_entries(path: str, kinds: tuple[str, ...] = ("model", "main", "state")) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint at ``path`` whose key starts with one of ``kinds``
+    (``model/``, ``main/``, ``state/``), whole, read in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    from flatshard.checkpoint.directory import read_manifest
+    from flatshard.checkpoint.pieces import reader
+
+    found = reader(path).read_metadata().state_dict_metadata
+    wanted = {k: md for k, md in found.items() if k.split("/")[0] in kinds}
+    out = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in wanted.items()}
+    dcp.load(out, storage_reader=reader(path, read_manifest(path)["save_id"]), no_dist=True)
+    return out

@@ -10,7 +10,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import flatshard
-from _checkpoints import ADAMW, build, train
+from _checkpoints import ADAMW, build, saved_entries, train
 from _launched import launched
 from flatshard.checkpoint import pieces
 from flatshard.checkpoint.directory import read_manifest
@@ -59,18 +59,6 @@ def _both_ways(root: str, stages: list[int], dtype=None) -> dict:
     return seen
 
 
-def _entries(path: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint at ``path`` (params, main params, optimizer state), whole."""
-    found = pieces.reader(path).read_metadata().state_dict_metadata
-    out = {
-        k: torch.empty(md.size, dtype=md.properties.dtype)
-        for k, md in found.items()
-        if k.split("/")[0] in ("model", "main", "state")
-    }
-    dcp.load(out, storage_reader=pieces.reader(path, read_manifest(path)["save_id"]), no_dist=True)
-    return out
-
-
 @pytest.mark.parametrize(
     ("world_size", "stages", "dtype"), [(2, [0, 1, 2, 3], None), (3, [3], torch.bfloat16), (1, [2], None)]
 )
@@ -84,7 +72,7 @@ def test_a_save_in_the_background_writes_the_step_it_was_called_at(world_size, s
         for stage, seen in rank.items():
             assert seen == {"returned first": True, "step": 2, "epoch": 2}, (stage, seen)
     for stage in stages:
-        blocking, background = (_entries(str(tmp_path / f"{k}{stage}")) for k in "ba")
+        blocking, background = (saved_entries(str(tmp_path / f"{k}{stage}")) for k in "ba")
         assert blocking.keys() == background.keys() and any(k.startswith("state/") for k in blocking)
         for key, value in blocking.items():
             assert torch.equal(value, background[key]), (stage, key)

@@ -10,6 +10,7 @@ from torch import nn
 from torchao.optim.subclass_8bit import OptimState8bit
 
 import flatshard
+from _checkpoints import saved_entries
 from _parity import CFG, TiedGPT, train_optimizer_side_by_side
 from flatshard.toolkit.testing import run_distributed
 
@@ -148,23 +149,6 @@ def _checkpoint_case(stage: int, src: str | None, dst: str, steps: int) -> dict:
         torch.compiler.set_default_backend(None)
 
 
-def _entries(path) -> dict[str, torch.Tensor]:
-    """Every optimizer-state entry of the checkpoint at ``path``, whole."""
-    import torch.distributed.checkpoint as dcp
-
-    from flatshard.checkpoint.directory import read_manifest
-    from flatshard.checkpoint.pieces import reader
-
-    found = reader(str(path)).read_metadata().state_dict_metadata
-    out = {
-        k: torch.empty(md.size, dtype=md.properties.dtype)
-        for k, md in found.items()
-        if k.startswith("state/")
-    }
-    dcp.load(out, storage_reader=reader(str(path), read_manifest(str(path))["save_id"]), no_dist=True)
-    return out
-
-
 def test_a_checkpoint_keeps_the_codes_and_scales_and_resumes_exactly_at_any_layout(tmp_path):
     """The quantized moments are saved as their codes and one scale a block, by param (a
     dequantized moment does not quantize back to its codes: a block whose largest element is
@@ -180,7 +164,7 @@ def test_a_checkpoint_keeps_the_codes_and_scales_and_resumes_exactly_at_any_layo
         assert torch.equal(value, resumed[0]["params"][name]), name
     run_distributed(_checkpoint_case, 1, 3, a, c, 0, timeout=300)
     run_distributed(_checkpoint_case, 3, 1, c, d, 0, timeout=300)
-    saved, again = _entries(a), _entries(d)
+    saved, again = saved_entries(a, ("state",)), saved_entries(d, ("state",))
     assert any(k.endswith(".weight") and ".codes/" in k for k in saved), sorted(saved)
     assert saved.keys() == again.keys()
     for key, value in saved.items():  # (bit for bit, whatever the dtype: uint8 codes, fp32 scales)
