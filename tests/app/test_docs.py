@@ -1,8 +1,12 @@
 """The docs site and the README: every Python block runs, the site builds, the README stays short.
 
-A page's ``python`` blocks are run in order as one script on 2 gloo ranks, in a fresh
-directory, as torchrun runs it (each rank runs it as ``__main__`` and joins the process group
-through torchrun's environment), but in ranks forked with torch already imported; a page that says
+A page's ``python`` blocks are run in order on 2 gloo ranks, in a fresh directory, as torchrun
+runs a script (each rank runs it as ``__main__`` and joins the process group through
+torchrun's environment), but in ranks forked with torch already imported. A block that calls
+``init_process_group`` starts a new script, run by new ranks, as a user would launch it; the
+blocks after it, up to the next such block, go on in that script. (One process that joins
+twice through torchrun's store can read the first group's stale addresses and hang: torch
+resets its group names on ``destroy_process_group``.) A page that says
 ``<!-- docs-test: verbatim FILE -->`` shows parts of FILE instead: ``tests/app/test_examples.py``
 checks its blocks are in FILE word for word and runs FILE. Blocks in any
 other language are output or shell: ``text`` and ``bash`` only, and every ``python -m
@@ -49,16 +53,32 @@ def test_pages_of_example_code_are_the_ones_test_examples_checks():
     assert marked == EXAMPLE_PAGES
 
 
+def _scripts(page: Path) -> list[str]:
+    """The page's ``python`` blocks as the scripts a user would launch, in order."""
+    scripts: list[list[str]] = []
+    for lang, body in _blocks(page):
+        if lang == "python":
+            if not scripts or "init_process_group(" in body:
+                scripts.append([])
+            scripts[-1].append(body)
+    return ["\n\n".join(blocks) for blocks in scripts]
+
+
+def test_a_page_splits_into_scripts_where_a_block_joins_the_group():
+    assert len(_scripts(ROOT / "docs/checkpoints.md")) == 2  # (two whole scripts, each joins once)
+    assert len(_scripts(ROOT / "docs/optimizers.md")) == 1  # (one script, then blocks that go on)
+
+
 @pytest.mark.parametrize("page", RUNNABLE, ids=_name)
 def test_the_python_blocks_of_each_page_run(page, tmp_path):
-    code = [body for lang, body in _blocks(page) if lang == "python"]
-    script = tmp_path / "page.py"
-    script.write_text("\n\n".join(code))
-    try:
-        # (aot_eager: the pages show compile paths; [Note: compile backends in the suite])
-        run_script(script, 2, cwd=tmp_path, timeout=420, compile_backend="aot_eager")
-    except RankError as e:
-        pytest.fail(f"{_name(page)}'s code failed on rank {e.rank}:\n{e.trace[-6000:]}")
+    for i, code in enumerate(_scripts(page)):
+        script = tmp_path / f"page{i}.py"
+        script.write_text(code)
+        try:
+            # (aot_eager: the pages show compile paths; [Note: compile backends in the suite])
+            run_script(script, 2, cwd=tmp_path, timeout=420, compile_backend="aot_eager")
+        except RankError as e:
+            pytest.fail(f"{_name(page)}'s script {i} failed on rank {e.rank}:\n{e.trace[-6000:]}")
 
 
 def test_every_block_says_its_language():
