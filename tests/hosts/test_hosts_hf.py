@@ -108,9 +108,24 @@ def test_the_trainer_follows_its_ddp_under_bf16_autocast(tmp_path):
         _check_follows(logged, rel=1e-5)
 
 
+def _cut_off(checkpoint: str, how: str) -> None:
+    """Leave ``checkpoint`` as a save cut off by a failure would: before the host's last
+    write (``trainer_state.json``), or with a flatshard file torn."""
+    if how == "before its last write":
+        os.remove(os.path.join(checkpoint, "trainer_state.json"))
+        return
+    saved = os.path.join(checkpoint, "flatshard")
+    files = [os.path.join(saved, n) for n in os.listdir(saved)]
+    largest = max(files, key=os.path.getsize)
+    os.truncate(largest, os.path.getsize(largest) // 2)
+
+
 def _save_resume_export(out: str, stage: int) -> dict:
-    """4 steps saving a Trainer checkpoint every 2; a new Trainer resumed from step 2's; then
-    save_model of the resumed run, loaded by from_pretrained on rank 0."""
+    """4 steps saving a Trainer checkpoint every 2, the last one then cut off; a new Trainer
+    resumed with ``resume_from_checkpoint=True`` (so from step 2's); then save_model of the
+    resumed run, loaded by from_pretrained on rank 0."""
+    import warnings
+
     from flatshard.hosts import hf
 
     data = Tokens()
@@ -121,8 +136,13 @@ def _save_resume_export(out: str, stage: int) -> dict:
         shard=stage,
     )
     first.train()
-    again = hf.Trainer(model=tiny_llama(), args=_args(f"{out}/b"), train_dataset=data, shard=stage)
-    again.train(resume_from_checkpoint=f"{out}/a/checkpoint-2")
+    if torch.distributed.get_rank() == 0:
+        _cut_off(f"{out}/a/checkpoint-4", "before its last write" if stage == 2 else "torn")
+    torch.distributed.barrier()
+    again = hf.Trainer(model=tiny_llama(), args=_args(f"{out}/a"), train_dataset=data, shard=stage)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again.train(resume_from_checkpoint=True)  # (the host's own pick would be checkpoint-4)
     again.save_model(f"{out}/saved")
     state = again.model.full_state_dict()
     same = None
@@ -135,6 +155,7 @@ def _save_resume_export(out: str, stage: int) -> dict:
         "resumed": _logged(again),
         "same": same,
         "files": sorted(os.listdir(f"{out}/a/checkpoint-2")),
+        "skipped": [str(w.message) for w in caught if "skipping" in str(w.message)],
     }
 
 
@@ -143,6 +164,7 @@ def test_a_checkpoint_resumes_exactly_and_save_model_loads_with_from_pretrained(
     for rank, result in enumerate(run_distributed(_save_resume_export, 2, str(tmp_path), stage, init=False)):
         # the history of steps 1-2 comes back from the checkpoint; steps 3-4 are trained again
         assert result["resumed"] == result["first"], result  # to the bit
+        assert len(result["skipped"]) == 1 and "checkpoint-4" in result["skipped"][0], result["skipped"]
         assert "flatshard" in result["files"] and "optimizer.pt" not in result["files"], result["files"]
         if rank == 0:
             assert result["same"], "from_pretrained loads other values than the sharded model holds"

@@ -33,6 +33,11 @@ The reasoning is [Note: hosted training] below."""
 #   holds a flatshard checkpoint (``flatshard/``: params, fp32 main params, optimizer state) in
 #   place of ``optimizer.pt``; ``resume_from_checkpoint`` loads it at any world size and stage,
 #   with the scheduler, the trainer state and the RNG states the host saves itself.
+#   ``resume_from_checkpoint=True`` (a restarted job) takes the newest *complete* checkpoint:
+#   the host's own pick is the highest-numbered ``checkpoint-N``, which a save cut off by a
+#   failure leaves behind half written; one counts as complete once its flatshard checkpoint
+#   is whole and the host's last write (``trainer_state.json``) reads. Newer ones are skipped
+#   with a warning naming each.
 # * **What cannot hold is refused** before training: FSDP or DeepSpeed in the same arguments,
 #   full-eval casts (they cast the params), ranks the host does not see (on CPU, without
 #   ``use_cpu=True`` the host trains each rank alone), a torch optimizer passed in.
@@ -40,7 +45,9 @@ The reasoning is [Note: hosted training] below."""
 from __future__ import annotations
 
 import inspect
+import json
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -48,8 +55,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint
+from flatshard.checkpoint.directory import load_checkpoint, read_manifest, save_checkpoint
 from flatshard.engine.dynamo import uncompiled
+from flatshard.errors import CheckpointError
 from flatshard.hosts.scaler import use_sharded_scaler
 from flatshard.optim.composite import unwrap_optimizer
 from flatshard.optim.distributed import DistributedOptimizer
@@ -124,6 +132,14 @@ class ShardedTrainerMixin:
         return self.optimizer
 
     # -- saving and resuming ----------------------------------------------------------------
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        if resume_from_checkpoint is True:  # (else the host's pick: the highest-numbered)
+            output_dir = self.args.output_dir  # type: ignore[attr-defined]
+            resume_from_checkpoint = last_complete_checkpoint(output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output directory ({output_dir})")
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank gathers the full state dict; the host's own ``_save`` writes it on rank 0
         (what ``from_pretrained`` loads), as the host does for FSDP."""
@@ -158,6 +174,32 @@ class Trainer(ShardedTrainerMixin, transformers.Trainer):
     shard=2)``, where ``shard`` is the stage, or ``flatshard.shard``'s keyword arguments as a
     dict (``{"stage": 3, "mixed_precision": ...}``), or omitted for a model already sharded.
     Everything else is the Trainer's ([Note: hosted training])."""
+
+
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The highest-numbered ``checkpoint-N`` under ``output_dir`` whose save finished (its
+    flatshard checkpoint whole, its ``trainer_state.json`` readable), or None; newer ones
+    are skipped with a warning naming each ([Note: hosted training])."""
+    from transformers.trainer import TRAINER_STATE_NAME
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+    if not os.path.isdir(output_dir):
+        return None
+    steps = {}
+    for name in os.listdir(output_dir):
+        number = name.removeprefix(f"{PREFIX_CHECKPOINT_DIR}-")
+        if number.isdigit() and os.path.isdir(os.path.join(output_dir, name)):
+            steps[os.path.join(output_dir, name)] = int(number)
+    for path in sorted(steps, key=steps.__getitem__, reverse=True):  # (the newest step first)
+        try:
+            read_manifest(os.path.join(path, CHECKPOINT))
+            with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
+                json.load(f)
+        except (CheckpointError, OSError, ValueError) as e:
+            warnings.warn(f"skipping {path}: its save did not finish or is torn ({e})", stacklevel=2)
+            continue
+        return path
+    return None
 
 
 def sharded(trainer_class: type) -> type:
