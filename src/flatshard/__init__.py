@@ -95,6 +95,7 @@ __all__ = [
     "offload_states",
     "offloaded",
     "plan_layout",
+    "prune_checkpoints",
     "reload_states",
     "save_checkpoint",
     "save_pretrained",
@@ -110,6 +111,7 @@ _CHECKPOINTS = {
     "verify_checkpoint": "directory",
     "wait_for_checkpoint": "background",
     "latest_checkpoint": "latest",
+    "prune_checkpoints": "latest",
     "load_pretrained": "pretrained",
     "save_pretrained": "pretrained",
     "export_checkpoint": "weights",
@@ -122,7 +124,7 @@ every ``python -m flatshard`` and every rank paid, checkpoint or not)."""
 if TYPE_CHECKING:
     from flatshard.checkpoint.background import wait_for_checkpoint
     from flatshard.checkpoint.directory import load_checkpoint, save_checkpoint, verify_checkpoint
-    from flatshard.checkpoint.latest import latest_checkpoint
+    from flatshard.checkpoint.latest import latest_checkpoint, prune_checkpoints
     from flatshard.checkpoint.pretrained import load_pretrained, save_pretrained
     from flatshard.checkpoint.weights import export_checkpoint, load_weights
 

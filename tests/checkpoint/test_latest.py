@@ -7,7 +7,7 @@ import pytest
 
 import flatshard
 from _checkpoints import SGD, build, train
-from flatshard.checkpoint.destination import PARTIAL_MARK
+from flatshard.checkpoint.destination import MANIFEST, PARTIAL_MARK
 from flatshard.toolkit.testing import run_distributed
 
 
@@ -50,3 +50,34 @@ def test_a_restart_resumes_from_the_newest_complete_checkpoint_skipping_torn_and
     assert any(newest in m and "bytes" in m for m in messages), messages
     assert run_distributed(_resume, 3, root, timeout=120) == [2, 2, 2]  # (a restart may have another size)
     assert os.path.isdir(newest)  # (skipped, not deleted)
+
+
+def _made(root, name: str, mark: str, age_s: float) -> str:
+    """A directory as a save leaves it (``mark``: its manifest, or the unfinished mark),
+    written ``age_s`` seconds ago."""
+    path = os.path.join(root, name)
+    os.makedirs(path)
+    for entry in ("__0_0.distcp", mark):
+        with open(os.path.join(path, entry), "w") as f:
+            f.write("x")
+    when = 1_700_000_000 - age_s
+    for entry in (os.path.join(path, mark), path):
+        os.utime(entry, (when, when))
+    return path
+
+
+def test_pruning_keeps_the_newest_complete_checkpoints_and_any_save_that_may_be_in_flight(tmp_path):
+    root = str(tmp_path)
+    old_unfinished = _made(root, "step-0.partial", PARTIAL_MARK, 50)
+    done = [_made(root, f"step-{n}", MANIFEST, 40 - 10 * n) for n in (1, 2, 3)]
+    in_flight = _made(root, "step-4.partial", PARTIAL_MARK, 0)
+    os.makedirs(os.path.join(root, "logs"))  # (not a save's: never touched)
+    assert flatshard.prune_checkpoints(root, keep=2) == [done[0], old_unfinished]
+    assert sorted(os.listdir(root)) == ["logs", "step-2", "step-3", "step-4.partial"]
+    assert flatshard.prune_checkpoints(root, keep=2) == []
+    assert flatshard.prune_checkpoints(root, keep=1) == [done[1]]
+    assert os.listdir(in_flight) and os.listdir(done[2])
+    assert flatshard.prune_checkpoints(tmp_path / "none yet", keep=1) == []
+    for bad in (0, True, 1.5):
+        with pytest.raises(ValueError, match="keep must be"):
+            flatshard.prune_checkpoints(root, keep=bad)

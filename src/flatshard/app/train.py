@@ -7,7 +7,6 @@ import math
 import os
 import re
 import time
-import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -17,7 +16,7 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.app.train_report import Metrics, Progress, format_summary, plot_losses
-from flatshard.checkpoint.destination import MANIFEST, remove_saved
+from flatshard.checkpoint.destination import MANIFEST
 from flatshard.memory import memory_report
 from flatshard.planner import plan
 from flatshard.planner.stage import DEFAULT_BUCKET_SIZE
@@ -225,7 +224,7 @@ def _train(cfg: TrainConfig, device: torch.device, rank: int, world: int) -> dic
     model.wait_for_params()  # the last step's gathers, before the process group goes away
     flatshard.wait_for_checkpoint()  # (and the last save's writer, which needs it too)
     if rank == 0 and cfg.checkpoint_dir is not None:
-        _prune(cfg.checkpoint_dir)
+        flatshard.prune_checkpoints(cfg.checkpoint_dir, KEEP_CHECKPOINTS)
     progress.close()
     metrics.close()
     return _finish(cfg, model, optimizer, corpus, metrics.records, first_step, tokens_per_s, rank, world)
@@ -247,16 +246,7 @@ def _save(directory: str, done: int, model, optimizer, schedule, rank: int) -> N
     extra = {"step": done, "schedule": schedule}
     flatshard.save_checkpoint(path, model, optimizer, extra=extra, blocking=False)
     if rank == 0:
-        _prune(directory)
-
-
-def _prune(directory: str) -> None:
-    """All but the newest ``KEEP_CHECKPOINTS`` complete checkpoints under ``directory`` removed."""
-    for _, old in checkpoints(directory)[:-KEEP_CHECKPOINTS]:
-        try:  # (manifest last: a pruning cut off is listed, and finished, by the next one)
-            remove_saved(old, MANIFEST)
-        except OSError as e:  # the new checkpoint is in place: training goes on
-            warnings.warn(f"could not remove the older checkpoint {old}: {e}", stacklevel=2)
+        flatshard.prune_checkpoints(directory, KEEP_CHECKPOINTS)
 
 
 def _accumulate(cfg: TrainConfig, model, corpus, step: int, rank: int, device) -> torch.Tensor:

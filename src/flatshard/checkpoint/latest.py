@@ -1,5 +1,5 @@
-"""The newest complete checkpoint under a directory, for a job that resumes by itself after a
-restart ([Note: latest checkpoint])."""
+"""The checkpoints under a directory: the newest complete one, for a job that resumes by
+itself after a restart, and pruning all but the newest few ([Note: latest checkpoint])."""
 
 # [Note: latest checkpoint]
 #
@@ -15,17 +15,25 @@ restart ([Note: latest checkpoint])."""
 # ``PATH.old``, complete. Every rank decides alone; the load that follows checks that every
 # rank opened the same save ([Note: checkpoints] in ``directory.py``), so ranks that see
 # different files fail there, naming the paths.
+#
+# ``prune_checkpoints(root, keep)`` keeps the ``keep`` newest complete checkpoints in that
+# order and removes the older complete ones, and the unfinished saves older than the oldest
+# kept one: those cannot be in flight, since a process saves one at a time and a save in
+# flight began after the one before it was complete. Newer unfinished saves stay (one may
+# be this job's, being written). Only what a save made is removed, file by file with its
+# mark last (``remove_saved``), so a pruning cut off is finished by the next; it runs on one
+# rank.
 
 from __future__ import annotations
 
 import os
 import warnings
 
-from flatshard.checkpoint.destination import MANIFEST, PARTIAL_MARK
+from flatshard.checkpoint.destination import MANIFEST, PARTIAL_MARK, remove_saved
 from flatshard.checkpoint.directory import read_manifest
 from flatshard.errors import CheckpointError
 
-__all__ = ["latest_checkpoint"]
+__all__ = ["latest_checkpoint", "prune_checkpoints"]
 
 
 def latest_checkpoint(root: str | os.PathLike) -> str | None:
@@ -47,6 +55,30 @@ def latest_checkpoint(root: str | os.PathLike) -> str | None:
             continue
         return path
     return None
+
+
+def prune_checkpoints(root: str | os.PathLike, keep: int) -> list[str]:
+    """Remove all but the ``keep`` newest complete checkpoints directly under ``root`` (and
+    unfinished saves older than the oldest kept); returns the paths removed. Call it on one
+    rank, e.g. rank 0 after each save: a save in flight is never removed."""
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
+        raise ValueError(f"keep must be an int >= 1 (the checkpoints kept), got {keep!r}")
+    root = os.fspath(root)
+    if not os.path.isdir(root):
+        return []
+    kept = 0
+    removed = []
+    for path, complete in _saves_newest_first(root):
+        if kept < keep:
+            kept += complete
+            continue
+        try:  # (the mark last: a removal cut off is listed, and finished, by the next pruning)
+            remove_saved(path, MANIFEST if complete else PARTIAL_MARK)
+        except OSError as e:
+            warnings.warn(f"could not remove the older checkpoint {path}: {e}", stacklevel=2)
+            continue
+        removed.append(path)
+    return removed
 
 
 def _saves_newest_first(root: str) -> list[tuple[str, bool]]:
