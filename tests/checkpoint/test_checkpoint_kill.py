@@ -1,7 +1,9 @@
-"""A save killed at any moment (SIGKILL of every writing process) leaves a complete
-checkpoint: the previous one, or the new one if it was already in place. Each save in the
-loop below writes params that all equal its step, so a checkpoint that mixed two saves, or
-lost part of one, would show it."""
+"""A save killed at any moment (SIGKILL of every writing process, or of one rank while a
+background save is in flight) leaves a complete checkpoint: the previous one, or the new one
+if it was already in place. Each save in the loop below writes params that all equal its
+step, and a background save's loop sets them to the next step as soon as the call returns,
+so a checkpoint that mixed two saves, or lost part of one, would show it.
+(``benchmarks/kill_saves.py`` kills background saves at 50 random moments.)"""
 
 import os
 import shutil
@@ -27,7 +29,7 @@ def _build():  # 8 x 4 MB of params, sharded at stage 2 with SGD + momentum stat
     return model, opt
 
 
-def _save_forever(path: str) -> None:
+def _save_forever(path: str, blocking: bool) -> None:
     """A rank that saves in a loop until it is killed; it first writes its pid."""
     rank = torch.distributed.get_rank()
     with open(f"{path}.pid{rank}", "w") as f:
@@ -39,7 +41,9 @@ def _save_forever(path: str) -> None:
         with torch.no_grad():
             for p in model.parameters():
                 p.fill_(step)
-        flatshard.save_checkpoint(path, model, opt, extra={"step": step})
+        flatshard.save_checkpoint(path, model, opt, extra={"step": step}, blocking=blocking)
+        if step == 1:
+            flatshard.wait_for_checkpoint()
         if step == 1 and rank == 0:
             open(path + ".first", "w").close()
 
@@ -63,9 +67,11 @@ def _mid_write(path: str) -> bool:
         return False
 
 
-def _kill_a_save(tmp_path, *, mid_write: bool = False, delay: float = 0.0) -> tuple[int, list[str]]:
-    """Start two ranks saving in a loop; once the first save is complete, SIGKILL them both
-    when a later save is writing its data files (``mid_write``) or after ``delay`` seconds.
+def _kill_a_save(
+    tmp_path, *, mid_write: bool = False, delay: float = 0.0, blocking: bool = True, kill=(0, 1)
+) -> tuple[int, list[str]]:
+    """Start two ranks saving in a loop; once the first save is complete, SIGKILL the ranks
+    ``kill`` when a later save is writing its data files (``mid_write``) or after ``delay`` seconds.
     Returns the step the checkpoint then holds, and what was on disk. (The ranks fork from
     the suite's forkserver, torch and flatshard already imported, rather than from a new
     interpreter: ~8 s less a test.)"""
@@ -74,7 +80,7 @@ def _kill_a_save(tmp_path, *, mid_write: bool = False, delay: float = 0.0) -> tu
 
     def ranks() -> None:
         try:
-            run_distributed(_save_forever, 2, path, timeout=300)
+            run_distributed(_save_forever, 2, path, blocking, timeout=300)
         except BaseException as e:  # (killed ranks: a RankError is the expected end)
             outcome.append(e)
 
@@ -87,7 +93,7 @@ def _kill_a_save(tmp_path, *, mid_write: bool = False, delay: float = 0.0) -> tu
             _wait_for(lambda: _mid_write(path), "a save writing its data")
         time.sleep(delay)
     finally:
-        for rank in (0, 1):
+        for rank in kill:
             with open(f"{path}.pid{rank}") as f:
                 os.kill(int(f.read()), signal.SIGKILL)
         thread.join()
@@ -106,14 +112,22 @@ def _kill_a_save(tmp_path, *, mid_write: bool = False, delay: float = 0.0) -> tu
     return step, on_disk
 
 
-def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path):
-    step, on_disk = _kill_a_save(tmp_path, mid_write=True)
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_killed_mid_write_leaves_the_previous_checkpoint(tmp_path, blocking):
+    step, on_disk = _kill_a_save(tmp_path, mid_write=True, blocking=blocking)
     assert "ckpt.partial" in on_disk and step >= 1
 
 
 @pytest.mark.parametrize("delay", [0.05, 0.17, 0.31])
 def test_a_save_killed_at_any_moment_leaves_a_complete_checkpoint(tmp_path, delay):
     _kill_a_save(tmp_path, delay=delay)
+
+
+@pytest.mark.parametrize("delay", [0.05, 0.23])
+def test_one_rank_killed_while_a_background_save_is_in_flight_leaves_a_complete_checkpoint(tmp_path, delay):
+    """The other rank's writer is then in a collective with a dead peer: it fails (no
+    hang), and what is on disk is still a whole checkpoint of one step."""
+    _kill_a_save(tmp_path, delay=delay, blocking=False, kill=(1,))
 
 
 class _Cut(Exception):
