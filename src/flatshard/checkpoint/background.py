@@ -44,6 +44,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from flatshard.checkpoint import kept_copy
 from flatshard.checkpoint.pieces import Piece
 from flatshard.comm.world import World
 from flatshard.errors import CheckpointError
@@ -59,16 +60,19 @@ _IN_FLIGHT: list[_Save] = []
 class _Save:
     """One save being written: its thread, its path, and what went wrong, if anything."""
 
-    def __init__(self, path: str, write: Callable[[], None], held: contextlib.ExitStack) -> None:
+    def __init__(
+        self, path: str, write: Callable[[], None], held: contextlib.ExitStack, kept: tuple[str, dict]
+    ) -> None:
         self.path = path
         self.error: BaseException | None = None
-        self._write, self._held = write, held
+        self._write, self._held, self._kept = write, held, kept
         self.thread = threading.Thread(target=self._run, name=f"flatshard-save {path}", daemon=False)
 
     def _run(self) -> None:
         try:
             with self._held:
                 self._write()
+            kept_copy.keep(*self._kept)  # (complete: what the files hold, [Note: kept copy])
         except BaseException as e:  # (kept, raised by the caller's next call)
             self.error = e
 
@@ -88,9 +92,12 @@ def wait_for_checkpoint() -> None:
             ) from save.error
 
 
-def start(path: str, write: Callable[[], None], held: contextlib.ExitStack) -> None:
-    """Run ``write`` in a thread of its own, then close ``held`` (the save's lock)."""
-    save = _Save(path, write, held)
+def start(
+    path: str, write: Callable[[], None], held: contextlib.ExitStack, save_id: str, staged: dict[str, Any]
+) -> None:
+    """Run ``write`` in a thread of its own, then close ``held`` (the save's lock); once it
+    wrote save ``save_id``, keep its ``staged`` state ([Note: kept copy])."""
+    save = _Save(path, write, held, (save_id, staged))
     with _LOCK:
         _IN_FLIGHT.append(save)
     save.thread.start()
@@ -113,6 +120,7 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``state`` (what a rank writes) that nothing the loop does next can change:
     each tensor, in a ``Piece`` or not, copied into a host buffer kept for the next save of
     the same key, dtype and size; everything else deep-copied."""
+    kept_copy.forget()  # (its buffers are staged over now)
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, Piece):

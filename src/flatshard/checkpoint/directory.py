@@ -81,7 +81,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from flatshard.checkpoint import background, pieces
+from flatshard.checkpoint import background, kept_copy, pieces
 from flatshard.checkpoint import state as cs
 from flatshard.checkpoint.chunks import Part, check_covered, chunk_parts, united_groups, whole_model
 from flatshard.checkpoint.destination import (
@@ -271,7 +271,7 @@ def _save(path: str, parts: list[Part], extra, blocking: bool) -> None:
                     state = background.stage(state)
                 writer = background.writer_world(world)
                 write = functools.partial(_write_and_seal, state, path, save_id, writer, saved)
-                background.start(path, write, held.pop_all())  # (the lock goes with it)
+                background.start(path, write, held.pop_all(), save_id, state)  # (the lock goes with it)
                 return
             with span("save write"):
                 partial = _write(state, path, save_id, world)
@@ -485,7 +485,10 @@ def load_checkpoint(
     Each entry of ``extra`` that has ``load_state_dict`` (an LR scheduler, ...) is loaded
     from the saved value of the same key. RNG states are restored when the checkpoint was
     written by as many ranks as there are now (``restore_rng=False``: never). A rank running
-    several pipeline chunks passes them as a list, and their optimizers as a list.
+    several pipeline chunks passes them as a list, and their optimizers as a list. A load of
+    the last save made with ``blocking=False`` reads the copy each rank kept in host memory
+    instead of the files, when every rank holds it for the same layout ([Note: kept copy] in
+    ``checkpoint/kept_copy.py``).
     """
     if not isinstance(restore_rng, bool):
         raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
@@ -554,7 +557,9 @@ def _read(path: str, manifest: dict[str, Any], world: World, parts: list[Part], 
     state.update(dict.fromkeys(extra_keys))
     if rng:
         state[f"rng/{world.rank}"] = None
-    pieces.load(
-        state, path, save_id=manifest.get("save_id"), group=timed_group(world), single_process=world.size == 1
-    )
+    save_id = manifest.get("save_id")
+    if not kept_copy.restore(
+        save_id, state, world, lambda: background.writer_world(world)
+    ):  # ([Note: kept copy])
+        pieces.load(state, path, save_id=save_id, group=timed_group(world), single_process=world.size == 1)
     return state, finishes, extra_keys

@@ -12,8 +12,10 @@ itself after a restart, and pruning all but the newest few ([Note: latest checkp
 # unfinished save (killed, or failed on some rank) or a torn one (a file missing or cut
 # short) newer than the one returned is skipped with a warning naming it and why; nothing
 # is deleted. A checkpoint whose save was killed between its two renames is found as
-# ``PATH.old``, complete. Every rank decides alone; the load that follows checks that every
-# rank opened the same save ([Note: checkpoints] in ``directory.py``), so ranks that see
+# ``PATH.old``, complete, and one killed between its manifest and its rename as
+# ``PATH.partial``, complete (its files all written: the manifest is the last). Every rank
+# decides alone; the load that follows checks that every rank opened the same save
+# ([Note: checkpoints] in ``directory.py``), so ranks that see
 # different files fail there, naming the paths.
 #
 # ``prune_checkpoints(root, keep)`` keeps the ``keep`` newest complete checkpoints in that

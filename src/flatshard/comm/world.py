@@ -218,14 +218,20 @@ def check_ranks_agree(world: World, description: list[str], what: str, among: st
 
 def all_gather_bytes(data: bytes, world: World) -> list[bytes]:
     """Every rank's ``data``, in rank order (``all_gather_object`` without its numpy need)."""
-    device = world.control_device
-    sizes = _all_gather(torch.tensor([len(data)], dtype=torch.int64, device=device), world)
+    mine = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.zeros(0, dtype=torch.uint8)
+    everyone = all_gather_varied(mine.to(world.control_device), world)
+    return [bytes(t.tolist()) for t in everyone]
+
+
+def all_gather_varied(tensor: torch.Tensor, world: World) -> list[torch.Tensor]:
+    """Every rank's 1-D ``tensor`` (of any length; the same dtype and device on all), in rank
+    order, within ``world``'s deadline."""
+    sizes = _all_gather(torch.tensor([tensor.numel()], dtype=torch.int64, device=world.control_device), world)
     longest = max(int(s) for s in sizes)
-    mine = torch.zeros(longest, dtype=torch.uint8, device=device)
-    if data:
-        mine[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    mine = torch.zeros(longest, dtype=tensor.dtype, device=tensor.device)
+    mine[: tensor.numel()] = tensor
     everyone = _all_gather(mine, world)
-    return [bytes(t[: int(n)].tolist()) for t, n in zip(everyone, sizes, strict=True)]
+    return [t[: int(n)] for t, n in zip(everyone, sizes, strict=True)]
 
 
 def _all_gather(tensor: torch.Tensor, world: World) -> list[torch.Tensor]:
