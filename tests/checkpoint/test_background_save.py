@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import flatshard
 from _checkpoints import ADAMW, build, saved_entries, train
 from _launched import launched
-from flatshard.checkpoint import pieces
+from flatshard.checkpoint import kept_copy, pieces
 from flatshard.checkpoint.directory import read_manifest
 from flatshard.toolkit.testing import run_distributed
 
@@ -178,3 +178,28 @@ def test_a_script_that_ends_with_a_save_in_flight_leaves_it_complete(tmp_path):
     assert all("returned" in p.stdout for p in procs)
     assert flatshard.verify_checkpoint(path)["files"] > 0
     assert read_manifest(path)["world_size"] == 2
+
+
+def _joins_twice(root: str) -> list[int]:
+    """A job that saves in the background, leaves the process group and joins a new one (a
+    fresh store) in the same process, then saves in the background again: the writers' group
+    of the first job is gone with it, and the second save makes its own."""
+    steps = []
+    for attempt in range(2):
+        if attempt == 1:
+            rank, size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+            torch.distributed.destroy_process_group()
+            store = f"file://{os.path.join(root, 'store')}"
+            torch.distributed.init_process_group("gloo", init_method=store, rank=rank, world_size=size)
+        model, opt, sched = build(2, ADAMW)
+        train(model, opt, sched, range(attempt + 1))
+        path = os.path.join(root, f"job{attempt}")
+        flatshard.save_checkpoint(path, model, opt, extra={"step": attempt + 1}, blocking=False)
+        flatshard.wait_for_checkpoint()
+        kept_copy.forget()  # (read the files)
+        steps.append(flatshard.load_checkpoint(path, model, opt)["step"])
+    return steps
+
+
+def test_a_process_that_joins_a_new_group_saves_in_the_background_again(tmp_path):
+    assert run_distributed(_joins_twice, 2, str(tmp_path), timeout=120, reuse=False) == [[1, 2], [1, 2]]

@@ -42,17 +42,15 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from flatshard.checkpoint import kept_copy
 from flatshard.checkpoint.pieces import Piece
-from flatshard.comm.world import World
+from flatshard.comm.world import World, made_group
 from flatshard.errors import CheckpointError
 
 __all__ = ["stage", "start", "wait_for_checkpoint", "writer_world"]
 
 _BUFFERS: dict[tuple[str, torch.dtype, int], torch.Tensor] = {}
-_GROUPS: dict[tuple[int, ...], Any] = {}
 _LOCK = threading.Lock()
 _IN_FLIGHT: list[_Save] = []
 
@@ -104,16 +102,11 @@ def start(
 
 
 def writer_world(world: World) -> World:
-    """``world``'s ranks on a gloo group of the writers' own (made once per rank list, here in
-    the caller: every rank of ``world`` calls this at the same point)."""
+    """``world``'s ranks on a gloo group of the writers' own (made once per job and rank list,
+    here in the caller: every rank of ``world`` calls this at the same point)."""
     if world.group is None:
         return world
-    ranks = tuple(dist.get_process_group_ranks(world.group))
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(
-            list(ranks), backend="gloo", timeout=world.timeout, use_local_synchronization=True
-        )
-    return World(_GROUPS[ranks], world.rank, world.size, world.timeout)
+    return World(made_group("writer", world, "gloo", world.timeout), world.rank, world.size, world.timeout)
 
 
 def stage(state: dict[str, Any]) -> dict[str, Any]:

@@ -136,7 +136,21 @@ def resolve_world(group: object = None, timeout: timedelta | None = None) -> Wor
     return _of_group(group, timeout)
 
 
-_SIDE_GROUPS: dict[tuple[str, tuple[int, ...]], ProcessGroup] = {}
+_MADE: dict[tuple, tuple[ProcessGroup | None, ProcessGroup]] = {}
+
+
+def made_group(purpose: str, world: World, backend: str, timeout: timedelta | None = None) -> ProcessGroup:
+    """A ``backend`` group over ``world``'s ranks for ``purpose``, made on first use (only
+    ``world``'s members take part) and kept for the job: made anew once the job's default
+    group is a new one (the process joined again after ``destroy_process_group``, which
+    destroyed the old groups). Every rank of ``world`` must call this at the same point."""
+    ranks = tuple(dist.get_process_group_ranks(world.group))
+    key = (purpose, backend, ranks, timeout)
+    made = _MADE.get(key)
+    if made is None or made[0] is not dist.group.WORLD:
+        group = dist.new_group(list(ranks), backend=backend, timeout=timeout, use_local_synchronization=True)
+        made = _MADE[key] = (dist.group.WORLD, group)
+    return made[1]
 
 
 def side_world(world: World) -> World:
@@ -146,14 +160,7 @@ def side_world(world: World) -> World:
     take part in creating it."""
     if world.group is None:
         return world
-    ranks = tuple(dist.get_process_group_ranks(world.group))
-    key = (world.backend, ranks)
-    if key not in _SIDE_GROUPS:
-        _SIDE_GROUPS[key] = dist.new_group(list(ranks), backend=world.backend, use_local_synchronization=True)
-    return World(_SIDE_GROUPS[key], world.rank, world.size, world.timeout)
-
-
-_TIMED_GROUPS: dict[tuple, ProcessGroup] = {}
+    return World(made_group("side", world, world.backend), world.rank, world.size, world.timeout)
 
 
 def timed_group(world: World) -> ProcessGroup | None:
@@ -163,13 +170,7 @@ def timed_group(world: World) -> ProcessGroup | None:
     rank of ``world`` must call this at the same point."""
     if world.group is None or world.timeout is None:
         return world.group
-    ranks = tuple(dist.get_process_group_ranks(world.group))
-    key = (id(dist.group.WORLD), ranks, world.timeout)
-    if key not in _TIMED_GROUPS:
-        _TIMED_GROUPS[key] = dist.new_group(
-            list(ranks), backend="gloo", timeout=world.timeout, use_local_synchronization=True
-        )
-    return _TIMED_GROUPS[key]
+    return made_group("timed", world, "gloo", world.timeout)
 
 
 def _device_mesh_type() -> type | None:
