@@ -8,7 +8,10 @@ the rank's state in memory (the goal: a stall no longer than that).
 
 Per way and round: the stall (the call, to its return), the mean step time of the ``--steps``
 steps that follow it (overlapping the background write), relative to plain steps measured in
-the same ranks, and the wait left at the end. Medians over the rounds, with the range.
+the same ranks, and the wait left at the end. Then the roll-back: ``load_checkpoint`` of a
+background save just written, from the copy kept in host memory ([Note: kept copy]) and,
+that copy dropped, from the files (the page cache warm: storage's best case). Medians over
+the rounds, with the range.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
+from flatshard.checkpoint import kept_copy
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, PRESETS
 from flatshard.toolkit.testing import run_distributed
@@ -67,8 +71,9 @@ def _round(way: str, kit: dict, root: str, i: int, steps: int) -> dict:
     began = time.perf_counter()
     future = None
     if way == "copy in memory":
-        tensors = [p.detach() for p in model.parameters()]
-        tensors += [v for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
+        inner = opt.inner  # (this rank's shards and their state, at any stage)
+        tensors = [p.detach() for group in inner.param_groups for p in group["params"]]
+        tensors += [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         [t.clone() for t in tensors]
     elif way == "blocking save":
         flatshard.save_checkpoint(path, model, opt)
@@ -84,6 +89,23 @@ def _round(way: str, kit: dict, root: str, i: int, steps: int) -> dict:
         future.result()
     flatshard.wait_for_checkpoint()
     return {"stall": stall, "step": step, "wait": time.perf_counter() - began}
+
+
+def _roll_back(kit: dict, root: str, i: int) -> dict:
+    """Seconds to load a background save just written: from memory, then from its files."""
+    model, opt = kit["model"], kit["opt"]
+    path = os.path.join(root, f"roll-back-{i}")
+    flatshard.save_checkpoint(path, model, opt, blocking=False)
+    flatshard.wait_for_checkpoint()
+    took = {}
+    for source in ("memory", "files"):
+        if source == "files":
+            kept_copy.forget()
+        dist.barrier()
+        began = time.perf_counter()
+        flatshard.load_checkpoint(path, model, opt)
+        took[source] = time.perf_counter() - began
+    return took
 
 
 def _measure(name: str, stage: int, rounds: int, steps: int, root: str) -> dict:
@@ -116,6 +138,8 @@ def _measure(name: str, stage: int, rounds: int, steps: int, root: str) -> dict:
             "step_vs_plain": [r["step"] / kit["plain"] for r in runs],
             "wait_ms": [r["wait"] * 1e3 for r in runs],
         }
+    backs = [_roll_back(kits["ours"], root, i) for i in range(rounds)]
+    out["roll back"] = {f"{source}_ms": [b[source] * 1e3 for b in backs] for source in ("memory", "files")}
     return out
 
 
@@ -149,6 +173,9 @@ def main() -> None:
         r = result[way]
         cells = (_cell(r["stall_ms"], ".0f"), _cell(r["step_vs_plain"], ".2f"), _cell(r["wait_ms"], ".0f"))
         print(f"{way:24} " + " ".join(f"{c:>22}" for c in cells))
+    back = result["roll back"]
+    print(f"roll back to the last save: from memory {_cell(back['memory_ms'], '.0f')} ms, ", end="")
+    print(f"from its files {_cell(back['files_ms'], '.0f')} ms")
     record = {"args": vars(args), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), **result}
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1)
