@@ -67,6 +67,13 @@ SMALLER = {  # where a type's config has the field (not None): a value that fits
     "depthwise_separable_out_channel": TINY["hidden_size"],
     "nemo_conv_channels": TINY["hidden_size"],
     "output_channels": TINY["hidden_size"],  # (GOT-OCR2's vision neck)
+    # state-space and linear-attention layers (Bamba, Nemotron-H, Kimi Linear): their full-size
+    # states and head counts made a 64-wide model's step seconds long
+    "mamba_d_state": 16,
+    "mamba_chunk_size": 16,
+    "ssm_state_size": 16,
+    "linear_num_heads": TINY["num_attention_heads"],
+    "linear_head_dim": HEAD,
 }
 DERIVED = ("head_dim", "num_key_value_heads", "num_experts_per_tok", "n_routed_experts", "n_shared_experts")
 """Fields some types leave None (to derive from others that ``TINY`` changes): set anyway."""
