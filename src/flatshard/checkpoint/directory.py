@@ -558,8 +558,7 @@ def _read(path: str, manifest: dict[str, Any], world: World, parts: list[Part], 
     if rng:
         state[f"rng/{world.rank}"] = None
     save_id = manifest.get("save_id")
-    if not kept_copy.restore(
-        save_id, state, world, lambda: background.writer_world(world)
-    ):  # ([Note: kept copy])
+    gloo = functools.partial(background.writer_world, world)  # (made only if the copy serves)
+    if not kept_copy.restore(save_id, state, world, gloo):  # (from memory: [Note: kept copy])
         pieces.load(state, path, save_id=save_id, group=timed_group(world), single_process=world.size == 1)
     return state, finishes, extra_keys
