@@ -164,6 +164,11 @@ torch.set_num_threads(1)
 dist.init_process_group("gloo")
 model = flatshard.shard(GPT(PRESETS["tiny"]), stage=3)
 opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+if sys.argv[2:] == ["fail"] and dist.get_rank() == 1:  # (its disk is full)
+    def full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+    import flatshard.checkpoint.pieces
+    flatshard.checkpoint.pieces.save = full
 flatshard.save_checkpoint(sys.argv[1], model, opt, extra={"rank": dist.get_rank()}, blocking=False)
 print("returned", os.path.exists(sys.argv[1]))
 """
@@ -178,6 +183,15 @@ def test_a_script_that_ends_with_a_save_in_flight_leaves_it_complete(tmp_path):
     assert all("returned" in p.stdout for p in procs)
     assert flatshard.verify_checkpoint(path)["files"] > 0
     assert read_manifest(path)["world_size"] == 2
+
+
+def test_a_script_whose_last_save_fails_in_the_background_says_so_on_exit(tmp_path):
+    """No call is left to raise the writer's failure: the exit reports it on every rank."""
+    path = str(tmp_path / "last")
+    _, procs = launched(_SAVE_AND_EXIT, 2, path, "fail")
+    for p in procs:
+        assert f"the background save to {path} failed" in p.stderr, p.stderr[-3000:]
+    assert not os.path.exists(path)
 
 
 def _joins_twice(root: str) -> list[int]:

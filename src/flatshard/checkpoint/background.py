@@ -23,7 +23,8 @@ saves])."""
 # * **At most one save in flight per process.** The next ``save_checkpoint`` or
 #   ``load_checkpoint``, and ``wait_for_checkpoint()``, wait for it first; so does the
 #   interpreter's exit (the writer is not a daemon thread). ``PATH.lock`` stays held by rank
-#   0's writer until the checkpoint is sealed.
+#   0's writer until the checkpoint is sealed. A failed save that no call waited for before
+#   the interpreter's exit is reported on stderr then.
 # * **Visible only when complete, on every rank's word.** The writer runs the blocking save's
 #   write and seal: DCP gathers every rank's write errors and raises them on every rank, and
 #   rank 0 seals (manifest, rename into place) only after every rank's files are written. A
@@ -35,8 +36,10 @@ saves])."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
+import sys
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -88,6 +91,20 @@ def wait_for_checkpoint() -> None:
                 f"the background save to {save.path} failed, so no checkpoint was made there: "
                 f"{type(save.error).__name__}: {save.error}"
             ) from save.error
+
+
+@atexit.register
+def _report_unwaited_failures() -> None:
+    """At exit (after the interpreter waited for the writer threads), say on stderr that a
+    save nobody waited for failed: no later call would raise it."""
+    for save in _IN_FLIGHT:
+        if save.error is not None:
+            print(
+                f"flatshard: the background save to {save.path} failed, so no checkpoint was made there: "
+                f"{type(save.error).__name__}: {save.error}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def start(
