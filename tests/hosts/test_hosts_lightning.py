@@ -264,27 +264,28 @@ class _Params(pl.Callback):
             self.after_first_epoch = module.full_state_dict()
 
 
-def _two_epochs(out: str, stage: int, ckpt_path: str | None = None) -> dict:
-    """Two epochs (4 steps each on 2 ranks), a checkpoint at the end of each; or, from
-    ``ckpt_path``, the rest of the two epochs."""
+def _two_epochs(out: str, stage: int, ckpt_path=None, epochs: int = 2, last: bool = False) -> dict:
+    """Two epochs (4 steps each on 2 ranks), a checkpoint at the end of each (and ``last``:
+    ``last.ckpt``); or, from ``ckpt_path``, the rest of the two; or the first ``epochs``."""
     import flatshard
     import flatshard.hosts.lightning as fl
 
     world_size = int(os.environ["WORLD_SIZE"])
     module, params = _Module(tiny_llama()), _Params()
-    saves = pl.callbacks.ModelCheckpoint(dirpath=f"{out}/ckpt", save_top_k=-1, every_n_epochs=1)
+    saves = pl.callbacks.ModelCheckpoint(f"{out}/ckpt", save_top_k=-1, every_n_epochs=1, save_last=last)
     trainer = _trainer(
         fl.Strategy(stage=stage),
         out,
         world_size,
         max_steps=-1,
-        max_epochs=2,
+        max_epochs=epochs,
         callbacks=[saves, params],
         enable_checkpointing=True,
     )
     trainer.fit(module, _loader(), ckpt_path=ckpt_path)
     first = getattr(params, "after_first_epoch", None)
-    flatshard.save_pretrained(module.model, f"{out}/hf")  # (the transformers model the module holds)
+    # (the transformers model the module holds)
+    flatshard.save_pretrained(module.model, f"{out}/hf-{trainer.current_epoch}")
     return {
         "end": {k.removeprefix("model."): v for k, v in module.full_state_dict().items()},
         "losses": module.losses,
@@ -296,20 +297,28 @@ def _two_epochs(out: str, stage: int, ckpt_path: str | None = None) -> dict:
 
 
 def test_a_checkpoint_resumes_exactly(tmp_path):
-    """A run resumed from the first epoch's checkpoint logs what the uninterrupted run
-    logged in the second epoch, to the bit, and starts from the params it saved."""
+    """A job stopped after its first epoch, whose next saves were cut off, restarted with
+    ``ckpt_path="last"``: a flatshard save appears only whole, so Lightning finds the complete
+    ``last.ckpt`` beside the unfinished ones; the run logs what the uninterrupted run logged in
+    the second epoch, to the bit, and starts from the params it saved."""
+    from flatshard.checkpoint.destination import PARTIAL_MARK
+
     whole = run_distributed(_two_epochs, 2, str(tmp_path / "a"), 2, init=False)
     assert whole[0]["saved"] == ["epoch=0-step=4.ckpt", "epoch=1-step=8.ckpt"], whole[0]["saved"]
-    ckpt = str(tmp_path / "a" / "ckpt" / "epoch=0-step=4.ckpt")
-    assert os.path.isfile(os.path.join(ckpt, "flatshard.json")), ckpt  # (a flatshard checkpoint)
-    resumed = run_distributed(_two_epochs, 2, str(tmp_path / "b"), 2, ckpt, init=False)
+    run_distributed(_two_epochs, 2, str(tmp_path / "b"), 2, None, 1, True, init=False)
+    ckpt = tmp_path / "b" / "ckpt"
+    assert os.path.isfile(ckpt / "last.ckpt" / "flatshard.json"), sorted(os.listdir(ckpt))  # (flatshard's)
+    for cut_off in ("epoch=1-step=8.ckpt.partial", "last.ckpt.partial"):  # (as a killed save leaves them)
+        os.makedirs(ckpt / cut_off)
+        (ckpt / cut_off / PARTIAL_MARK).touch()
+    resumed = run_distributed(_two_epochs, 2, str(tmp_path / "b"), 2, "last", 2, True, init=False)
     for rank, (a, b) in enumerate(zip(whole, resumed, strict=True)):
         assert b["steps"] == a["steps"] == 8, (a["steps"], b["steps"])
         assert b["losses"] == a["losses"][8:], (rank, a["losses"], b["losses"])
         if rank == 0:
             assert all(torch.equal(b["start"][k], v) for k, v in a["after_first_epoch"].items())
     # flatshard.save_pretrained(module.model, ...) of a sharded LightningModule: from_pretrained loads it
-    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "hf").state_dict()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "b" / "hf-2").state_dict()
     assert loaded.keys() <= resumed[0]["end"].keys() and len(loaded) > 10, sorted(loaded)[:5]
     assert all(torch.equal(v, resumed[0]["end"][k]) for k, v in loaded.items())
 
