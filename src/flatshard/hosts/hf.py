@@ -33,6 +33,8 @@ The reasoning is [Note: hosted training] below."""
 #   holds a flatshard checkpoint (``flatshard/``: params, fp32 main params, optimizer state) in
 #   place of ``optimizer.pt``; ``resume_from_checkpoint`` loads it at any world size and stage,
 #   with the scheduler, the trainer state and the RNG states the host saves itself.
+#   The flatshard checkpoint is written in the background while training goes on
+#   ([Note: background saves]); ``train()`` returns once the last one is complete.
 #   ``resume_from_checkpoint=True`` (a restarted job) takes the newest *complete* checkpoint:
 #   the host's own pick is the highest-numbered ``checkpoint-N``, which a save cut off by a
 #   failure leaves behind half written; one counts as complete once its flatshard checkpoint
@@ -55,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from flatshard.checkpoint.background import wait_for_checkpoint
 from flatshard.checkpoint.directory import load_checkpoint, read_manifest, save_checkpoint
 from flatshard.engine.dynamo import uncompiled
 from flatshard.errors import CheckpointError
@@ -138,7 +141,9 @@ class ShardedTrainerMixin:
             resume_from_checkpoint = last_complete_checkpoint(output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint found in output directory ({output_dir})")
-        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        result = super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+        wait_for_checkpoint()  # (the last checkpoint's writer: complete when train() returns)
+        return result
 
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         """Every rank gathers the full state dict; the host's own ``_save`` writes it on rank 0
@@ -147,7 +152,8 @@ class ShardedTrainerMixin:
         super()._save(output_dir, state_dict=state)  # type: ignore[misc]
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        save_checkpoint(os.path.join(output_dir, CHECKPOINT), self.model, _flat(self.optimizer))  # type: ignore[attr-defined]
+        path, model, optimizer = os.path.join(output_dir, CHECKPOINT), self.model, _flat(self.optimizer)  # type: ignore[attr-defined]
+        save_checkpoint(path, model, optimizer, blocking=False)  # (written while training goes on)
         if self.args.should_save:  # type: ignore[attr-defined]
             torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER))  # type: ignore[attr-defined]
 
