@@ -230,7 +230,8 @@ def checkpoint_leg(
     """One leg of a run that moves between layouts: the Llama as PP ``pp`` x DP (the rest of
     the ranks) under ``schedule`` (interleaved: two chunks a rank, saved and loaded as lists),
     or (``pp`` 1) whole over every rank, at ``stage`` with SGD and momentum. ``save``: train
-    ``steps`` steps, save to ``path``, train ``steps`` more; else load ``path`` and train the next
+    ``steps`` steps, save to ``path`` in the background, train ``steps`` more while it is
+    written; else load ``path`` and train the next
     ``steps``. Returns the mean losses after the save point and the full params at the save
     point (saving leg) or after loading."""
     world = dist.get_world_size()
@@ -267,11 +268,13 @@ def checkpoint_leg(
     model, opt = (models, optimizers) if len(models) > 1 else (models[0], optimizers[0])
     if save:
         train(data[:steps])
-        flatshard.save_checkpoint(path, model, opt)
+        flatshard.save_checkpoint(path, model, opt, blocking=False)
     else:
         flatshard.load_checkpoint(path, model, opt)
     at_save = _full_params(models, stage)
-    return {"losses": train(data[steps:]), "params": at_save}
+    losses = train(data[steps:])
+    flatshard.wait_for_checkpoint()
+    return {"losses": losses, "params": at_save}
 
 
 def planned_and_measured(stage: int, micro: int) -> dict:

@@ -252,15 +252,16 @@ def checkpoint_leg(path: str, tp: int, stage: int, save: bool, steps: int = 2, b
 
 def save_or_load_and_continue(path, model, opt, save: bool, data, mine: slice, dp_group, values) -> dict:
     """``save``: train on the first half of ``data`` (this rank's ``mine`` of each batch),
-    save to ``path``; else load it. Then train on the second half. Returns the mean losses
-    over dp of the second half and ``values(model)`` at the save point (gathered at stage 3)."""
+    save to ``path`` in the background (written while the second half trains); else load it.
+    Then train on the second half. Returns the mean losses over dp of the second half and
+    ``values(model)`` at the save point (gathered at stage 3)."""
     steps = len(data) // 2
     if save:
         for idx, targets in data[:steps]:
             model(idx[mine], targets[mine]).backward()
             opt.step()
             opt.zero_grad()
-        flatshard.save_checkpoint(path, model, opt)
+        flatshard.save_checkpoint(path, model, opt, blocking=False)
     else:
         flatshard.load_checkpoint(path, model, opt)
     stage3 = model.flatshard_state.policy.gathers_units
@@ -277,6 +278,7 @@ def save_or_load_and_continue(path, model, opt, save: bool, data, mine: slice, d
         if dp > 1:
             dist.all_reduce(mean, group=dp_group)
         losses.append(mean.item() / dp)
+    flatshard.wait_for_checkpoint()
     return {"losses": losses, "params": at_save_point}
 
 
