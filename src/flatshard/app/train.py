@@ -7,6 +7,7 @@ import math
 import os
 import re
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -16,7 +17,6 @@ import torch.distributed as dist
 
 import flatshard
 from flatshard.app.train_report import Metrics, Progress, format_summary, plot_losses
-from flatshard.checkpoint.destination import MANIFEST
 from flatshard.memory import memory_report
 from flatshard.planner import plan
 from flatshard.planner.stage import DEFAULT_BUCKET_SIZE
@@ -143,26 +143,18 @@ def _optimizer(cfg: TrainConfig, model):
     return optimizer, schedule
 
 
-def checkpoints(directory: str) -> list[tuple[int, str]]:
-    """The complete checkpoints ``step-N`` in ``directory``, oldest first."""
-    if not os.path.isdir(directory):
-        return []
-    found = []
-    for name in os.listdir(directory):
-        match = re.fullmatch(r"step-(\d+)", name)
-        path = os.path.join(directory, name)
-        if match and os.path.isfile(os.path.join(path, MANIFEST)):
-            found.append((int(match.group(1)), path))
-    return sorted(found)
-
-
 def resume_problem(checkpoint_dir: str | None, steps: int) -> str | None:
-    """Why resuming from ``checkpoint_dir`` cannot train toward ``steps``, or None."""
-    found = checkpoints(checkpoint_dir) if checkpoint_dir else []
-    if found and found[-1][0] >= steps:
-        step, path = found[-1]
+    """Why resuming from ``checkpoint_dir`` cannot train toward ``steps``, or None: the
+    checkpoint a resume loads (``latest_checkpoint``, whose warnings the ranks give) is at
+    step ``steps`` or past it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        path = flatshard.latest_checkpoint(checkpoint_dir) if checkpoint_dir else None
+    match = re.match(r"step-(\d+)", os.path.basename(path)) if path else None  # (as _save names them)
+    if match and int(match.group(1)) >= steps:
         return (
-            f"--steps {steps}, but the newest checkpoint {path} is at step {step}: pass --steps above {step}"
+            f"--steps {steps}, but the newest checkpoint {path} is at step {match.group(1)}: "
+            f"pass --steps above {match.group(1)}"
         )
     return None
 
@@ -242,7 +234,7 @@ def _save(directory: str, done: int, model, optimizer, schedule, rank: int) -> N
     """Save ``directory/step-N`` in the background ([Note: background saves]: the next save
     or the run's end waits for it); then drop all but the newest ``KEEP_CHECKPOINTS`` that
     are complete (the one in flight is not yet: the run's end prunes once more)."""
-    path = os.path.join(directory, f"step-{done}")  # (listed in numeric order by checkpoints())
+    path = os.path.join(directory, f"step-{done}")  # (the step read back by resume_problem)
     extra = {"step": done, "schedule": schedule}
     flatshard.save_checkpoint(path, model, optimizer, extra=extra, blocking=False)
     if rank == 0:
