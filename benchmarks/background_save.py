@@ -9,8 +9,8 @@ the rank's state in memory (the goal: a stall no longer than that).
 Per way and round: the stall (the call, to its return), the mean step time of the ``--steps``
 steps that follow it (overlapping the background write), relative to plain steps measured in
 the same ranks, and the wait left at the end. Then the roll-back: ``load_checkpoint`` of a
-background save just written, from the copy kept in host memory ([Note: kept copy]) and,
-that copy dropped, from the files (the page cache warm: storage's best case). Medians over
+background save just written, from its snapshot in host memory ([Note: save snapshots]) and,
+that snapshot dropped, from the files (the page cache warm: storage's best case). Medians over
 the rounds, with the range.
 """
 
@@ -30,7 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
-from flatshard.checkpoint import kept_copy
+from flatshard.checkpoint import snapshot
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, PRESETS
 from flatshard.toolkit.testing import run_distributed
@@ -92,7 +92,7 @@ def _round(way: str, kit: dict, root: str, i: int, steps: int) -> dict:
 
 
 def _roll_back(kit: dict, root: str, i: int) -> dict:
-    """Seconds to load a background save just written: from memory, then from its files."""
+    """Seconds to load a background save just written: from its snapshot, then from its files."""
     model, opt = kit["model"], kit["opt"]
     path = os.path.join(root, f"roll-back-{i}")
     flatshard.save_checkpoint(path, model, opt, blocking=False)
@@ -100,7 +100,7 @@ def _roll_back(kit: dict, root: str, i: int) -> dict:
     took = {}
     for source in ("memory", "files"):
         if source == "files":
-            kept_copy.forget()
+            snapshot.drop()
         dist.barrier()
         began = time.perf_counter()
         flatshard.load_checkpoint(path, model, opt)

@@ -12,7 +12,7 @@ import torch.distributed.checkpoint as dcp
 import flatshard
 from _checkpoints import ADAMW, build, saved_entries, train
 from _launched import launched
-from flatshard.checkpoint import kept_copy, pieces
+from flatshard.checkpoint import pieces, snapshot
 from flatshard.checkpoint.directory import read_manifest
 from flatshard.toolkit.testing import run_distributed
 
@@ -210,7 +210,7 @@ def _joins_twice(root: str) -> list[int]:
         path = os.path.join(root, f"job{attempt}")
         flatshard.save_checkpoint(path, model, opt, extra={"step": attempt + 1}, blocking=False)
         flatshard.wait_for_checkpoint()
-        kept_copy.forget()  # (read the files)
+        snapshot.drop()  # (read the files)
         steps.append(flatshard.load_checkpoint(path, model, opt)["step"])
     return steps
 

@@ -1,6 +1,6 @@
 """Layer 6, checkpoint and weights I/O: checkpoint directories written and read by every
-rank (``directory``), saves written in the background (``background``) and the copy the last
-one leaves in host memory for a load to read (``kept_copy``), the newest complete
+rank (``directory``), saves written in the background (``background``) and the snapshot the last
+one leaves in host memory for a load to read (``snapshot``), the newest complete
 one under a directory (``latest``), where a save may write and how it becomes visible
 (``destination``), what each rank writes as pieces (``state``), the whole model when ranks
 hold pipeline chunks (``chunks``), the DCP planners and checksums for those pieces

@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 
-from flatshard.checkpoint import kept_copy
+from flatshard.checkpoint import snapshot
 from flatshard.checkpoint.pieces import Piece
 from flatshard.comm.world import World, made_group
 from flatshard.errors import CheckpointError
@@ -62,18 +62,18 @@ class _Save:
     """One save being written: its thread, its path, and what went wrong, if anything."""
 
     def __init__(
-        self, path: str, write: Callable[[], None], held: contextlib.ExitStack, kept: tuple[str, dict]
+        self, path: str, write: Callable[[], None], held: contextlib.ExitStack, snap: tuple[str, dict]
     ) -> None:
         self.path = path
         self.error: BaseException | None = None
-        self._write, self._held, self._kept = write, held, kept
+        self._write, self._held, self._snap = write, held, snap
         self.thread = threading.Thread(target=self._run, name=f"flatshard-save {path}", daemon=False)
 
     def _run(self) -> None:
         try:
             with self._held:
                 self._write()
-            kept_copy.keep(*self._kept)  # (complete: what the files hold, [Note: kept copy])
+            snapshot.take(*self._snap)  # (complete: what the files hold, [Note: save snapshots])
         except BaseException as e:  # (kept, raised by the caller's next call)
             self.error = e
 
@@ -111,7 +111,7 @@ def start(
     path: str, write: Callable[[], None], held: contextlib.ExitStack, save_id: str, staged: dict[str, Any]
 ) -> None:
     """Run ``write`` in a thread of its own, then close ``held`` (the save's lock); once it
-    wrote save ``save_id``, keep its ``staged`` state ([Note: kept copy])."""
+    wrote save ``save_id``, its ``staged`` state is its snapshot ([Note: save snapshots])."""
     save = _Save(path, write, held, (save_id, staged))
     with _LOCK:
         _IN_FLIGHT.append(save)
@@ -130,7 +130,7 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
     """A copy of ``state`` (what a rank writes) that nothing the loop does next can change:
     each tensor, in a ``Piece`` or not, copied into a host buffer kept for the next save of
     the same key, dtype and size; everything else deep-copied."""
-    kept_copy.forget()  # (its buffers are staged over now)
+    snapshot.drop()  # (its buffers are staged over now)
     out: dict[str, Any] = {}
     for key, value in state.items():
         if isinstance(value, Piece):

@@ -81,7 +81,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
 
-from flatshard.checkpoint import background, kept_copy, pieces
+from flatshard.checkpoint import background, pieces, snapshot
 from flatshard.checkpoint import state as cs
 from flatshard.checkpoint.chunks import Part, check_covered, chunk_parts, united_groups, whole_model
 from flatshard.checkpoint.destination import (
@@ -486,9 +486,9 @@ def load_checkpoint(
     from the saved value of the same key. RNG states are restored when the checkpoint was
     written by as many ranks as there are now (``restore_rng=False``: never). A rank running
     several pipeline chunks passes them as a list, and their optimizers as a list. A load of
-    the last save made with ``blocking=False`` reads the copy each rank kept in host memory
-    instead of the files, when every rank holds it for the same layout ([Note: kept copy] in
-    ``checkpoint/kept_copy.py``).
+    the last save made with ``blocking=False`` reads each rank's snapshot of it in host memory
+    instead of the files, when every rank holds one for the same layout ([Note: save
+    snapshots] in ``checkpoint/snapshot.py``).
     """
     if not isinstance(restore_rng, bool):
         raise TypeError(f"restore_rng must be True or False, got {restore_rng!r}")
@@ -559,6 +559,6 @@ def _read(path: str, manifest: dict[str, Any], world: World, parts: list[Part], 
         state[f"rng/{world.rank}"] = None
     save_id = manifest.get("save_id")
     gloo = functools.partial(background.writer_world, world)  # (made only if the copy serves)
-    if not kept_copy.restore(save_id, state, world, gloo):  # (from memory: [Note: kept copy])
+    if not snapshot.restore(save_id, state, world, gloo):  # (from memory: [Note: save snapshots])
         pieces.load(state, path, save_id=save_id, group=timed_group(world), single_process=world.size == 1)
     return state, finishes, extra_keys

@@ -1,23 +1,23 @@
-"""The last background save's staged copy, kept in host memory, from which a load of that save
-reads without touching storage ([Note: kept copy])."""
+"""The snapshot of the last background save: its staged copy in host memory, from which a load
+of that save reads without touching storage ([Note: save snapshots])."""
 
-# [Note: kept copy]
+# [Note: save snapshots]
 #
 # A save in the background ([Note: background saves] in ``background.py``) stages this rank's
 # part of the checkpoint into host buffers that the process keeps for the next save. Once the
 # save is complete, that copy is exactly what the files hold (the writer wrote from it), so it
-# is kept, under the save's id, until the next save starts staging over it. A load of a
-# checkpoint whose manifest names that save id reads from the kept copy instead of the files
-# when every rank can: each rank holds a kept copy of that save, and every entry its layout
+# becomes the save's *snapshot*, under the save's id, until the next save stages over it. A load of a
+# checkpoint whose manifest names that save id reads from the snapshot instead of the files
+# when every rank can: each rank holds a snapshot of that save, and every entry its layout
 # asks for is there with the same shape, dtype and place in the param (the same world size,
 # stage and model; otherwise the entries differ and every rank reads the files). At stages
 # 0-2 a load reads each param whole, where a save wrote each rank's pieces of it: those are
-# put together from every rank's kept pieces, in one all-gather a dtype on the writers' gloo
+# put together from every rank's snapshot pieces, in one all-gather a dtype on the writers' gloo
 # group, when the pieces cover each param. The ranks agree in one all-gather of what each
 # holds, so either all read from memory or all from storage. The load's
 # other steps are the same: the manifest and the files' sizes are still checked, the
 # optimizer's state still goes through its own ``load_state_dict``, and non-tensor entries
-# (``extra``, RNG states) are deep-copied out, so the kept copy stays as saved.
+# (``extra``, RNG states) are deep-copied out, so the snapshot stays as saved.
 #
 # This is the roll-back of a job whose ranks all survive (a step that failed or diverged): a
 # reload in host memory speed, not storage speed. A copy kept on a partner rank, to fill a
@@ -37,21 +37,21 @@ import torch
 from flatshard.checkpoint.pieces import Piece
 from flatshard.comm.world import World, all_gather_bytes, all_gather_varied
 
-__all__ = ["forget", "keep", "restore"]
+__all__ = ["drop", "restore", "take"]
 
 _KEPT: dict[str, dict[str, Any]] = {}  # (at most one: save id -> the staged state)
 _LOCK = threading.Lock()
 
 
-def keep(save_id: str, state: dict[str, Any]) -> None:
-    """Keep ``state``, the staged copy of the complete save ``save_id``."""
+def take(save_id: str, state: dict[str, Any]) -> None:
+    """Make ``state``, the staged copy of the complete save ``save_id``, its snapshot."""
     with _LOCK:
         _KEPT.clear()
         _KEPT[save_id] = state
 
 
-def forget() -> None:
-    """Drop the kept copy (its buffers are about to be staged over)."""
+def drop() -> None:
+    """Drop the snapshot (its buffers are about to be staged over)."""
     with _LOCK:
         _KEPT.clear()
 
@@ -59,7 +59,7 @@ def forget() -> None:
 def restore(
     save_id: str | None, request: dict[str, Any], world: World, data_world: Callable[[], World]
 ) -> bool:
-    """Fill a load's ``request`` (this rank's layout) from the kept copy of save ``save_id``
+    """Fill a load's ``request`` (this rank's layout) from the snapshot of save ``save_id``
     and return True, if every rank of ``world`` can; else return False on every rank (the
     caller reads the files). ``data_world()``: the gloo group that gathers whole params."""
     with _LOCK:
@@ -92,7 +92,7 @@ def _is_whole(want: Any) -> bool:
 
 def _held(state: dict[str, Any] | None, request: dict[str, Any]) -> dict | None:
     """What this rank asks for whole ({key: [numel, dtype]}) and holds of it ({key: [offset,
-    numel]}), or None if the kept copy cannot serve this rank's other entries."""
+    numel]}), or None if the snapshot cannot serve this rank's other entries."""
     if state is None:
         return None
     wholes = {key: want for key, want in request.items() if _is_whole(want)}
@@ -159,7 +159,7 @@ def _fill_one(request: dict[str, Any], key: str, want: Any, have: Any) -> None:
 def _gather_wholes(
     request: dict[str, Any], needs: dict[str, str], state: dict[str, Any], everyone: list[dict], world: World
 ) -> None:
-    """Each whole request of ``needs`` put together from every rank's kept pieces: one
+    """Each whole request of ``needs`` put together from every rank's snapshot pieces: one
     all-gather a dtype."""
     for dtype in sorted(set(needs.values())):
         keys = [k for k, d in needs.items() if d == dtype]

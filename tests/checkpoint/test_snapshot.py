@@ -1,5 +1,5 @@
-"""A load of the last background save reads this process's kept copy, not the files, when every
-rank holds it for the same layout ([Note: kept copy] in checkpoint/kept_copy.py): the same
+"""A load of the last background save reads this process's snapshot of it, not the files, when every
+rank holds it for the same layout ([Note: save snapshots] in checkpoint/snapshot.py): the same
 values as reading the files, to the bit; every other case reads the files."""
 
 import os
@@ -9,7 +9,7 @@ import torch
 
 import flatshard
 from _checkpoints import ADAMW, build, params_of, train
-from flatshard.checkpoint import kept_copy, pieces
+from flatshard.checkpoint import pieces, snapshot
 from flatshard.toolkit.testing import run_distributed
 
 
@@ -40,7 +40,7 @@ def _values(model, opt) -> list[torch.Tensor]:
 
 def _roll_back(root: str, stage: int, dtype) -> dict:
     """Save in the background at step 2, train 2 more steps while it writes, then roll back:
-    from the kept copy, then (the copy dropped) from the files."""
+    from the snapshot, then (the snapshot dropped) from the files."""
     model, opt, sched = build(stage, ADAMW, dtype=dtype)
     train(model, opt, sched, range(2))
     path = os.path.join(root, f"s{stage}")
@@ -50,7 +50,7 @@ def _roll_back(root: str, stage: int, dtype) -> dict:
         extra = flatshard.load_checkpoint(path, model, opt, extra={"sched": sched})
         from_memory, epoch = _values(model, opt), sched.last_epoch
         after_memory = train(model, opt, sched, range(2, 3))
-        kept_copy.forget()
+        snapshot.drop()
         flatshard.load_checkpoint(path, model, opt, extra={"sched": sched})
         from_files = _values(model, opt)
         after_files = train(model, opt, sched, range(2, 3))
@@ -71,12 +71,12 @@ def test_rolling_back_to_the_last_background_save_reads_memory_as_the_files(
     world_size, stage, dtype, tmp_path
 ):
     for seen in run_distributed(_roll_back, world_size, str(tmp_path), stage, dtype, timeout=180):
-        # (only the load after the copy was dropped read files)
+        # (only the load after the snapshot was dropped read files)
         assert seen == {"reads": [f"s{stage}"], "step": 2, "epoch": 2, "same": True}, seen
 
 
 def _elsewhere(root: str) -> dict:
-    """Loads the kept copy cannot serve: another layout; a rank without the copy; a save
+    """Loads the snapshot cannot serve: another layout; a rank without one; a save
     after it (the copy is the newest save's); a blocking save (it stages nothing)."""
     model, opt, sched = build(2, ADAMW)
     train(model, opt, sched, range(2))
@@ -87,16 +87,16 @@ def _elsewhere(root: str) -> dict:
     with _CountedReads() as reads:
         flatshard.load_checkpoint(first, other, other_opt)  # (stage 3: other entries)
         if torch.distributed.get_rank() == 1:
-            kept_copy.forget()
-        flatshard.load_checkpoint(first, model, opt)  # (rank 1 has no copy: every rank reads)
+            snapshot.drop()
+        flatshard.load_checkpoint(first, model, opt)  # (rank 1 has none: every rank reads)
         flatshard.save_checkpoint(second, model, opt, blocking=False)
-        flatshard.load_checkpoint(first, model, opt)  # (the copy is second's now)
+        flatshard.load_checkpoint(first, model, opt)  # (the snapshot is second's now)
         flatshard.load_checkpoint(second, model, opt)  # (from memory)
         flatshard.save_checkpoint(third, model, opt)
         flatshard.load_checkpoint(third, model, opt)
     return {"reads": reads}
 
 
-def test_a_load_the_kept_copy_cannot_serve_reads_the_files_on_every_rank(tmp_path):
+def test_a_load_the_snapshot_cannot_serve_reads_the_files_on_every_rank(tmp_path):
     for seen in run_distributed(_elsewhere, 2, str(tmp_path), timeout=180):
         assert seen["reads"] == ["first", "first", "first", "third"], seen
