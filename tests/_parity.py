@@ -390,9 +390,13 @@ def train_against_fsdp2(
     batch: int = 4,
     clip: float | None = 1.0,
     model_cls=TiedGPT,
+    after_step=None,
+    optimizer_class=torch.optim.AdamW,
+    hyper: dict | None = None,
 ) -> dict:
-    """Train flatshard (with DistributedOptimizer + AdamW) and torch FSDP2 (``fully_shard``
-    on every block, then the root, + AdamW) side by side; report loss and param diffs."""
+    """Train flatshard (with DistributedOptimizer + ``optimizer_class``, AdamW by default)
+    and torch FSDP2 (``fully_shard`` on every block, then the root) side by side; report
+    loss and param diffs. ``after_step(reference)`` runs after each of FSDP2's steps."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(0)
@@ -403,9 +407,9 @@ def train_against_fsdp2(
         fully_shard(block, mesh=mesh, **(fsdp_kwargs or {}))
     fully_shard(reference, mesh=mesh, **(fsdp_kwargs or {}))
     ours = flatshard.shard(model, **shard_kwargs)
-    hyper = {"lr": 1e-2, "weight_decay": 0.1}
-    opt_ref = torch.optim.AdamW(reference.parameters(), **hyper)
-    opt = flatshard.DistributedOptimizer(ours, torch.optim.AdamW, **hyper)
+    hyper = {"lr": 1e-2, "weight_decay": 0.1} if hyper is None else hyper
+    opt_ref = optimizer_class(reference.parameters(), **hyper)
+    opt = flatshard.DistributedOptimizer(ours, optimizer_class, **hyper)
     corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
     out = {"loss_diffs": [], "param_diffs": [], "norm_diffs": [], "losses": []}
     for step in range(steps):
@@ -423,6 +427,8 @@ def train_against_fsdp2(
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
+        if after_step is not None:
+            after_step(reference)
         ref_full = [p.full_tensor() for p in reference.parameters()]
         out["param_diffs"].append(
             max(max_rel_diff(p, q) for p, q in zip(full_params(ours), ref_full, strict=True))

@@ -19,7 +19,7 @@ import flatshard
 import flatshard.engine.buffer as buffer_module
 import flatshard.engine.reduction as reduction
 import flatshard.units.full_buckets as full_buckets
-import flatshard.units.unshard as unshard
+import flatshard.units.parts as parts
 from _parity import CheckpointedGPT, RankSkippingGPT, SharedBlockGPT
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
@@ -65,7 +65,7 @@ class _Watched:
 
 
 def _install(watch: _Watch) -> None:
-    unshard.all_gather = watch.wrap(unshard.all_gather)
+    parts.all_gather = watch.wrap(parts.all_gather)
     reduction.reduce_scatter_coalesced = watch.wrap(reduction.reduce_scatter_coalesced)
     reduction.all_reduce = watch.wrap(reduction.all_reduce)
     release, give = buffer_module.release, reduction.ScratchPool.give

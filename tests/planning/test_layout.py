@@ -324,6 +324,27 @@ def test_unsharded_layout_has_no_padding_and_whole_bucket_shards():
     assert buf.numel == 12 and buf.buckets[0].shard_range(3) == (0, 12)
 
 
+def test_params_gathered_in_fp8_get_a_buffer_of_their_own():
+    """([Note: fp8 gathers]) Same dtypes, but one buffer (and so one bucket, one gather
+    dtype) per gather dtype, in first-seen order, each tiled and padded as any buffer."""
+    fp8 = torch.float8_e4m3fn
+    specs = [
+        _spec("norm", 10),
+        _spec("w1", 300, gather_dtype=fp8),
+        _spec("b", 7),
+        _spec("w2", 300, gather_dtype=fp8),
+    ]
+    layout = plan_layout(specs, world_size=3, bucket_size=500)
+    plain, gathered = layout.buffers
+    assert (plain.gather_dtype, gathered.gather_dtype) == (None, fp8)
+    assert [s.name for s in plain.params] == ["b", "norm"] and [s.name for s in gathered.params] == [
+        "w2",
+        "w1",
+    ]
+    assert all(b.numel % 384 == 0 for b in gathered.buckets)
+    assert "gathered in float8_e4m3fn" in str(layout)
+
+
 def test_str_is_a_table():
     text = str(plan_layout([_spec("w", 100), _spec("h", 10, torch.bfloat16)], world_size=2))
     assert "buffer 0: param float32" in text and "buffer 1: param bfloat16" in text and " w" in text

@@ -218,9 +218,9 @@ def _gathers_case(backward_prefetch: str | None) -> list[int]:
     counts = [0] * len(unsharder.units)
     issue = unsharder.unshard
 
-    def counted(u: int) -> None:  # a gather is issued when a unit leaves the sharded state
+    def counted(u: int, **exact) -> None:  # a gather is issued when a unit leaves the sharded state
         before = unsharder.state[u]
-        issue(u)
+        issue(u, **exact)
         counts[u] += unsharder.state[u] is not before
 
     unsharder.unshard = counted

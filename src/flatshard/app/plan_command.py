@@ -64,6 +64,12 @@ def add_plan(sub) -> None:
     )
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
     plan.add_argument(
+        "--fp8-gathers",
+        action="store_true",
+        help="with --model: its linears converted to torchao's float8 training with fp8 all-gathers "
+        "(but the output head): stage 3 gathers their weights in one byte an element",
+    )
+    plan.add_argument(
         "--offload",
         action="store_true",
         help="with --model: as shard(..., offload=flatshard.Offload()): the bytes on the host and "
@@ -89,7 +95,8 @@ def run_plan(args: argparse.Namespace) -> int:
 
     precision = OptimizerPrecision(plan.DTYPES[args.main_dtype], plan.DTYPES[args.state_dtype])
     if args.params is not None:
-        for option, given in (("--offload", args.offload), ("--device-budget", args.device_budget)):
+        only_model = (("--offload", args.offload), ("--device-budget", args.device_budget))
+        for option, given in (*only_model, ("--fp8-gathers", args.fp8_gathers)):
             if given:
                 print(f"flatshard plan: {option} applies to --model only", file=sys.stderr)
                 return 2
@@ -146,6 +153,7 @@ def run_plan(args: argparse.Namespace) -> int:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
         title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
         title += ", the optimizer offloaded" if args.offload else ""
+        title += ", float8 linears gathered in fp8 at stage 3" if args.fp8_gathers else ""
         print(plan.format_plan(plans, title))
         if args.model is not None:
             print(units)

@@ -10,7 +10,9 @@ The reasoning is in the notes below ([Note: layout], ...)."""
 #
 # Rules (after Megatron-Core's ``_ParamAndGradBuffer``):
 #
-# * one buffer per (param dtype, grad dtype), in first-seen registration order;
+# * one buffer per (param dtype, grad dtype, gather dtype), in first-seen registration order
+#   (the gather dtype: fp8 for params gathered in fp8, [Note: fp8 gathers] in
+#   ``engine/fp8_gathers.py``; None for the others);
 # * inside a buffer, params are laid out in *reverse* registration order, which is the order
 #   in which backward produces their grads, so the first bucket is ready first;
 # * a param is never split across buckets; a bucket closes as soon as it holds at least
@@ -122,7 +124,8 @@ class ParamSpec:
 
     ``unit`` names the stage-3 gather unit the param belongs to (``None``: no unit
     boundary is imposed). ``whole``: a sharded layout keeps the param whole in one rank's
-    shard ([Note: whole-param buckets]).
+    shard ([Note: whole-param buckets]). ``gather_dtype``: the dtype its gathers send (an
+    fp8 dtype: [Note: fp8 gathers]; None: its own).
     """
 
     name: str
@@ -132,6 +135,7 @@ class ParamSpec:
     own_bucket: bool = False
     unit: str | None = None
     whole: bool = False
+    gather_dtype: torch.dtype | None = None
 
     def __post_init__(self) -> None:
         if self.numel <= 0:
@@ -257,6 +261,7 @@ class BufferLayout:
     grad_dtype: torch.dtype
     numel: int  # padded total
     buckets: tuple[BucketLayout, ...]
+    gather_dtype: torch.dtype | None = None  # what its gathers send (None: ``dtype``)
 
     @property
     def params(self) -> Iterator[ParamSlot]:
@@ -344,16 +349,16 @@ def plan_layout(
     if align is not None:
         multiple = math.lcm(multiple, world_size * align)
     step = align or PARAM_ALIGN
-    groups: dict[tuple[torch.dtype, torch.dtype], list[int]] = {}
+    groups: dict[tuple[torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault((spec.dtype, spec.grad_dtype), []).append(i)
+        groups.setdefault((spec.dtype, spec.grad_dtype, spec.gather_dtype), []).append(i)
     buffers = []
     loads = [0] * world_size  # of whole-param buckets, carried from buffer to buffer
-    for b, ((dtype, grad_dtype), indices) in enumerate(groups.items()):
+    for b, ((dtype, grad_dtype, gather_dtype), indices) in enumerate(groups.items()):
         ordered = [specs[i] for i in reversed(indices)]
         grouped = _group_buckets(ordered, list(reversed(indices)), bucket_size, shard, step)
         buckets = _place_buckets(grouped, shard, multiple, world_size, loads, step)
-        buffers.append(BufferLayout(b, dtype, grad_dtype, buckets[-1].end, tuple(buckets)))
+        buffers.append(BufferLayout(b, dtype, grad_dtype, buckets[-1].end, tuple(buckets), gather_dtype))
     return Layout(world_size, shard, bucket_size, multiple if shard else 1, tuple(buffers))
 
 
@@ -490,9 +495,10 @@ def format_layout(layout: Layout) -> str:
     lines = [f"Layout: {len(layout.buffers)} buffer(s), {layout.numel:,} elements, {kind}"]
     for buf in layout.buffers:
         pad = buf.numel - buf.numel_unpadded
+        gathered = "" if buf.gather_dtype is None else f", gathered in {_dtype_name(buf.gather_dtype)}"
         lines.append(
-            f"buffer {buf.index}: param {_dtype_name(buf.dtype)}, grad {_dtype_name(buf.grad_dtype)},"
-            f" {buf.numel:,} elements ({pad:,} padding)"
+            f"buffer {buf.index}: param {_dtype_name(buf.dtype)}, grad {_dtype_name(buf.grad_dtype)}"
+            f"{gathered}, {buf.numel:,} elements ({pad:,} padding)"
         )
         lines.append(f"  {'bucket':>6} {'start':>12} {'end':>12} {'unpadded':>12} {'shard':>10}  params")
         for bucket in buf.buckets:

@@ -183,6 +183,7 @@ def plan_from_specs(
         group_of = {spec.name: 0 for spec in specs}
         for buffer in layout.buffers:
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
+            sent = buffer.gather_dtype.itemsize if buffer.gather_dtype and policy.gathers_units else pb
             full, shard = buffer.numel, buffer.shard_numel(rank)
             half = buffer.dtype in HALF_DTYPES and fp32_main  # (at stage 3 they hold the 16-bit shard)
             held_by_main = half or offload  # (offloaded fp32 params get a host copy too)
@@ -193,13 +194,14 @@ def plan_from_specs(
             totals["main_params"] += main
             totals["optimizer_state"] += state
             totals["comm_bytes_per_step"] += sum(
-                _comm(policy, b.numel, world_size, pb, gb, gathers(b)) for b in buffer.buckets
+                _comm(policy, b.numel, world_size, sent, gb, gathers(b)) for b in buffer.buckets
             )
             if offload:  # the grads' host frame; grads down once, params up once a step or gather
                 totals["grads"] += gb * shard
                 totals["host"] += main + state + gb * shard
                 ups = [gathers(b) if policy.shards_params else 1 for b in buffer.buckets]
-                up = sum(pb * b.shard_range(rank).size * n for b, n in zip(buffer.buckets, ups, strict=True))
+                sizes = [b.shard_range(rank).size for b in buffer.buckets]
+                up = sum(sent * size * n for size, n in zip(sizes, ups, strict=True))
                 totals["link_bytes_per_step"] += gb * shard + up
         frozen = stage3_frozen_specs if policy.gathers_units and stage3_frozen_specs else frozen_specs
         _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank)

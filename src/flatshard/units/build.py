@@ -47,7 +47,7 @@ The reasoning is in the notes below ([Note: meta init], ...)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import nn
@@ -55,10 +55,12 @@ from torch import nn
 from flatshard.comm.collectives import CommStats, broadcast
 from flatshard.comm.world import World, side_world
 from flatshard.engine.buffer import BufferSet
+from flatshard.engine.fp8_gathers import Fp8Cast, fp8_scales
 from flatshard.planner.stage import Stage3
 from flatshard.units.full_buckets import FullBuckets
+from flatshard.units.parts import Part
 from flatshard.units.unit_tree import Unit, module_units
-from flatshard.units.unshard import Part, Unsharder
+from flatshard.units.unshard import Unsharder
 
 COALESCE_NUMEL = 2**22
 """Elements per broadcast when rank 0's values are sent to every rank before binding."""
@@ -70,16 +72,21 @@ def build_unsharder(
     sets: Sequence[BufferSet],
     stats: CommStats,
     options: Stage3,
+    fp8: Mapping[str, Fp8Cast],
 ) -> Unsharder:
-    """The parts (buckets) of each unit and the ``Unsharder`` over them."""
+    """The parts (buckets) of each unit and the ``Unsharder`` over them; ``fp8``: how each
+    weight gathered in fp8 is cast, by name ([Note: fp8 gathers])."""
     parts: list[list[Part]] = [[] for _ in units]
     for bset in sets:
         gather_world = side_world(bset.world)
+        scales = fp8_scales(bset.buffers, fp8, gather_world)
         for buffer in bset.buffers:
             full = FullBuckets(buffer, bset.params)  # (its params are placeholders from here on)
+            in_fp8 = scales if buffer.layout.gather_dtype is not None else None
             for bucket in buffer.layout.buckets:
                 first = bset.params[bucket.params[0].index]
-                parts[unit_of[id(first)]].append(Part(buffer, bucket, gather_world, bset.params, full))
+                part = Part(buffer, bucket, gather_world, bset.params, full, in_fp8)
+                parts[unit_of[id(first)]].append(part)
     return Unsharder(units, parts, stats, options)
 
 

@@ -32,8 +32,9 @@ from flatshard.engine.buffer import BufferSet
 from flatshard.engine.lifecycle import Grads
 from flatshard.engine.tensor_parallel import as_grad_of, full_value, local, local_shape, local_values
 from flatshard.engine.wrapper_tensors import copy_to
+from flatshard.units.parts import Part
 from flatshard.units.placeholder import loading_into
-from flatshard.units.unshard import Part, Unsharder
+from flatshard.units.unshard import Unsharder
 
 
 class Stage3State(Protocol):
@@ -75,9 +76,9 @@ def _summon(state: Stage3State, *, writeback: bool, rank0_only: bool, grads: Gra
     unsharder.settle()
     parts = [part for unit_parts in unsharder.parts for part in unit_parts]
     for u in range(len(unsharder.units)):
-        unsharder.unshard(u)
+        unsharder.unshard(u, exact=True)
     for u in range(len(unsharder.units)):
-        unsharder.wait(u)
+        unsharder.wait(u, exact=True)
     with_grads = [p for p in parts if p.buffer.has_grads] if grads is not None else []  # (frozen: none)
     previous = _gather_grads(with_grads, grads)
     if rank0_only and _rank(parts) != 0:
@@ -197,7 +198,7 @@ def full_state_dict(
         keys = [k for k, t in entries.items() if unit_of.get(id(t)) == u and id(t) not in skip]
         if not keys:
             continue
-        unsharder.wait(u)
+        unsharder.wait(u, exact=True)
         for k in keys:  # (a tp shard is gathered full by every tp rank: [Note: tensor-parallel params])
             value = full_value(entries[k], entries[k].detach())
             if rank0:

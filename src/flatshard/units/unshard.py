@@ -123,7 +123,6 @@ The reasoning is in the notes below ([Note: unsharding], ...)."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -131,50 +130,18 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_leaves
 
-from flatshard.comm.collectives import HOST_TO_DEVICE, CommStats, Handle, all_gather, all_reduce
+from flatshard.comm.collectives import CommStats, Handle, all_reduce
 from flatshard.comm.deadline import HERE
 from flatshard.comm.trace import span
 from flatshard.comm.world import World
-from flatshard.engine.buffer import FlatBuffer
 from flatshard.engine.dynamo import eager, eager_pre_hook, whole_outside_graphs
 from flatshard.engine.lifecycle import Gather, advance
 from flatshard.errors import ShardedParamError
-from flatshard.planner.layout import BucketLayout
 from flatshard.planner.stage import Stage3
 from flatshard.units.entries import agree_on_entry
-from flatshard.units.full_buckets import FullBuckets
+from flatshard.units.parts import Part, start_gather
 from flatshard.units.placeholder import label
 from flatshard.units.unit_tree import Unit, entry_points
-
-
-@dataclass(frozen=True)
-class Part:
-    """One bucket of a unit, with what gathering it needs."""
-
-    buffer: FlatBuffer
-    bucket: BucketLayout
-    world: World
-    params: Sequence[nn.Parameter]  # indexed by slot.index
-    full_buckets: FullBuckets | None = None  # the buffer's (None: only grads are gathered)
-
-    def full_tensor(self) -> torch.Tensor:
-        """The bucket's full tensor ([Note: full buckets])."""
-        return self._buckets().tensor(self.bucket)
-
-    def allocate(self) -> torch.Tensor:
-        return self._buckets().allocate(self.bucket)
-
-    def free(self) -> None:
-        self._buckets().free(self.bucket)
-
-    def point(self, *, full: bool) -> None:
-        """The bucket's params at their views of the full bucket, or at their placeholders."""
-        self._buckets().point(self.bucket, full=full)
-
-    def _buckets(self) -> FullBuckets:
-        if self.full_buckets is None:
-            raise RuntimeError(f"bucket {self.bucket.index} is not sharded at stage 3: it has no full bucket")
-        return self.full_buckets
 
 
 class Unsharder:
@@ -194,6 +161,9 @@ class Unsharder:
         self.options = options
         self.state = [Gather.SHARDED] * len(units)
         self._handles: dict[int, list[Handle]] = {}
+        self._wires: dict[int, list[tuple[Part, torch.Tensor]]] = {}  # fp8 bytes in flight, by unit
+        scales = (p.scales for ps in parts for p in ps if p.scales is not None)
+        self._fp8 = list({id(s): s for s in scales}.values())  # (one a buffer set)
         self._recording: list[int] | None = []  # units in the order the first forward runs them
         self._ran: set[int] = set()  # units whose forward ran since the last backward
         self._ran_now: set[int] = set()  # units whose forward ran in the current forward
@@ -244,32 +214,51 @@ class Unsharder:
                     label(part.params[slot.index], where)
 
     # -- the three states ----------------------------------------------------------------------
-    def unshard(self, u: int) -> None:
-        """Start gathering unit ``u`` (nothing if it is gathering or full)."""
+    def unshard(self, u: int, *, exact: bool = False) -> None:
+        """Start gathering unit ``u`` (nothing if it is gathering or full); ``exact``: in the
+        param dtype, for a reader of values (for compute, fp8 weights are gathered in fp8:
+        see [Note: fp8 gathers])."""
         if self.state[u] is not Gather.SHARDED:
             return
         handles = []
         with torch.no_grad(), span("gather unit {} ({})", u, self.units[u].name or "root"):
             for part in self.parts[u]:
                 full = self.allocate(part)
-                mine = part.buffer.own_part(full, part.bucket)
-                mine.copy_(part.buffer.gather_source(part.bucket))
-                if part.buffer.main_on_host:  # (an offloaded shard: [Note: memory tiers])
-                    self.stats.record(HOST_TO_DEVICE, mine.numel() * mine.element_size(), 0)
-                if part.world.size > 1:
-                    splits = part.bucket.splits
-                    handles.append(all_gather(full, mine, part.world, stats=self.stats, splits=splits))
+                fp8 = part.scales is not None and not exact
+                if part.scales is not None and fp8 and part.scales.scales is None:
+                    self._refresh_scales()  # (a gather outside the forward schedule, before any)
+                handle, wire = start_gather(part, full, self.stats, fp8=fp8)
+                handles.append(handle)
+                if wire is not None:
+                    self._wires.setdefault(u, []).append((part, wire))
+                    self._count_full(wire.numel())
         self._handles[u] = handles
         self.state[u] = advance(self.state[u], Gather.GATHERING, "a unit")
 
-    def wait(self, u: int) -> None:
-        """Make unit ``u`` full: wait for its gathers and point its params at them."""
-        self.unshard(u)
+    def _refresh_scales(self) -> None:
+        """Every fp8 weight's scale from the values of record (one all-reduce a world)."""
+        for scales in self._fp8:
+            scales.refresh(lambda buffer, bucket: buffer.gather_source(bucket), self.stats)
+
+    def _drop_wires(self, u: int, *, decode: bool) -> None:
+        """Free unit ``u``'s fp8 bytes, first decoding them into its full buckets."""
+        for part, wire in self._wires.pop(u, []):
+            if decode:
+                assert part.scales is not None
+                part.scales.decode(part.buffer, part.bucket, wire, part.full_tensor())
+            self._count_full(-wire.numel())
+
+    def wait(self, u: int, *, exact: bool = False) -> None:
+        """Make unit ``u`` full: wait for its gathers and point its params at them
+        (``exact`` as in ``unshard``)."""
+        self.unshard(u, exact=exact)
         if self.state[u] is not Gather.GATHERING:
             return
         with span("wait unit {} ({})", u, self.units[u].name or "root"):
             for handle in self._handles.pop(u):
                 handle.wait()
+            with torch.no_grad():
+                self._drop_wires(u, decode=True)
         for part in self.parts[u]:
             part.point(full=True)
         self.state[u] = advance(self.state[u], Gather.FULL, "a unit")
@@ -282,6 +271,7 @@ class Unsharder:
         if self.state[u] is Gather.GATHERING:
             for handle in self._handles.pop(u):
                 handle.wait()
+            self._drop_wires(u, decode=False)
         for part in self.parts[u]:
             part.point(full=False)
             self.free(part)
@@ -290,9 +280,12 @@ class Unsharder:
     def allocate(self, part: Part) -> torch.Tensor:
         """The part's full bucket with its storage allocated (counted in ``full_bytes``)."""
         full = part.allocate()
-        self.full_bytes += full.numel() * full.element_size()
-        self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes)
+        self._count_full(full.numel() * full.element_size())
         return full
+
+    def _count_full(self, nbytes: int) -> None:
+        self.full_bytes += nbytes
+        self.peak_full_bytes = max(self.peak_full_bytes, self.full_bytes)
 
     def free(self, part: Part) -> None:
         full = part.full_tensor()
@@ -324,6 +317,8 @@ class Unsharder:
         """Issue the schedule's gathers up to entry ``pos`` (in order, each once); in backward
         a unit that did not run since the last backward is freed as soon as it lands."""
         while schedule.pos <= min(pos, len(schedule.units) - 1):
+            if schedule is self._fwd and schedule.pos == 0 and self._fp8:  # (a new forward's first gather)
+                self._refresh_scales()
             v = schedule.units[schedule.pos]
             schedule.pos += 1
             self.unshard(v)

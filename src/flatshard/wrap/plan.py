@@ -8,8 +8,8 @@ first step of building (``wrap/shard.py``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from functools import partial
 
@@ -19,6 +19,7 @@ from torch import nn
 
 from flatshard.comm.deadline import HERE, Phase, as_timeout, publish_positions
 from flatshard.comm.world import ONE, World, resolve_world, resolve_worlds
+from flatshard.engine.fp8_gathers import Fp8Cast
 from flatshard.engine.tensor_parallel import TensorParallel, describe, is_distributed, mesh_of, refuse
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision, cast_params
@@ -140,6 +141,7 @@ class WrapPlan:
     tensor_parallel: TensorParallel | None = None  # DTensor params' tp dimension
     expert_parallel: World | None = None  # Experts.ep ([Note: expert parallelism])
     offload: Offload | None = None  # host homes ([Note: memory tiers] in planner/offload.py)
+    fp8: Mapping[str, Fp8Cast] = field(default_factory=dict)  # weights gathered in fp8, by name
 
     @property
     def worlds(self) -> tuple[World, World]:
@@ -181,7 +183,7 @@ def plan_wrap(
             f"mixed_precision must be a flatshard.MixedPrecision or None, got {mixed_precision!r}"
         )
     mp = mixed_precision or MixedPrecision()
-    make_plain(module)  # ([Note: tensor-subclass params])
+    marked = make_plain(module)  # ([Note: tensor-subclass params])
     world, replicate = _worlds(group, policy, timeout)
     s3 = policy.stage3
     replicated = _frozen_replicated(module, policy, expert, s3.ignored_modules)
@@ -191,8 +193,9 @@ def plan_wrap(
     units, unit_of = (
         stage3_units(module, named, s3.units, s3.unit_bytes) if policy.gathers_units else ([], {})
     )
+    fp8 = _fp8_gathered(module, marked, policy)
     specs_of = partial(
-        param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole, mixed_precision=mp
+        param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole, mixed_precision=mp, fp8=fp8
     )
     parts = _split_worlds(named, world, replicate, grad_scale, expert)
     parts += _frozen_part(module, replicated, unit_of, world, replicate) if policy.shards_params else []
@@ -231,7 +234,18 @@ def plan_wrap(
         tp,
         expert_parallel_world(expert, world.timeout),
         offload,
+        fp8,
     )
+
+
+def _fp8_gathered(
+    module: nn.Module, marked: Mapping[str, Fp8Cast], policy: StagePolicy
+) -> dict[str, Fp8Cast]:
+    """The weights gathered in fp8 ([Note: fp8 gathers]): at stage 3, those torchao marked
+    for it, but tensor-parallel ones."""
+    if not policy.gathers_units:
+        return {}
+    return {n: cast for n, cast in marked.items() if not is_distributed(module.get_parameter(n))}
 
 
 def _holds_dtensors(part: ParamPart) -> bool:

@@ -221,7 +221,7 @@ def _expert_spread(plan: WrapPlan, sets: Mapping[str, BufferSet]) -> ExpertSprea
 
 
 def _unsharder(plan: WrapPlan, sets: list[BufferSet], stats: CommStats) -> Unsharder:
-    unsharder = build_unsharder(list(plan.units), plan.unit_of, sets, stats, plan.policy.stage3)
+    unsharder = build_unsharder(list(plan.units), plan.unit_of, sets, stats, plan.policy.stage3, plan.fp8)
     if any(b.world.size > 1 and b.params and b.params[0].device.type == "cpu" for b in sets):
         warn_once_without_tunables()  # gathers and frees fragment glibc's heap otherwise
     return unsharder

@@ -8,16 +8,18 @@ must stay whole in one rank's shard (``whole_params``: [Note: whole-param bucket
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
 
-from flatshard.engine.tensor_parallel import local_shape
+from flatshard.engine.fp8_gathers import Fp8Cast
+from flatshard.engine.tensor_parallel import is_distributed, local_shape
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision
 from flatshard.planner.stage import DEFAULT_UNIT_BYTES, StagePolicy
 from flatshard.units.unit_tree import UnitSpec, assign_params, find_units, merge_units
+from flatshard.wrap.subclass_params import fp8_marked
 
 WholeParams = Callable[[str, nn.Parameter], bool] | Iterable[nn.Parameter] | None
 """Params a sharded layout keeps whole: a predicate ``(name, param) -> bool``, or params."""
@@ -57,10 +59,13 @@ def param_specs(
     unit_of: dict[int, int] | None = None,
     whole: frozenset[str] = frozenset(),
     mixed_precision: MixedPrecision | None = None,
+    fp8: Mapping[str, Fp8Cast] | None = None,
 ) -> list[ParamSpec]:
     """What the layout planner needs of ``named`` params (``tied``: ids of shared params;
     ``unit_of``: stage-3 unit index by param id; ``whole``: names of params kept whole;
-    ``mixed_precision``: the dtype grads accumulate in)."""
+    ``mixed_precision``: the dtype grads accumulate in; ``fp8``: the weights gathered in fp8,
+    by name)."""
+    fp8 = fp8 or {}
     unit_of = unit_of or {}
     mp = mixed_precision or MixedPrecision()
     return [
@@ -72,6 +77,7 @@ def param_specs(
             id(p) in tied and not unit_of,  # at stage 3 a unit's buckets are what is gathered
             None if id(p) not in unit_of else str(unit_of[id(p)]),
             n in whole,
+            fp8[n].dtype if n in fp8 else None,
         )
         for n, p in named
     ]
@@ -110,14 +116,17 @@ def model_specs(
 ) -> list[ParamSpec]:
     """``param_specs`` of a module's trainable params (``frozen``: of its frozen floating
     params) as ``shard(module, stage=stage, whole_params=..., stage3=Stage3(unit_bytes=...))`` lays them out
-    (works on the meta device)."""
+    (works on the meta device; torchao's fp8-gather weights are gathered in fp8 at stage 3)."""
     named = [
         (n, p)
         for n, p in module.named_parameters()
         if (p.requires_grad if not frozen else not p.requires_grad and p.is_floating_point())
     ]
-    unit_of = stage3_units(module, named, units, unit_bytes)[1] if StagePolicy(stage).gathers_units else {}
-    return param_specs(named, tied_params(module), unit_of, whole_param_names(module, whole_params))
+    gathers_units = StagePolicy(stage).gathers_units
+    unit_of = stage3_units(module, named, units, unit_bytes)[1] if gathers_units else {}
+    fp8 = {n: c for n, c in fp8_marked(module).items() if not is_distributed(module.get_parameter(n))}
+    whole = whole_param_names(module, whole_params)
+    return param_specs(named, tied_params(module), unit_of, whole, fp8=fp8 if gathers_units else None)
 
 
 def names_by_param(module: nn.Module) -> dict[int, list[str]]:

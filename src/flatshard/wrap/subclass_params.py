@@ -20,7 +20,8 @@ otherwise ([Note: tensor-subclass params])."""
 #   param is replaced, in every module that holds it (tied ones stay tied), by a plain
 #   ``nn.Parameter`` over those values with the same ``requires_grad``; a DTensor param whose
 #   local shard is the wrapper gets a DTensor over the plain local shard. The arithmetic is a
-#   one-process torchao run's; only the gather's bytes differ (the param dtype, not fp8).
+#   one-process torchao run's. The marker asked for fp8 all-gathers: flatshard's stage 3
+#   gathers such weights in fp8 ([Note: fp8 gathers] in ``engine/fp8_gathers.py``).
 # * **A frozen param of any other wrapper class is replicated** on every rank, at stage 3
 #   too (below it every frozen param is): flatshard never rebinds it, and it computes as in
 #   one process (a quantized frozen base, such as torchao's NF4 weights of a QLoRA model).
@@ -40,9 +41,10 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from flatshard.engine.fp8_gathers import Fp8Cast
 from flatshard.engine.wrapper_tensors import inner_values, is_wrapper
 
-__all__ = ["WRAPPER_MARKERS", "frozen_wrappers", "make_plain"]
+__all__ = ["WRAPPER_MARKERS", "fp8_marked", "frozen_wrappers", "make_plain"]
 
 # (module, class name) of wrapper classes known to mark plain values (read by name: flatshard
 # does not import torchao).
@@ -72,10 +74,11 @@ def _plain(param: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(values, requires_grad=param.requires_grad)
 
 
-def make_plain(module: nn.Module) -> list[str]:
+def make_plain(module: nn.Module) -> dict[str, Fp8Cast]:
     """Replace every param of a known marker class with a plain one in every module that
     holds it, after refusing a trainable param of another wrapper class (nothing is replaced
-    then). Returns the names made plain."""
+    then). Returns how each param made plain is cast for its fp8 gathers, by name
+    ([Note: fp8 gathers] in ``engine/fp8_gathers.py``)."""
     found = []
     for owner_name, owner in module.named_modules(remove_duplicate=False):
         for local_name, param in owner._parameters.items():
@@ -86,15 +89,34 @@ def make_plain(module: nn.Module) -> list[str]:
                     raise _refused(name, param)
                 found.append((owner, local_name, name, param))
     replaced: dict[int, nn.Parameter] = {}
-    names: list[str] = []
+    casts: dict[str, Fp8Cast] = {}
     for owner, local_name, name, param in found:
         if not _is_marker(param):
             continue
         if id(param) not in replaced:
             replaced[id(param)] = _plain(param)
-            names.append(name)
+            casts[name] = _fp8_cast(owner)
         owner._parameters[local_name] = replaced[id(param)]
-    return names
+    return casts
+
+
+def _fp8_cast(owner: nn.Module) -> Fp8Cast:
+    """How the module's config (torchao's ``Float8LinearConfig``) casts its weight."""
+    config = getattr(owner, "config", None)
+    weight = getattr(config, "cast_config_weight", None)
+    dtype = getattr(weight, "target_dtype", None) or torch.float8_e4m3fn  # (torchao's default)
+    return Fp8Cast(dtype, bool(getattr(config, "round_scales_to_power_of_2", False)))
+
+
+def fp8_marked(module: nn.Module) -> dict[str, Fp8Cast]:
+    """How each param of torchao's fp8-gather marker class would be cast, by name, without
+    replacing anything (what ``make_plain`` returns, for a plan)."""
+    casts: dict[str, Fp8Cast] = {}
+    for owner_name, owner in module.named_modules():
+        for local_name, param in owner.named_parameters(recurse=False):
+            if is_wrapper(param) and _is_marker(param):
+                casts.setdefault(f"{owner_name}.{local_name}" if owner_name else local_name, _fp8_cast(owner))
+    return casts
 
 
 def frozen_wrappers(module: nn.Module) -> set[int]:

@@ -1,0 +1,163 @@
+"""Weights gathered as fp8 bytes, one scale a weight, for the forward that casts them to fp8
+anyway.
+
+The reasoning is [Note: fp8 gathers] below."""
+
+# [Note: fp8 gathers]
+#
+# torchao's float8 training (``convert_to_float8_training``, tensorwise scaling) casts each
+# ``Float8Linear`` weight to fp8 in its forward with one scale for the whole weight:
+# ``s = fp8_max / max(amax(|w|), 1e-12)``, computed in float64 and stored as fp32 (rounded
+# down to a power of 2 where the module's config sets ``round_scales_to_power_of_2``). Those
+# bytes and ``s`` are all the matmuls read of the weight, so with
+# ``enable_fsdp_float8_all_gather=True`` (the weights carry torchao's marker, made plain by
+# [Note: tensor-subclass params] in ``wrap/subclass_params.py``) flatshard gathers them as
+# fp8: one byte an element instead of the param dtype's two or four. Invariants:
+#
+# * **Layout.** A weight gathered in fp8 has ``ParamSpec.gather_dtype`` set and lies in a
+#   buffer of its own kind (``BufferLayout.gather_dtype``): one bucket, one all-gather, one
+#   dtype on the wire.
+# * **Scales.** ``Fp8Scales.refresh`` takes each weight's amax over this rank's pieces of it,
+#   read from the value of record (the fp32 main params where they hold the shard), and one
+#   all-reduce (max) over the gather group of all of them gives every rank every weight's
+#   scale: one small collective for all fp8 weights (torchao's
+#   ``precompute_float8_dynamic_scale_for_fsdp``), issued at the same place of the gather
+#   order on every rank. The scales are a function of the values only, so a refresh while the
+#   values stand still (a second forward before a step) gives the same scales.
+# * **Bytes.** A rank casts its shard with those scales (``clamp(x * s, -max, max)`` in fp32,
+#   then to fp8: torchao's saturated cast; alignment gaps are zero bytes), gathers the bytes,
+#   and decodes each weight into its full bucket as ``q / s`` in fp32, rounded to the param
+#   dtype. Casting each shard with the whole weight's scale and gathering the bytes equals
+#   casting the gathered weight: the cast is elementwise.
+# * **The same fp8 operand.** ``Float8Linear`` casts the decoded weight again: its amax is
+#   ``max|q| / s`` rounded to the param dtype, so its scale is ``s`` within that rounding, and
+#   each decoded element times it lies within the same rounding of ``q``, an fp8 value eight
+#   param-dtype ulps or more from its neighbours, so it rounds back to ``q``. The matmul reads
+#   the same fp8 bytes as under FSDP2's fp8 all-gather; its scale is within one rounding of
+#   the param dtype of FSDP2's (exact when ``s`` is a power of 2: ``q / s`` is then exact).
+# * **Only for compute.** Gathers that hand values to the user or to a file
+#   (``summon_full_params``, ``full_state_dict``) send the param dtype, exactly. A world of one
+#   rank gathers nothing and casts nothing.
+# * **Memory.** The full bucket stays in the param dtype (the forward reads the decoded
+#   weight), plus the bytes while they fly (one byte an element of the bucket). FSDP2 keeps
+#   only the fp8 bytes and hands ``Float8Linear`` a ``Float8TrainingTensor``; doing so here
+#   needs the param itself to be one for the forward (not built).
+# * **Not in fp8** (gathered in the param dtype, as before): stages 1-2, whose replicated
+#   param buffer is what state dicts and user code read between steps, so it must hold the
+#   stepped values, not their fp8 rounding; tensor-parallel (DTensor) weights, whose amax spans
+#   the TP mesh too.
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from flatshard.comm.collectives import CommStats, all_reduce
+from flatshard.comm.world import World
+from flatshard.engine.buffer import FlatBuffer
+from flatshard.planner.layout import BucketLayout
+
+AMAX_FLOOR = 1e-12
+"""The smallest amax a scale is computed from (torchao's ``EPS``): an all-zero weight."""
+
+
+@dataclass(frozen=True)
+class Fp8Cast:
+    """How one weight is cast for its fp8 gathers: torchao's fp8 dtype for it, and whether its
+    scale is rounded down to a power of 2."""
+
+    dtype: torch.dtype
+    pow2: bool = False
+
+
+Source = Callable[[FlatBuffer, BucketLayout], torch.Tensor]
+"""This rank's shard of a bucket, in the precision of record (main params or the shard)."""
+
+
+class Fp8Scales:
+    """The fp8-gathered buffers of one buffer set, and every weight's current scale
+    ([Note: fp8 gathers])."""
+
+    def __init__(self, buffers: Sequence[FlatBuffer], casts: Mapping[str, Fp8Cast], world: World) -> None:
+        self.buffers = [b for b in buffers if b.layout.gather_dtype is not None]
+        self.world = world
+        self._position: dict[tuple[int, str], int] = {}  # (buffer index, param name) -> scale
+        pow2: list[bool] = []
+        fp8_max: list[float] = []
+        for buffer in self.buffers:
+            dtype = buffer.layout.gather_dtype
+            assert dtype is not None
+            for slot in buffer.layout.params:
+                self._position[buffer.layout.index, slot.name] = len(pow2)
+                pow2.append(casts[slot.name].pow2 if slot.name in casts else False)
+                fp8_max.append(torch.finfo(dtype).max)
+        self._pow2 = torch.tensor(pow2, dtype=torch.bool)
+        self._fp8_max = torch.tensor(fp8_max, dtype=torch.float64)
+        self.scales: torch.Tensor | None = None  # fp32, one a weight; None until refreshed
+        self._copies: dict[torch.device, torch.Tensor] = {}  # of ``scales`` on other devices
+
+    def __bool__(self) -> bool:
+        return bool(self.buffers)
+
+    def refresh(self, source: Source, stats: CommStats | None = None) -> None:
+        """Every weight's scale from its amax over all ranks (one all-reduce)."""
+        device = self.buffers[0].device
+        amax = torch.zeros(len(self._position), dtype=torch.float32, device=device)
+        for buffer in self.buffers:
+            for bucket in buffer.layout.buckets:
+                shard = source(buffer, bucket)
+                for piece in bucket.local_ranges(buffer.rank):
+                    values = shard[piece.in_shard.start : piece.in_shard.end]
+                    amax[self._position[buffer.layout.index, piece.name]] = values.abs().max()
+        if self.world.size > 1:
+            all_reduce(amax, self.world, op="max", stats=stats).wait()
+        fp8_max = self._fp8_max.to(device)
+        scales = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_FLOOR)).to(torch.float32)
+        pow2 = self._pow2.to(device)
+        self.scales = torch.where(pow2, torch.exp2(torch.floor(torch.log2(scales))), scales)
+        self._copies = {}
+
+    def _scales_on(self, device: torch.device) -> torch.Tensor:
+        """The scales where a shard lives (the host, for an offloaded one)."""
+        assert self.scales is not None
+        if self.scales.device == device:
+            return self.scales
+        if device not in self._copies:
+            self._copies[device] = self.scales.to(device)
+        return self._copies[device]
+
+    def encode(
+        self, buffer: FlatBuffer, bucket: BucketLayout, shard: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """This rank's ``shard`` of ``bucket`` cast to fp8 bytes in ``out`` (uint8, shard-sized,
+        on the shard's device)."""
+        dtype = buffer.layout.gather_dtype
+        assert dtype is not None
+        scales, fp8_max = self._scales_on(shard.device), torch.finfo(dtype).max
+        out.zero_()
+        for piece in bucket.local_ranges(buffer.rank):
+            lo, hi = piece.in_shard
+            scale = scales[self._position[buffer.layout.index, piece.name]]
+            scaled = shard[lo:hi].to(torch.float32) * scale
+            out[lo:hi].copy_(scaled.clamp_(-fp8_max, fp8_max).to(dtype).view(torch.uint8))
+
+    def decode(
+        self, buffer: FlatBuffer, bucket: BucketLayout, wire: torch.Tensor, full: torch.Tensor
+    ) -> None:
+        """Each weight of ``bucket`` from its gathered bytes (``wire``, bucket-sized) into
+        ``full`` (the full bucket, param dtype): ``q / s``."""
+        dtype = buffer.layout.gather_dtype
+        assert dtype is not None and self.scales is not None
+        for slot in bucket.params:
+            lo, hi = slot.start - bucket.start, slot.end - bucket.start
+            scale = self.scales[self._position[buffer.layout.index, slot.name]]
+            full[lo:hi].copy_(wire[lo:hi].view(dtype).to(torch.float32) / scale)
+
+
+def fp8_scales(buffers: Sequence[FlatBuffer], casts: Mapping[str, Fp8Cast], world: World) -> Fp8Scales | None:
+    """The scales of ``buffers``' fp8-gathered ones over ``world``; None where none is or
+    the world is one rank (nothing is gathered)."""
+    scales = Fp8Scales(buffers, casts, world)
+    return scales if scales and world.size > 1 else None

@@ -1,0 +1,132 @@
+"""Stage 3 gathers torchao's float8 weights as fp8 bytes, one scale a weight ([Note: fp8
+gathers] in ``engine/fp8_gathers.py``): the matmuls read the fp8 operands FSDP2's fp8
+all-gather gives them, the weights cross the wire in one byte an element, and what reads
+values (summon, state dicts) still gets them exactly."""
+
+from functools import partial
+
+import pytest
+import torch
+from torchao.float8 import (
+    Float8LinearConfig,
+    convert_to_float8_training,
+    precompute_float8_dynamic_scale_for_fsdp,
+)
+from torchao.float8.float8_linear import Float8Linear
+from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
+from torchao.float8.float8_training_tensor import GemmInputRole
+
+import flatshard
+from _parity import TiedGPT, check_parity, train_against_fsdp2
+from flatshard.toolkit.testing import run_distributed
+
+WEIGHT = GemmInputRole.WEIGHT
+BLOCKS = lambda m, name: name.startswith("blocks.")  # noqa: E731 (the linears converted)
+
+
+def float8_gpt(pow2: bool = False) -> torch.nn.Module:
+    """The parity GPT with its blocks' linears converted to float8 training with fp8
+    all-gathers (``pow2``: scales rounded down to a power of 2)."""
+    model = TiedGPT()
+    config = Float8LinearConfig(
+        emulate=True, enable_fsdp_float8_all_gather=True, round_scales_to_power_of_2=pow2
+    )
+    convert_to_float8_training(model, config=config, module_filter_fn=BLOCKS)
+    return model
+
+
+def _against_fsdp2() -> dict:
+    return train_against_fsdp2(
+        {"stage": 3},
+        model_cls=float8_gpt,
+        after_step=precompute_float8_dynamic_scale_for_fsdp,
+        optimizer_class=torch.optim.SGD,
+        hyper={"lr": 0.1, "momentum": 0.9},
+        clip=None,
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_fp8_gathers_follow_fsdp2_with_fp8_all_gather(world_size):
+    """FSDP2 (every block, then the root) with torchao's fp8 all-gather and its scales
+    precomputed after each step, against flatshard's stage 3 in fp32. Both casts read the
+    fp32 shards with the same scale, so the fp8 bytes are the same; flatshard's decoded
+    weight is recast by ``Float8Linear`` to a scale within 2 fp32 ulps of FSDP2's, which moves
+    each output by at most 2^-22 of itself, below what the grads' summation order already does:
+    SGD + momentum to 1e-5 ([Note: parity tolerances]; 0 seen at 2 ranks, 1.9e-7 at 4 after 4
+    steps). FSDP2's fp8 all-gather does not run on gloo at 3 ranks (uneven shards); the DDP
+    comparison in ``test_tensor_subclasses.py`` covers 3."""
+    (result, *_) = run_distributed(_against_fsdp2, world_size)
+    check_parity(result, params=1e-5)
+
+
+def _weight_operand(module: Float8Linear, weight: torch.Tensor, pow2: bool) -> tuple[torch.Tensor, float]:
+    """The fp8 bytes and the scale ``module``'s forward casts ``weight`` to."""
+    dtype = module.config.cast_config_weight.target_dtype
+    cast = hp_tensor_to_float8_dynamic(
+        weight, dtype, module.linear_mm_config, gemm_input_role=WEIGHT, round_scales_to_power_of_2=pow2
+    )
+    return cast._data.view(torch.uint8).clone(), float(cast._scale)
+
+
+def _operands_and_bytes(pow2: bool) -> dict:
+    """Three steps at stage 3 in bf16, then every ``Float8Linear``'s weight operand as its
+    forward casts it, beside torchao's cast of the fp32 weight (what FSDP2 gathers); and the
+    bytes one forward gathers, beside what the layout says they must be."""
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(0)
+    mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
+    model = flatshard.shard(float8_gpt(pow2), stage=3, mixed_precision=mp)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.1, momentum=0.9)
+    for step in range(3):
+        idx = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(10 * step + rank))
+        model(idx, idx).backward()
+        opt.step()
+        opt.zero_grad()
+    exact = model.full_state_dict()  # (rank 0: the fp32 values; gathered exactly)
+    linears = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    seen = {}
+
+    def capture(module, args, name):
+        seen[name] = _weight_operand(module, module.weight, pow2)
+
+    hooks = [m.register_forward_pre_hook(partial(capture, name=n)) for n, m in linears.items()]
+    model.comm_stats.reset()
+    with torch.no_grad():  # (every unit gathered once, and freed)
+        model(idx, idx)
+    for hook in hooks:
+        hook.remove()
+    buffers = [b for bset in model.flatshard_state.param_sets() for b in bset.layout.buffers]  # (frozen too)
+    out = {
+        "gathered": model.comm_stats.as_dict()["all_gather"]["payload_bytes"],
+        "expected": sum(
+            bucket.numel * (1 if buffer.gather_dtype is not None else buffer.dtype.itemsize)
+            for buffer in buffers
+            for bucket in buffer.buckets
+        ),
+        "fp8_numel": sum(b.numel for b in buffers if b.gather_dtype is not None),
+        "linears": len(linears),
+        "operands": {},
+    }
+    for name, (data, scale) in seen.items() if rank == 0 else ():
+        ref_data, ref_scale = _weight_operand(linears[name], exact[name + ".weight"].float(), pow2)
+        out["operands"][name] = (torch.equal(data, ref_data), abs(scale - ref_scale) / ref_scale)
+    return out
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_the_matmuls_read_the_fp8_bytes_of_the_fp32_weights_and_one_byte_crosses_the_wire(pow2):
+    """3 ranks (uneven shards of every weight), bf16 params with fp32 main params. Each
+    ``Float8Linear`` casts its gathered weight to exactly the fp8 bytes torchao casts the fp32
+    weight to (what FSDP2's fp8 all-gather sends), with a scale within one bf16 rounding
+    (2^-8) of torchao's: the decoded weight's amax is rounded to bf16 once. With power-of-2
+    scales the decoded weight is exact and so is the scale. A forward gathers each fp8
+    weight's bucket in one byte an element and every other bucket in bf16, to the byte."""
+    (result, *others) = run_distributed(_operands_and_bytes, 3, pow2)
+    for r in (result, *others):
+        assert r["gathered"] == r["expected"], (r["gathered"], r["expected"])
+        assert r["fp8_numel"] > 0
+    assert len(result["operands"]) == result["linears"] > 0
+    for name, (same_bytes, scale_diff) in result["operands"].items():
+        assert same_bytes, name
+        assert scale_diff <= (0.0 if pow2 else 2.0**-8), (name, scale_diff)
