@@ -1,6 +1,6 @@
 """fp8 gathers of torchao float8 weights, beside bf16 gathers and FSDP2's, on 2 gloo ranks.
 
-    PYTHONPATH=src python benchmarks/fp8_gathers.py OUT.json [--preset small] [--steps 50]
+    PYTHONPATH=src python benchmarks/fp8_gathers.py OUT.json [--preset small] [--steps 50] [--pow2]
 
 The bench GPT (its blocks' linears converted to torchao's float8 training, emulated on the
 CPU) trains at stage 3 with bf16 params and fp32 main params, AdamW, the same batches on
@@ -34,12 +34,14 @@ from flatshard.toolkit.testing import run_distributed
 LR = 1e-3
 
 
-def _model(preset: str, fp8_gather: bool) -> torch.nn.Module:
+def _model(preset: str, fp8_gather: bool, pow2: bool) -> torch.nn.Module:
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     torch.manual_seed(0)
     model = GPT(PRESETS[preset])
-    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=fp8_gather)
+    config = Float8LinearConfig(
+        emulate=True, enable_fsdp_float8_all_gather=fp8_gather, round_scales_to_power_of_2=pow2
+    )
     return convert_to_float8_training(model, config=config, module_filter_fn=lambda m, n: "blocks." in n)
 
 
@@ -87,10 +89,10 @@ def _flatshard(model: torch.nn.Module):
     return model, flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=LR), lambda: None
 
 
-def _run(system: str, fp8_gather: bool, preset: str, steps: int) -> dict:
+def _run(system: str, fp8_gather: bool, preset: str, steps: int, pow2: bool) -> dict:
     torch.set_num_threads(1)
     rank = dist.get_rank()
-    raw = _model(preset, fp8_gather)
+    raw = _model(preset, fp8_gather, pow2)
     fp8_numel = sum(m.weight.numel() for n, m in raw.named_modules() if type(m).__name__ == "Float8Linear")
     model, opt, after = _fsdp2(raw, fp8_gather) if system == "fsdp2" else _flatshard(raw)
     corpus = SyntheticCorpus(PRESETS[preset].vocab_size, PRESETS[preset].seq_len)
@@ -127,14 +129,14 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--pow2", action="store_true", help="scales rounded down to powers of 2")
     args = parser.parse_args()
     runs = {}
     for system in ("flatshard", "fsdp2"):
         for fp8_gather in (True, False):
             name = f"{system}, {'fp8' if fp8_gather else 'bf16'} gathers"
-            runs[name] = run_distributed(_run, 2, system, fp8_gather, args.preset, args.steps, timeout=3600)[
-                0
-            ]
+            run = (system, fp8_gather, args.preset, args.steps, args.pow2)
+            runs[name] = run_distributed(_run, 2, *run, timeout=3600)[0]
     reference = runs["fsdp2, fp8 gathers"]["losses"]
     header = ("run", "gather MB/step", "first loss", "last loss", "vs FSDP2+fp8", "ms/step")
     print("{:<26} {:>15} {:>11} {:>10} {:>13} {:>8}".format(*header))
@@ -152,7 +154,8 @@ def main() -> None:
         f"fp8 gathers send {saved / 1e6:.3f} MB a step less than bf16 gathers ({fp8:,} fp8 weight elements)"
     )
     with open(args.out, "w") as f:
-        json.dump({"preset": args.preset, "steps": args.steps, "world_size": 2, "runs": runs}, f, indent=1)
+        what = {"preset": args.preset, "steps": args.steps, "pow2": args.pow2, "world_size": 2}
+        json.dump({**what, "runs": runs}, f, indent=1)
 
 
 if __name__ == "__main__":
