@@ -53,3 +53,13 @@ def tiny_llama() -> torch.nn.Module:
     """A tiny Llama from its config, the same on every rank and side (seed 0)."""
     torch.manual_seed(0)
     return tiny_model("llama", seq_len=SEQ)
+
+
+def float8_linears(model: torch.nn.Module) -> torch.nn.Module:
+    """The decoder's linears converted to torchao's float8 training (emulated on the CPU),
+    their weights wrapped for fp8 all-gathers, as a user's recipe converts them."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    decoder = lambda m, name: ".layers." in name  # noqa: E731
+    return convert_to_float8_training(model, config=config, module_filter_fn=decoder)

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import flatshard
-from _hosted import SETTINGS, Tokens, logged_steps, tiny_llama
+from _hosted import SETTINGS, Tokens, float8_linears, logged_steps, tiny_llama
 from flatshard.toolkit.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -409,17 +409,6 @@ def test_a_device_budget_under_the_trainer_follows_its_ddp(tmp_path):
         _check_follows(logged, rel=1e-5)
 
 
-def _float8(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder's linears converted to torchao's float8 training (emulated on the CPU),
-    their weights wrapped for FSDP2's fp8 gather, as a user's recipe converts them."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
-    return convert_to_float8_training(
-        model, config=config, module_filter_fn=lambda m, name: ".layers." in name
-    )
-
-
 def _eager_against_ddp(*args, **kwargs) -> dict:
     """``_against_ddp`` with torchao's compiled optimizer step on dynamo's "eager" backend
     (the same graph op by op on both sides; see tests/optim/test_blockwise_state.py)."""
@@ -447,8 +436,10 @@ def test_a_float8_model_under_the_trainer_follows_its_ddp(tmp_path):
     """A transformers Llama converted to float8 training, the same conversion on both sides:
     flatshard makes torchao's wrapped weights plain params ([Note: tensor-subclass params]),
     and at 2 ranks the grads are the same sums as DDP's, so the fp8 casts of the same weights
-    are the same and the run follows DDP as an fp32 one does."""
+    are the same and the run follows DDP as an fp32 one does. At stage 3 the weights are
+    gathered as fp8 bytes ([Note: fp8 gathers]), which ``Float8Linear`` casts to the same fp8
+    operands (the scale to 2 fp32 ulps)."""
     for logged in run_distributed(
-        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", prepare=_float8, init=False
+        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", prepare=float8_linears, init=False
     ):
         _check_follows(logged, rel=1e-5)

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import flatshard
-from _hosted import Tokens, tiny_llama
+from _hosted import Tokens, float8_linears, tiny_llama
 from flatshard.toolkit.testing import run_distributed
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -112,6 +112,7 @@ def _against_ddp(stages: list[int], out: str, **more) -> dict:
     import flatshard.hosts.lightning  # (registers "flatshard_stage_N")
 
     model, world_size = tiny_llama(), int(os.environ["WORLD_SIZE"])  # (Lightning's teardown unsets it)
+    model = more.pop("prepare", lambda m: m)(model)
     logged = {}
     unused = more.pop("find_unused_parameters", False)
     options = more.pop("options", None)  # more of flatshard.shard's keywords
@@ -131,6 +132,8 @@ def _against_ddp(stages: list[int], out: str, **more) -> dict:
         (validated,) = trainer.validate(module, _loader(), verbose=False)
         logged[stage] = {"losses": module.losses, "norms": module.norms, "val": validated["val_loss"]}
         logged[stage]["reductions"] = [b - a for a, b in itertools.pairwise(module.reductions)]
+        buffers = [b for layout in getattr(module, "layouts", {}).values() for b in layout.buffers]
+        logged[stage]["fp8"] = any(b.gather_dtype is not None for b in buffers)
     return logged
 
 
@@ -467,6 +470,16 @@ def test_fabric_checkpoints_resume_exactly_and_at_another_world_size_and_stage(t
     elsewhere = run_distributed(_fabric_saves_and_resumes, 3, str(tmp_path / "c"), 3, ckpt, init=False)
     assert all(torch.equal(elsewhere[0]["start"][k], v) for k, v in whole[0]["saved"].items())
     assert all(r["step"] == 3 and len(r["losses"]) == 2 for r in elsewhere), elsewhere
+
+
+def test_a_float8_model_under_lightning_gathers_fp8_and_follows_its_ddp(tmp_path):
+    """The decoder's linears in torchao's float8 (the same conversion on both sides): at
+    stage 3 their weights are gathered as fp8 bytes ([Note: fp8 gathers]), which each
+    ``Float8Linear`` casts to the fp8 operands DDP's casts from the full weights (the scale
+    to 2 fp32 ulps), so the run follows Lightning's DDP as an fp32 one does."""
+    for logged in run_distributed(_against_ddp, 2, [3], str(tmp_path), prepare=float8_linears, init=False):
+        assert logged[3]["fp8"] and not logged["ddp"]["fp8"]
+        _check_follows(logged)
 
 
 def _compiled_against_ddp(stages: list[int], out: str) -> dict:

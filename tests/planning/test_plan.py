@@ -120,8 +120,8 @@ def _float8(module: torch.nn.Module) -> torch.nn.Module:
 def test_the_plan_of_fp8_gathers_equals_what_a_run_measures(offload):
     """Stage 3 with the blocks' linears in torchao's float8 and fp8 gathers: their weights
     cross the wire in one byte an element, and (offloaded) the host link too; the plan from
-    the meta model counts the same bytes as the run, role by role and sent (the amax
-    all-reduce aside, like the norm's)."""
+    the meta model counts the same bytes as the run, role by role and sent (the forward's
+    all-reduce of the weights' amaxes, ``fp8_scales``, included)."""
     for r in run_distributed(_measured, 3, 3, offload=offload, fp8=True):
         plan, measured = r["plan"], r["measured"]
         for role in ("params", "grads", "main_params", "optimizer_state"):

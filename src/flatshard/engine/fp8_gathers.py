@@ -20,7 +20,8 @@ The reasoning is [Note: fp8 gathers] below."""
 # * **Scales.** ``Fp8Scales.refresh`` takes each weight's amax over this rank's pieces of it,
 #   read from the value of record (the fp32 main params where they hold the shard), and one
 #   all-reduce (max) over the gather group of all of them gives every rank every weight's
-#   scale: one small collective for all fp8 weights (torchao's
+#   scale (``CommStats`` counts it as ``fp8_scales``): one small collective for all fp8
+#   weights (torchao's
 #   ``precompute_float8_dynamic_scale_for_fsdp``), issued at the same place of the gather
 #   order on every rank. The scales are a function of the values only, so a refresh while the
 #   values stand still (a second forward before a step) gives the same scales.
@@ -61,6 +62,8 @@ from flatshard.planner.layout import BucketLayout
 
 AMAX_FLOOR = 1e-12
 """The smallest amax a scale is computed from (torchao's ``EPS``): an all-zero weight."""
+SCALES_OP = "fp8_scales"
+"""What ``CommStats`` calls the all-reduce (max) of the fp8 weights' amaxes."""
 
 
 @dataclass(frozen=True)
@@ -112,7 +115,10 @@ class Fp8Scales:
                     values = shard[piece.in_shard.start : piece.in_shard.end]
                     amax[self._position[buffer.layout.index, piece.name]] = values.abs().max()
         if self.world.size > 1:
-            all_reduce(amax, self.world, op="max", stats=stats).wait()
+            if stats is not None:
+                nbytes, n = amax.numel() * amax.element_size(), self.world.size
+                stats.record(SCALES_OP, nbytes, 2 * (n - 1) * nbytes // n)
+            all_reduce(amax, self.world, op="max").wait()
         fp8_max = self._fp8_max.to(device)
         scales = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_FLOOR)).to(torch.float32)
         pow2 = self._pow2.to(device)

@@ -203,6 +203,7 @@ def plan_from_specs(
                 sizes = [b.shard_range(rank).size for b in buffer.buckets]
                 up = sum(sent * size * n for size, n in zip(sizes, ups, strict=True))
                 totals["link_bytes_per_step"] += gb * shard + up
+        totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
         frozen = stage3_frozen_specs if policy.gathers_units and stage3_frozen_specs else frozen_specs
         _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank)
         if world_size == 1:
@@ -253,7 +254,17 @@ def _add_frozen(
         pb = buffer.dtype.itemsize
         totals["params"] += pb * buffer.shard_numel(rank)
         ring = (world_size - 1) / world_size
-        totals["comm_bytes_per_step"] += sum(int(ring * b.numel * pb * gathers(b)) for b in buffer.buckets)
+        sent = buffer.gather_dtype.itemsize if buffer.gather_dtype is not None else pb
+        totals["comm_bytes_per_step"] += sum(int(ring * b.numel * sent * gathers(b)) for b in buffer.buckets)
+    totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
+
+
+def _fp8_scales_bytes(layout: Layout, policy: StagePolicy) -> int:
+    """Stage 3: the wire bytes of one forward's all-reduce of the fp8 weights' amaxes (fp32,
+    one a weight; [Note: fp8 gathers] in ``engine/fp8_gathers.py``), as ``CommStats`` counts it."""
+    count = sum(len(list(b.params)) for b in layout.buffers if b.gather_dtype is not None)
+    n = layout.world_size
+    return 2 * (n - 1) * 4 * count // n if policy.gathers_units and count and n > 1 else 0
 
 
 def _size(nbytes: int) -> str:
