@@ -17,17 +17,24 @@ from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
 from torchao.float8.float8_training_tensor import GemmInputRole
 
 import flatshard
-from _parity import TiedGPT, check_parity, train_against_fsdp2
+from _parity import (
+    SGD,
+    CheckpointedGPT,
+    TiedGPT,
+    check_parity,
+    train_against_fsdp2,
+    train_optimizer_side_by_side,
+)
 from flatshard.toolkit.testing import run_distributed
 
 WEIGHT = GemmInputRole.WEIGHT
 BLOCKS = lambda m, name: name.startswith("blocks.")  # noqa: E731 (the linears converted)
 
 
-def float8_gpt(pow2: bool = False) -> torch.nn.Module:
+def float8_gpt(pow2: bool = False, model_cls=TiedGPT) -> torch.nn.Module:
     """The parity GPT with its blocks' linears converted to float8 training with fp8
     all-gathers (``pow2``: scales rounded down to a power of 2)."""
-    model = TiedGPT()
+    model = model_cls()
     config = Float8LinearConfig(
         emulate=True, enable_fsdp_float8_all_gather=True, round_scales_to_power_of_2=pow2
     )
@@ -130,3 +137,22 @@ def test_the_matmuls_read_the_fp8_bytes_of_the_fp32_weights_and_one_byte_crosses
     for name, (same_bytes, scale_diff) in result["operands"].items():
         assert same_bytes, name
         assert scale_diff <= (0.0 if pow2 else 2.0**-8), (name, scale_diff)
+
+
+def _recomputed_against_ddp() -> dict:
+    return train_optimizer_side_by_side(
+        {"stage": 3, "stage3": flatshard.Stage3(unit_bytes=None, backward_prefetch="post")},
+        model_cls=partial(float8_gpt, model_cls=CheckpointedGPT),
+        **SGD,
+    )
+
+
+def test_fp8_gathers_under_activation_checkpointing_and_accumulation_follow_ddp():
+    """A unit a block (the first is freed after its forward: neither the last nor prefetched
+    before it), so the first block's forward, recomputed in backward, regathers it (fp8 bytes,
+    decoded with the scales of the forward: the same values), over two micro-batches a step (the
+    second forward refreshes the scales from unchanged values), against torch DDP on the
+    same converted model: as in fp32, SGD + momentum to 1e-5 at 2 ranks ([Note: parity
+    tolerances])."""
+    (result, *_) = run_distributed(_recomputed_against_ddp, 2)
+    check_parity(result, params=1e-5)
