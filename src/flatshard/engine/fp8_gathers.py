@@ -17,14 +17,14 @@ The reasoning is [Note: fp8 gathers] below."""
 # * **Layout.** A weight gathered in fp8 has ``ParamSpec.gather_dtype`` set and lies in a
 #   buffer of its own kind (``BufferLayout.gather_dtype``): one bucket, one all-gather, one
 #   dtype on the wire.
-# * **Scales.** ``Fp8Scales.refresh`` takes each weight's amax over this rank's pieces of it,
-#   read from the value of record (the fp32 main params where they hold the shard), and one
-#   all-reduce (max) over the gather group of all of them gives every rank every weight's
-#   scale (``CommStats`` counts it as ``fp8_scales``): one small collective for all fp8
-#   weights (torchao's
-#   ``precompute_float8_dynamic_scale_for_fsdp``), issued at the same place of the gather
-#   order on every rank. The scales are a function of the values only, so a refresh while the
-#   values stand still (a second forward before a step) gives the same scales.
+# * **Scales.** At the start of each forward (the first gather of its schedule),
+#   ``Fp8Scales.refresh`` takes each weight's amax over this rank's pieces of it, read from the
+#   value of record (the fp32 main params where they hold the shard), and one all-reduce (max)
+#   of all of them over the gather group gives every rank every weight's scale: one small
+#   collective for all fp8 weights (torchao's ``precompute_float8_dynamic_scale_for_fsdp``),
+#   at the same place of the gather order on every rank (``CommStats`` counts it as
+#   ``fp8_scales``). The scales are a function of the values only, so a refresh while the
+#   values stand still (a second micro-batch, a recomputed forward's gathers) gives the same.
 # * **Bytes.** A rank casts its shard with those scales (``clamp(x * s, -max, max)`` in fp32,
 #   then to fp8: torchao's saturated cast; alignment gaps are zero bytes), gathers the bytes,
 #   and decodes each weight into its full bucket as ``q / s`` in fp32, rounded to the param
