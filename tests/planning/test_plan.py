@@ -210,6 +210,8 @@ def test_plan_cli_json_and_table():
     fewer = json.loads(fp8.stdout)["stages"]
     assert fewer["3"]["comm_bytes_per_step"] < plain["3"]["comm_bytes_per_step"], (fewer, plain)
     assert fewer["2"] == plain["2"]  # (stages 0-2 gather in the param dtype)
+    drawn = {s: cli("layout", "--model", "tiny", "--stage", s, "--fp8-gathers").stdout for s in ("2", "3")}
+    assert "gathered in float8_e4m3fn" in drawn["3"] and "gathered in" not in drawn["2"], drawn
     out = cli("plan", "--model", "tiny", "-n", "2", "--offload")  # ([Note: memory tiers])
     assert "the optimizer offloaded" in out.stdout and "host link/step" in out.stdout, out.stdout
     refused = cli("plan", "--params", "7e9", "--offload")

@@ -53,7 +53,7 @@ def fraction(text: str) -> float:
 
 
 def add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
-    """The options ``plan`` and ``layout`` share: ranks, param dtype, bucket size."""
+    """The options ``plan`` and ``layout`` share: ranks, param dtype, bucket size, units, fp8."""
     from flatshard.planner.plan import DTYPE_BYTES
 
     parser.add_argument(
@@ -83,6 +83,12 @@ def add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
         default=DEFAULT_UNIT_BYTES,
         help="stage 3: adjacent small units merge while their params fit in this many bytes, as "
         "Stage3(unit_bytes=...) does; 'none': one unit per module (default %(default)s)",
+    )
+    parser.add_argument(
+        "--fp8-gathers",
+        action="store_true",
+        help="with --model: its linears converted to torchao's float8 training with fp8 all-gathers "
+        "(but the output head): stage 3 gathers their weights in one byte an element",
     )
 
 

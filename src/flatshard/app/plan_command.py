@@ -64,12 +64,6 @@ def add_plan(sub) -> None:
     )
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
     plan.add_argument(
-        "--fp8-gathers",
-        action="store_true",
-        help="with --model: its linears converted to torchao's float8 training with fp8 all-gathers "
-        "(but the output head): stage 3 gathers their weights in one byte an element",
-    )
-    plan.add_argument(
         "--offload",
         action="store_true",
         help="with --model: as shard(..., offload=flatshard.Offload()): the bytes on the host and "

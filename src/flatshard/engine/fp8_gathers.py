@@ -34,8 +34,10 @@ The reasoning is [Note: fp8 gathers] below."""
 #   ``max|q| / s`` rounded to the param dtype, so its scale is ``s`` within that rounding, and
 #   each decoded element times it lies within the same rounding of ``q``, an fp8 value eight
 #   param-dtype ulps or more from its neighbours, so it rounds back to ``q``. The matmul reads
-#   the same fp8 bytes as under FSDP2's fp8 all-gather; its scale is within one rounding of
-#   the param dtype of FSDP2's (exact when ``s`` is a power of 2: ``q / s`` is then exact).
+#   the bytes a one-process run casts from the fp32 weight, with ``s`` to one rounding of the
+#   param dtype (exactly when ``s`` is a power of 2: ``q / s`` is then exact). FSDP2's fp8
+#   all-gather sends the same bytes and ``s``, except that it ignores
+#   ``round_scales_to_power_of_2``.
 # * **Only for compute.** Gathers that hand values to the user or to a file
 #   (``summon_full_params``, ``full_state_dict``) send the param dtype, exactly. A world of one
 #   rank gathers nothing and casts nothing.
