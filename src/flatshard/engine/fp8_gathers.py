@@ -110,12 +110,17 @@ class Fp8Scales:
         """Every weight's scale from its amax over all ranks (one all-reduce)."""
         device = self.buffers[0].device
         amax = torch.zeros(len(self._position), dtype=torch.float32, device=device)
+        pieces: list[torch.Tensor] = []
+        positions: list[int] = []
         for buffer in self.buffers:
             for bucket in buffer.layout.buckets:
                 shard = source(buffer, bucket)
-                for piece in bucket.local_ranges(buffer.rank):
-                    values = shard[piece.in_shard.start : piece.in_shard.end]
-                    amax[self._position[buffer.layout.index, piece.name]] = values.abs().max()
+                for piece in bucket.local_ranges(buffer.rank):  # (a weight's one piece on this rank)
+                    pieces.append(shard[piece.in_shard.start : piece.in_shard.end])
+                    positions.append(self._position[buffer.layout.index, piece.name])
+        if pieces:  # (the largest magnitudes, one kernel for all, one copy from the host)
+            norms = torch.stack(torch._foreach_norm(pieces, ord=float("inf"))).to(device, torch.float32)
+            amax[torch.tensor(positions, device=device)] = norms
         if self.world.size > 1:
             if stats is not None:
                 nbytes, n = amax.numel() * amax.element_size(), self.world.size
