@@ -187,3 +187,23 @@ def test_a_checkpoint_of_fp8_gathered_weights_loads_exactly_at_another_world_siz
         assert loaded.keys() == saved.keys()
         for name, value in saved.items():
             assert torch.equal(loaded[name], value), (stage, name)
+
+
+def _tied_back() -> dict:
+    """The head converted to float8 (its weight marked), then tied back to the embedding, as a
+    later ``tie_weights()`` would: the embedding reads that weight itself."""
+    model = TiedGPT()
+    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(model, config=config)  # (every linear, the head too: torchao unties it)
+    model.wte.weight = model.lm_head.weight
+    sharded = flatshard.shard(model, stage=3)
+    fp8 = [s.name for b in sharded.layouts["main"].buffers if b.gather_dtype is not None for s in b.params]
+    return {"fp8": fp8}
+
+
+def test_a_marked_weight_another_module_reads_is_not_gathered_in_fp8():
+    """Gathered in fp8, the embedding would look its rows up in their fp8 rounding without a
+    word; so a marked weight is gathered in fp8 only where every module holding it is a float8
+    linear, and the blocks' weights still are."""
+    (result,) = run_distributed(_tied_back, 1)
+    assert result["fp8"] and all(name.startswith("blocks.") for name in result["fp8"]), result

@@ -45,10 +45,11 @@ The reasoning is [Note: fp8 gathers] below."""
 #   weight), plus the bytes while they fly (one byte an element of the bucket). FSDP2 keeps
 #   only the fp8 bytes and hands ``Float8Linear`` a ``Float8TrainingTensor``; doing so here
 #   needs the param itself to be one for the forward (not built).
-# * **Not in fp8** (gathered in the param dtype, as before): stages 1-2, whose replicated
-#   param buffer is what state dicts and user code read between steps, so it must hold the
-#   stepped values, not their fp8 rounding; tensor-parallel (DTensor) weights, whose amax spans
-#   the TP mesh too.
+# * **Not in fp8** (gathered in the param dtype, as before): a marked weight that another
+#   module holds too (tied back to an embedding after conversion: that module reads the weight
+#   itself, not its fp8 cast); stages 1-2, whose replicated param buffer is what state dicts
+#   and user code read between steps, so it must hold the stepped values, not their fp8
+#   rounding; tensor-parallel (DTensor) weights, whose amax spans the TP mesh too.
 
 from __future__ import annotations
 

@@ -90,14 +90,25 @@ def make_plain(module: nn.Module) -> dict[str, Fp8Cast]:
                 found.append((owner, local_name, name, param))
     replaced: dict[int, nn.Parameter] = {}
     casts: dict[str, Fp8Cast] = {}
+    holders: dict[int, list[nn.Module]] = {}
+    for owner, _, _, param in found:
+        holders.setdefault(id(param), []).append(owner)
     for owner, local_name, name, param in found:
         if not _is_marker(param):
             continue
         if id(param) not in replaced:
             replaced[id(param)] = _plain(param)
-            casts[name] = _fp8_cast(owner)
+            if all(_casts_to_fp8(holder) for holder in holders[id(param)]):
+                casts[name] = _fp8_cast(owner)
         owner._parameters[local_name] = replaced[id(param)]
     return casts
+
+
+def _casts_to_fp8(module: nn.Module) -> bool:
+    """Whether ``module`` reads its weight only through torchao's fp8 cast (a float8 linear):
+    a weight also held by another module (tied back to an embedding after conversion) is read
+    whole there, so it is not gathered in fp8."""
+    return hasattr(getattr(module, "config", None), "cast_config_weight")
 
 
 def _fp8_cast(owner: nn.Module) -> Fp8Cast:
@@ -111,12 +122,19 @@ def _fp8_cast(owner: nn.Module) -> Fp8Cast:
 def fp8_marked(module: nn.Module) -> dict[str, Fp8Cast]:
     """How each param of torchao's fp8-gather marker class would be cast, by name, without
     replacing anything (what ``make_plain`` returns, for a plan)."""
-    casts: dict[str, Fp8Cast] = {}
-    for owner_name, owner in module.named_modules():
-        for local_name, param in owner.named_parameters(recurse=False):
-            if is_wrapper(param) and _is_marker(param):
-                casts.setdefault(f"{owner_name}.{local_name}" if owner_name else local_name, _fp8_cast(owner))
-    return casts
+    first: dict[int, tuple[str, nn.Module]] = {}
+    holders: dict[int, list[nn.Module]] = {}
+    for owner_name, owner in module.named_modules(remove_duplicate=False):
+        for local_name, param in owner._parameters.items():
+            if param is not None and is_wrapper(param) and _is_marker(param):
+                name = f"{owner_name}.{local_name}" if owner_name else local_name
+                first.setdefault(id(param), (name, owner))
+                holders.setdefault(id(param), []).append(owner)
+    return {
+        name: _fp8_cast(owner)
+        for key, (name, owner) in first.items()
+        if all(_casts_to_fp8(holder) for holder in holders[key])
+    }
 
 
 def frozen_wrappers(module: nn.Module) -> set[int]:
