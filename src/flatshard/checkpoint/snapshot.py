@@ -39,21 +39,21 @@ from flatshard.comm.world import World, all_gather_bytes, all_gather_varied
 
 __all__ = ["drop", "restore", "take"]
 
-_KEPT: dict[str, dict[str, Any]] = {}  # (at most one: save id -> the staged state)
+_SNAPSHOT: dict[str, dict[str, Any]] = {}  # (at most one: save id -> the staged state)
 _LOCK = threading.Lock()
 
 
 def take(save_id: str, state: dict[str, Any]) -> None:
     """Make ``state``, the staged copy of the complete save ``save_id``, its snapshot."""
     with _LOCK:
-        _KEPT.clear()
-        _KEPT[save_id] = state
+        _SNAPSHOT.clear()
+        _SNAPSHOT[save_id] = state
 
 
 def drop() -> None:
     """Drop the snapshot (its buffers are about to be staged over)."""
     with _LOCK:
-        _KEPT.clear()
+        _SNAPSHOT.clear()
 
 
 def restore(
@@ -63,7 +63,7 @@ def restore(
     and return True, if every rank of ``world`` can; else return False on every rank (the
     caller reads the files). ``data_world()``: the gloo group that gathers whole params."""
     with _LOCK:
-        state = _KEPT.get(save_id) if save_id else None
+        state = _SNAPSHOT.get(save_id) if save_id else None
     mine = _held(state, request)
     shared = (
         [mine]
