@@ -143,15 +143,21 @@ def _nbytes(tensor: torch.Tensor) -> int:
 
 
 def all_reduce(
-    tensor: torch.Tensor, world: World, *, stats: CommStats | None = None, op: str = "sum"
+    tensor: torch.Tensor,
+    world: World,
+    *,
+    stats: CommStats | None = None,
+    op: str = "sum",
+    counted_as: str = "all_reduce",
 ) -> Handle:
-    """Sum (or max, or min) ``tensor`` in place across ``world``; asynchronous."""
+    """Sum (or max, or min) ``tensor`` in place across ``world``; asynchronous. ``stats``
+    counts it under ``counted_as`` (a purpose of its own, e.g. ``fp8_scales``)."""
     if world.group is None:
         return DONE
     reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
     if stats is not None:
         b = _nbytes(tensor)
-        stats.record("all_reduce", b, 2 * (world.size - 1) * b // world.size)
+        stats.record(counted_as, b, 2 * (world.size - 1) * b // world.size)
     with span("all_reduce {:,} B", _nbytes(tensor)):
         return world.watch(_all_reduce(tensor, world, reduce_op), "all_reduce")
 

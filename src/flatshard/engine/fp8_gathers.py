@@ -16,7 +16,7 @@ The reasoning is [Note: fp8 gathers] below."""
 #
 # * **Layout.** A weight gathered in fp8 has ``ParamSpec.gather_dtype`` set and lies in a
 #   buffer of its own kind (``BufferLayout.gather_dtype``): one bucket, one all-gather, one
-#   dtype on the wire.
+#   dtype sent.
 # * **Scales.** At the start of each forward (the first gather of its schedule),
 #   ``Fp8Scales.refresh`` takes each weight's amax over this rank's pieces of it, read from the
 #   value of record (the fp32 main params where they hold the shard), and one all-reduce (max)
@@ -122,11 +122,7 @@ class Fp8Scales:
         if pieces:  # (the largest magnitudes, one kernel for all, one copy from the host)
             norms = torch.stack(torch._foreach_norm(pieces, ord=float("inf"))).to(device, torch.float32)
             amax[torch.tensor(positions, device=device)] = norms
-        if self.world.size > 1:
-            if stats is not None:
-                nbytes, n = amax.numel() * amax.element_size(), self.world.size
-                stats.record(SCALES_OP, nbytes, 2 * (n - 1) * nbytes // n)
-            all_reduce(amax, self.world, op="max").wait()
+        all_reduce(amax, self.world, op="max", stats=stats, counted_as=SCALES_OP).wait()
         fp8_max = self._fp8_max.to(device)
         scales = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_FLOOR)).to(torch.float32)
         pow2 = self._pow2.to(device)
@@ -158,16 +154,16 @@ class Fp8Scales:
             out[lo:hi].copy_(scaled.clamp_(-fp8_max, fp8_max).to(dtype).view(torch.uint8))
 
     def decode(
-        self, buffer: FlatBuffer, bucket: BucketLayout, wire: torch.Tensor, full: torch.Tensor
+        self, buffer: FlatBuffer, bucket: BucketLayout, packed: torch.Tensor, full: torch.Tensor
     ) -> None:
-        """Each weight of ``bucket`` from its gathered bytes (``wire``, bucket-sized) into
+        """Each weight of ``bucket`` from its gathered bytes (``packed``, bucket-sized) into
         ``full`` (the full bucket, param dtype): ``q / s``."""
         dtype = buffer.layout.gather_dtype
         assert dtype is not None and self.scales is not None
         for slot in bucket.params:
             lo, hi = slot.start - bucket.start, slot.end - bucket.start
             scale = self.scales[self._position[buffer.layout.index, slot.name]]
-            full[lo:hi].copy_(wire[lo:hi].view(dtype).to(torch.float32) / scale)
+            full[lo:hi].copy_(packed[lo:hi].view(dtype).to(torch.float32) / scale)
 
 
 def fp8_scales(buffers: Sequence[FlatBuffer], casts: Mapping[str, Fp8Cast], world: World) -> Fp8Scales | None:

@@ -52,22 +52,22 @@ def start_gather(
     part: Part, full: torch.Tensor, stats: CommStats, *, fp8: bool
 ) -> tuple[Handle, torch.Tensor | None]:
     """Start filling ``full`` (the part's allocated full bucket) from every rank's shard: in the
-    param dtype, or (``fp8``) as fp8 bytes in the returned wire tensor, which
+    param dtype, or (``fp8``) as fp8 bytes in the returned ``packed`` tensor (uint8), which
     ``part.scales.decode`` turns into ``full`` once the handle is waited for."""
     source = part.buffer.gather_source(part.bucket)
-    wire = torch.empty(part.bucket.numel, dtype=torch.uint8, device=full.device) if fp8 else None
-    mine = part.buffer.own_part(full if wire is None else wire, part.bucket)
-    if wire is None:
+    packed = torch.empty(part.bucket.numel, dtype=torch.uint8, device=full.device) if fp8 else None
+    mine = part.buffer.own_part(full if packed is None else packed, part.bucket)
+    if packed is None:
         mine.copy_(source)
     else:  # (cast where the shard lives: an offloaded one sends its bytes over the host link)
         assert part.scales is not None
-        cast = mine if source.device == mine.device else torch.empty_like(mine, device=source.device)
-        part.scales.encode(part.buffer, part.bucket, source, cast)
-        if cast is not mine:
-            mine.copy_(cast)
+        encoded = mine if source.device == mine.device else torch.empty_like(mine, device=source.device)
+        part.scales.encode(part.buffer, part.bucket, source, encoded)
+        if encoded is not mine:
+            mine.copy_(encoded)
     if part.buffer.main_on_host:  # (an offloaded shard: what crossed the link, [Note: memory tiers])
         stats.record(HOST_TO_DEVICE, mine.numel() * mine.element_size(), 0)
     if part.world.size == 1:
-        return DONE, wire
-    sent = full if wire is None else wire
-    return all_gather(sent, mine, part.world, stats=stats, splits=part.bucket.splits), wire
+        return DONE, packed
+    sent = full if packed is None else packed
+    return all_gather(sent, mine, part.world, stats=stats, splits=part.bucket.splits), packed

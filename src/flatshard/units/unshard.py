@@ -161,7 +161,7 @@ class Unsharder:
         self.options = options
         self.state = [Gather.SHARDED] * len(units)
         self._handles: dict[int, list[Handle]] = {}
-        self._wires: dict[int, list[tuple[Part, torch.Tensor]]] = {}  # fp8 bytes in flight, by unit
+        self._packed: dict[int, list[tuple[Part, torch.Tensor]]] = {}  # fp8 bytes in flight, by unit
         scales = (p.scales for ps in parts for p in ps if p.scales is not None)
         self._fp8 = list({id(s): s for s in scales}.values())  # (one a buffer set)
         self._recording: list[int] | None = []  # units in the order the first forward runs them
@@ -227,11 +227,11 @@ class Unsharder:
                 fp8 = part.scales is not None and not exact
                 if part.scales is not None and fp8 and part.scales.scales is None:
                     self._refresh_scales()  # (a gather outside the forward schedule, before any)
-                handle, wire = start_gather(part, full, self.stats, fp8=fp8)
+                handle, packed = start_gather(part, full, self.stats, fp8=fp8)
                 handles.append(handle)
-                if wire is not None:
-                    self._wires.setdefault(u, []).append((part, wire))
-                    self._count_full(wire.numel())
+                if packed is not None:
+                    self._packed.setdefault(u, []).append((part, packed))
+                    self._count_full(packed.numel())
         self._handles[u] = handles
         self.state[u] = advance(self.state[u], Gather.GATHERING, "a unit")
 
@@ -240,13 +240,13 @@ class Unsharder:
         for scales in self._fp8:
             scales.refresh(lambda buffer, bucket: buffer.gather_source(bucket), self.stats)
 
-    def _drop_wires(self, u: int, *, decode: bool) -> None:
+    def _drop_packed(self, u: int, *, decode: bool) -> None:
         """Free unit ``u``'s fp8 bytes, first decoding them into its full buckets."""
-        for part, wire in self._wires.pop(u, []):
+        for part, packed in self._packed.pop(u, []):
             if decode:
                 assert part.scales is not None
-                part.scales.decode(part.buffer, part.bucket, wire, part.full_tensor())
-            self._count_full(-wire.numel())
+                part.scales.decode(part.buffer, part.bucket, packed, part.full_tensor())
+            self._count_full(-packed.numel())
 
     def wait(self, u: int, *, exact: bool = False) -> None:
         """Make unit ``u`` full: wait for its gathers and point its params at them
@@ -258,7 +258,7 @@ class Unsharder:
             for handle in self._handles.pop(u):
                 handle.wait()
             with torch.no_grad():
-                self._drop_wires(u, decode=True)
+                self._drop_packed(u, decode=True)
         for part in self.parts[u]:
             part.point(full=True)
         self.state[u] = advance(self.state[u], Gather.FULL, "a unit")
@@ -271,7 +271,7 @@ class Unsharder:
         if self.state[u] is Gather.GATHERING:
             for handle in self._handles.pop(u):
                 handle.wait()
-            self._drop_wires(u, decode=False)
+            self._drop_packed(u, decode=False)
         for part in self.parts[u]:
             part.point(full=False)
             self.free(part)
