@@ -207,3 +207,21 @@ def test_a_marked_weight_another_module_reads_is_not_gathered_in_fp8():
     linear, and the blocks' weights still are."""
     (result,) = run_distributed(_tied_back, 1)
     assert result["fp8"] and all(name.startswith("blocks.") for name in result["fp8"]), result
+
+
+def _composed_against_ddp(how: str) -> dict:
+    more = {"offload": flatshard.Offload()} if how == "offload" else {}
+    mesh = {"mesh_shape": (2, 2)} if how == "replicated" else {}
+    return train_optimizer_side_by_side({"stage": 3, **more}, model_cls=float8_gpt, **mesh, **SGD)
+
+
+@pytest.mark.parametrize(("how", "world_size"), [("offload", 2), ("replicated", 4)])
+def test_fp8_gathers_compose_with_offload_and_replicated_sharding(how, world_size):
+    """Offloaded shards (cast on the host, one byte an element over the link) at 2 ranks,
+    and a 2 x 2 replicate x shard mesh (the amaxes all-reduced over the shard group: the
+    replicas hold the same values) at 4, against DDP on the same float8 model. SGD + momentum:
+    params to 1e-5 at 2 ranks, 1e-2 at 4, where a last-ulp difference of the grads' sums can
+    move a weight across an e4m3 rounding boundary (as in ``test_tensor_subclasses.py``);
+    losses to 1e-5."""
+    (result, *_) = run_distributed(_composed_against_ddp, world_size, how)
+    check_parity(result, params=1e-5 if world_size == 2 else 1e-2)
