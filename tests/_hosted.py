@@ -3,11 +3,13 @@ model and data both sides train, the run they make, and what they compare."""
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 
 from flatshard.toolkit.models import tiny_model
+from flatshard.toolkit.models.float8 import float8_linears as _float8_linears
 
 SEQ = 16
 
@@ -55,11 +57,5 @@ def tiny_llama() -> torch.nn.Module:
     return tiny_model("llama", seq_len=SEQ)
 
 
-def float8_linears(model: torch.nn.Module) -> torch.nn.Module:
-    """The decoder's linears converted to torchao's float8 training (emulated on the CPU),
-    their weights wrapped for fp8 all-gathers, as a user's recipe converts them."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    config = Float8LinearConfig(emulate=True, enable_fsdp_float8_all_gather=True)
-    decoder = lambda m, name: ".layers." in name  # noqa: E731
-    return convert_to_float8_training(model, config=config, module_filter_fn=decoder)
+float8_linears = partial(_float8_linears, emulate=True)
+"""A model's linears in torchao's float8 training with fp8 all-gathers, emulated (a CPU)."""

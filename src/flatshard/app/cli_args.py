@@ -92,26 +92,6 @@ def add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
     )
 
 
-def float8_linears(module) -> None:
-    """Convert ``module``'s linears to torchao's float8 training with fp8 gathers, as a
-    torchtitan-style recipe does: every ``nn.Linear`` whose dims are multiples of 16 (what fp8
-    matmuls take) but the output head (``lm_head``, ``head``, ``output``)."""
-    from torch import nn
-
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        raise ImportError(f"--fp8-gathers needs torchao ({e})") from None
-
-    def chosen(linear: nn.Module, name: str) -> bool:
-        head = name.rsplit(".", 1)[-1] in ("lm_head", "head", "output")
-        dims = isinstance(linear, nn.Linear) and linear.in_features % 16 == linear.out_features % 16 == 0
-        return dims and not head
-
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=True)
-    convert_to_float8_training(module, config=config, module_filter_fn=chosen)
-
-
 def model_specs_of(model: str, dtype, args: argparse.Namespace):
     """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
     its specs as stages 0-2 and stage 3 lay them out (``--whole-params``: a regex of the
@@ -129,6 +109,8 @@ def model_specs_of(model: str, dtype, args: argparse.Namespace):
     with torch.device("meta"):
         module = build().to(dtype)
     if getattr(args, "fp8_gathers", False):
+        from flatshard.toolkit.models.float8 import float8_linears
+
         float8_linears(module)
     whole = args.whole_params
     try:

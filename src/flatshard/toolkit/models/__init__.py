@@ -1,7 +1,7 @@
 """Built-in models for the demo, tests and benchmarks (``gpt``; ``llama``, a Llama-style
 model with torchtitan's tensor-parallel plan; ``moe``, its mixture-of-experts feed-forward
-and expert parallelism; ``hf``, ``transformers`` models from configs), and the loader of
-users' models."""
+and expert parallelism; ``hf``, ``transformers`` models from configs; ``float8``, linears
+converted to torchao's float8 training), and the loader of users' models."""
 
 from __future__ import annotations
 
