@@ -1,6 +1,7 @@
 """The device budget ([Note: device budget] in ``planner/budget.py``): the least offload that
 fits, the bytes it plans equal to what a run holds, and a budget nothing fits refused by name."""
 
+import itertools
 import json
 
 import pytest
@@ -30,24 +31,35 @@ def _fit(budget: int, stage: int, world: int = 2, rank: int = 0, dtype=torch.flo
     )
 
 
+def _extent(fit) -> float:
+    """How much a decision offloads: its share, or at stage 3 the units it sends (all: inf)."""
+    if fit.stage < 3 or fit.share == 0.0:
+        return fit.share
+    return float("inf") if fit.units is None else len(fit.units)
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_the_decision_is_the_least_offload_that_fits(stage):
     """Budgets from generous to tight: nothing offloaded while it fits, then shares that grow
-    as the budget shrinks (each one fits, and the smallest share that fits is the one taken:
-    the share before it does not), then all of the optimizer; below that, an error."""
+    as the budget shrinks (at stage 3: more units, each list the one before and one more),
+    then all of the optimizer; below that, an error."""
     specs, stage3 = _specs()
     kwargs = {"world_size": 2, "bucket_size": 3000, "stage3_specs": stage3}
     base = plan_from_specs(specs, **kwargs)[stage]
     full = plan_from_specs(specs, offload=True, **kwargs)[stage]
     in_flight = _fit(10**9, stage).in_flight
     assert _fit(base.device + in_flight, stage).share == 0.0
-    shares = []
+    shares, units = [], []
     step = max(1, (base.device - full.device) // 40)  # (40 budgets between the two)
     for budget in range(base.device + in_flight - 1, full.device + in_flight - 1, -step):
         fit = _fit(budget, stage)
         assert fit.device_peak <= budget < base.device + in_flight
-        shares.append(fit.share)
-    assert shares == sorted(shares) and shares[-1] == 1.0 and 0 < shares[0] < 1
+        shares.append(_extent(fit))
+        units.append(fit.units)
+    assert shares == sorted(shares) and shares[-1] in (1.0, float("inf")) and 0 < shares[0] < 1 + (stage == 3)
+    if stage == 3:  # (units leave in one order: each decision holds the one before)
+        lists = [u for u in units if u is not None]
+        assert len(set(lists)) > 1 and all(a <= b for a, b in itertools.pairwise(lists))
     with pytest.raises(ValueError, match=f"stage {stage} needs {full.device + in_flight} bytes"):
         _fit(full.device + in_flight - 1, stage)
 
@@ -111,7 +123,10 @@ def _train_offloaded(stage: int, offload: flatshard.Offload | None) -> tuple:
     """Two AdamW steps of the GPT sharded with ``offload``: (the optimizer's decided
     ``Offload``, ``memory_report``'s device bytes after them, the full state dict)."""
     torch.manual_seed(0)
-    model = flatshard.shard(GPT(CFG), stage=stage, buckets=flatshard.Buckets(size=3000), offload=offload)
+    unmerged = flatshard.Stage3(unit_bytes=None) if stage == 3 else None  # (a unit a block: a choice)
+    model = flatshard.shard(
+        GPT(CFG), stage=stage, buckets=flatshard.Buckets(size=3000), offload=offload, stage3=unmerged
+    )
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-2)
     corpus, rank = SyntheticCorpus(64, 16), torch.distributed.get_rank()
     for step in range(2):
@@ -127,7 +142,7 @@ def _budgeted(stage: int, fraction: float) -> tuple:
     the optimizer offloaded and nothing offloaded need on the most loaded rank, beside the
     same run given the share it decided by hand."""
     with torch.device("meta"):
-        specs = model_specs(GPT(CFG), stage=stage)  # (as shard lays them out)
+        specs = model_specs(GPT(CFG), stage=stage, unit_bytes=None)  # (as shard lays them out)
     world = torch.distributed.get_world_size()
     kwargs = {"world_size": world, "bucket_size": 3000, "stage3_specs": specs}
     base = max(plan_from_specs(specs, rank=r, **kwargs)[stage].device for r in range(world))
@@ -137,22 +152,28 @@ def _budgeted(stage: int, fraction: float) -> tuple:
     decided, device, values = _train_offloaded(stage, flatshard.Offload(device_budget=budget))
     by_hand = _train_offloaded(stage, decided)[2]
     same = all(torch.equal(values[k], by_hand[k]) for k in values)
-    return decided.fraction, device + in_flight <= budget, same
+    return (decided.fraction, decided.units), device + in_flight <= budget, same
 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_a_device_budget_given_to_shard_is_met(stage):
     """``shard(..., offload=Offload(device_budget=B))`` on 3 ranks: the optimizer takes the
-    least share that fits on every rank (a share, then all of it as the budget shrinks), the
-    device holds no more than B after the steps (stage 3: with the units in full at the peak
-    added), and the run equals the one given that share by hand, bit for bit."""
-    for fraction, expected in ((0.6, "a share"), (0.0, "all")):
+    least offload that fits on every rank (a share, at stage 3 some units, then all of it as
+    the budget shrinks), the device holds no more than B after the steps (stage 3: with the
+    units in full at the peak added), and the run equals the one given that decision by
+    hand, bit for bit."""
+    for fraction, expected in ((0.6, "some"), (0.0, "all")):
         results = run_distributed(_budgeted, 3, stage, fraction)
         assert all(fits and same for _, fits, same in results), results
-        shares = {share for share, _, _ in results}
-        assert len(shares) == 1  # (every rank decides the same, without a word between them)
-        share = shares.pop()
-        assert (0 < share < 1) if expected == "a share" else share == 1.0, (fraction, share)
+        decisions = {decided for decided, _, _ in results}
+        assert len(decisions) == 1  # (every rank decides the same, without a word between them)
+        share, units = decisions.pop()
+        if expected == "all":
+            assert share == 1.0 and units is None, (fraction, share, units)
+        elif stage == 3:  # (units, by name: [Note: unit homes])
+            assert share == 1.0 and units and all(u.startswith("blocks.") or u == "" for u in units), units
+        else:
+            assert 0 < share < 1 and units is None, (fraction, share)
 
 
 def _refusals() -> list[str]:

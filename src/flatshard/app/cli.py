@@ -297,7 +297,9 @@ def _layout(args: argparse.Namespace) -> int:
     from flatshard.planner.layout import plan_layout
 
     try:
-        specs, stage3_specs, units, frozen = model_specs_of(args.model, plan.DTYPES[args.param_dtype], args)
+        specs, stage3_specs, units, frozen, _ = model_specs_of(
+            args.model, plan.DTYPES[args.param_dtype], args
+        )
     except (ValueError, ImportError, AttributeError) as e:
         print(f"flatshard layout: {e}", file=sys.stderr)
         return 2

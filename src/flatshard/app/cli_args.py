@@ -95,8 +95,9 @@ def add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
 def model_specs_of(model: str, dtype, args: argparse.Namespace):
     """Build ``model`` (a GPT preset or module:factory) on the meta device (no memory used);
     its specs as stages 0-2 and stage 3 lay them out (``--whole-params``: a regex of the
-    names of 2-D params kept whole), a table of its stage-3 units (``--unit-bytes``), and the
-    specs of its frozen params at stages 0-2 and 3 (no grads, no optimizer state)."""
+    names of 2-D params kept whole), a table of its stage-3 units (``--unit-bytes``), the
+    specs of its frozen params at stages 0-2 and 3 (no grads, no optimizer state), and the
+    units' names by index."""
     import re
 
     import torch
@@ -130,4 +131,4 @@ def model_specs_of(model: str, dtype, args: argparse.Namespace):
         model_specs(module, frozen=True),
         model_specs(module, stage=3, frozen=True, unit_bytes=args.unit_bytes),
     )
-    return model_specs(module, whole_params=kept), stage3, table, frozen
+    return model_specs(module, whole_params=kept), stage3, table, frozen, [u.name for u in units]

@@ -118,7 +118,7 @@ def run_plan(args: argparse.Namespace) -> int:
                 print(f"flatshard plan: {option} applies to --params only", file=sys.stderr)
                 return 2
         try:
-            specs, stage3_specs, units, frozen = model_specs_of(
+            specs, stage3_specs, units, frozen, names = model_specs_of(
                 args.model, plan.DTYPES[args.param_dtype], args
             )
             planning = {
@@ -139,7 +139,7 @@ def run_plan(args: argparse.Namespace) -> int:
         counts += f" trained, {sum(s.numel for s in frozen[0]):,} frozen" if frozen[0] else ""
         title = f"{args.model} ({counts}), rank {args.rank}"
         if args.device_budget is not None:
-            print(_budget(args, specs, planning))
+            print(_budget(args, specs, planning, names))
             return 0
     if args.json:
         print(json.dumps({"stages": {str(s): p.as_dict() for s, p in plans.items()}}))
@@ -154,7 +154,7 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-def _budget(args: argparse.Namespace, specs, planning: dict) -> str:
+def _budget(args: argparse.Namespace, specs, planning: dict, names: list[str]) -> str:
     """Each stage's decision for ``--device-budget`` ([Note: device budget]), as lines or JSON."""
     import json
 
@@ -174,9 +174,11 @@ def _budget(args: argparse.Namespace, specs, planning: dict) -> str:
             continue
         p = fit.plan
         out[str(stage)] = {"fits": True, "share": fit.share, "in_flight": fit.in_flight, **p.as_dict()}
+        if fit.units is not None:  # (stage 3: the units on the host, [Note: unit homes])
+            out[str(stage)]["units"] = [names[int(u)] for u in sorted(fit.units, key=int)]
         out[str(stage)]["device_peak"] = fit.device_peak
         lines.append(
-            f"  stage {stage}: {fit.describe()}; on the device {fit.device_peak:,} bytes at the peak "
+            f"  stage {stage}: {fit.describe(names)}; on the device {fit.device_peak:,} bytes at the peak "
             f"({fit.in_flight:,} of units in full), on the host {p.host:,}, "
             f"{p.link_bytes_per_step:,} bytes over the host link a step"
         )

@@ -60,6 +60,7 @@ from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
 from flatshard.optim.rank_state import load_rank_state, rank_state
 from flatshard.optim.shards import BufferShards, build_shards
 from flatshard.planner.mixed_precision import OptimizerPrecision
+from flatshard.planner.offload import host_homed, unit_ids
 from flatshard.wrap.arguments import check_flags
 from flatshard.wrap.module import ShardedModule, ShardState, job_world
 
@@ -155,16 +156,19 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         self._model = model
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group
+        named = offload.units if offload is not None else None  # ([Note: unit homes])
+        ids = None if named is None else unit_ids(named, state.unit_names)
         self._buffer_shards = [
-            build_shards(buffer, bset.world, group_of, shapes, main_dtype, offload, pieces)
+            build_shards(buffer, bset.world, group_of, shapes, main_dtype, pieces=pieces, host=home)
             for bset in state.sets.values()
             for buffer in bset.buffers
+            for home in [offload if host_homed(offload, buffer.layout.unit, ids) else None]
         ]
         originals = state.take_originals()
         for shards in self._buffer_shards:
             shards.load_main_values(originals)
             if shards.main_data is not None and shards.buffer.sharded_params:  # [Note: main-backed shards]
-                shards.buffer.adopt_main(shards.main_data, host=offload is not None)
+                shards.buffer.adopt_main(shards.main_data, host=shards.host_grads is not None)
         inner_groups = [{**hyper, "params": []} for hyper in groups]
         for shards in self._buffer_shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
@@ -339,12 +343,14 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
 
     def host_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors whose home is the host, by role ([Note: memory tiers]): empty unless the
-        model was sharded with ``Offload(optimizer=True)``."""
+        model was sharded with ``Offload(optimizer=True)`` (its named units', [Note: unit
+        homes])."""
         offloaded = [s for s in self._buffer_shards if s.host_grads is not None]
         if not offloaded:  # (an inner optimizer may keep its own: a HybridDeviceOptimizer)
             inner = getattr(self.inner, "host_tensors", None)
             return inner() if callable(inner) else {}
-        state = [v for st in self.inner.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+        homed = [self.inner.state.get(t, {}) for s in offloaded for t in s.tensors]
+        state = [v for st in homed for v in st.values() if isinstance(v, torch.Tensor)]
         return {
             "grads": [s.host_grads for s in offloaded if s.host_grads is not None],
             "main_params": [s.main_data for s in offloaded if s.main_data is not None],

@@ -11,7 +11,7 @@ import torch
 
 from flatshard.comm.collectives import CommStats
 from flatshard.optim.shards import BufferShards
-from flatshard.planner.budget import least_share
+from flatshard.planner.budget import least_offload
 from flatshard.planner.offload import Offload
 
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
@@ -47,8 +47,9 @@ def budget_offload(
     defaults: dict[str, Any],
     precision,
 ) -> Offload | None:
-    """``offload`` with its device budget decided: the least share of the optimizer that fits
-    on every rank ([Note: device budget] in ``planner/budget.py``); None for none."""
+    """``offload`` with its device budget decided: the least share of the optimizer (at stage
+    3: the fewest units) that fits on every rank ([Note: device budget] in
+    ``planner/budget.py``); None for none."""
     if offload is None or offload.device_budget is None:
         return offload
     kinds = {torch.optim.Adam: "adamw", torch.optim.AdamW: "adamw", torch.optim.Adagrad: "adagrad"}
@@ -62,7 +63,11 @@ def budget_offload(
             f"{getattr(optimizer_class, '__name__', optimizer_class)}: give the share instead "
             "(Offload(optimizer=...))"
         )
-    share = least_share(offload.device_budget, planned, stage=stage, optimizer=kind, precision=precision)
+    budget = offload.device_budget
+    share, units = least_offload(budget, planned, stage=stage, optimizer=kind, precision=precision)
+    if units is not None:  # (stage 3: these units on the host, [Note: unit homes])
+        named = tuple(planned.unit_names[int(u)] for u in sorted(units, key=int))
+        return Offload(pin_memory=offload.pin_memory, units=named)
     return Offload(optimizer=share, pin_memory=offload.pin_memory) if share else None
 
 

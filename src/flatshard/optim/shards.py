@@ -162,19 +162,18 @@ def build_shards(
     group_of: dict[str, int],
     shapes: dict[str, tuple[int, ...]],
     main_dtype: torch.dtype = torch.float32,
-    offload: Offload | None = None,
     pieces: set[str] | frozenset[str] = frozenset(),
+    host: Offload | None = None,
 ) -> BufferShards:
     """The runs of ``buffer``'s shards, over fp32 main params where its params are 16-bit
     and ``main_dtype`` is fp32, else over the param shard itself (``run_dtype``); with
-    the whole optimizer offloaded, over a host frame in every case, their grads over another
-    ([Note: memory tiers] in ``planner/offload.py``)."""
+    ``host`` (the offload that homes this buffer's optimizer on the host), over a host frame
+    in every case, their grads over another ([Note: memory tiers] in ``planner/offload.py``)."""
     runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes, pieces)
     dtype = run_dtype(buffer.layout.dtype, main_dtype)
-    host = offload is not None and offload.fraction == 1.0
     main_data = host_grads = None
-    if host:
-        pin = offload is not None and offload.pin_memory and buffer.device.type == "cuda"
+    if host is not None:
+        pin = host.pin_memory and buffer.device.type == "cuda"
         main_data = torch.zeros(buffer.frame_numel, dtype=dtype, pin_memory=pin)
         host_grads = torch.zeros(buffer.frame_numel, dtype=buffer.layout.grad_dtype, pin_memory=pin)
     elif dtype != buffer.layout.dtype:

@@ -16,6 +16,13 @@ device may hold, decided before anything runs ([Note: device budget])."""
 # 3. all of it (``Offload()``): the main params, grads' frame and state on the host, and at
 #    stage 3 the param shards with them.
 #
+# At stage 3 the candidates are units instead of shares ([Note: unit homes] in
+# ``planner/offload.py``): nothing, then the first k units of ``unit_order`` on the host
+# (whole: shards, grads' frame, main params, state), for the least k that fits (found by
+# bisection: each unit sent frees device bytes), then all of them. The order puts first the
+# units that cost the host link least for the bytes they free: a unit gathered once a step
+# (the last ones of the forward, kept for backward; the root) before one gathered twice.
+#
 # What a device holds is ``memory_report``'s count (the plan's ``device`` bytes: params,
 # grads, main params and state whose home is the device) plus, at stage 3, the units in full
 # at the peak: two of the largest unit's params and grads (the one running, the one
@@ -43,7 +50,7 @@ from flatshard.planner.plan import OPTIMIZERS, StagePlan, layout_at, plan_from_s
 from flatshard.planner.shard_map import plan_runs
 from flatshard.planner.stage import StagePolicy
 
-__all__ = ["BudgetFit", "BudgetSpecs", "fit_budget", "in_flight_bytes", "least_share"]
+__all__ = ["BudgetFit", "BudgetSpecs", "fit_budget", "in_flight_bytes", "least_offload", "unit_order"]
 
 
 @dataclass(frozen=True)
@@ -55,6 +62,7 @@ class BudgetSpecs:
     frozen: tuple[ParamSpec, ...]
     bucket_size: int | None
     world_size: int
+    unit_names: tuple[str, ...] = ()  # stage 3: each unit's name, by index
 
 
 @dataclass(frozen=True)
@@ -66,13 +74,18 @@ class BudgetFit:
     share: float
     plan: StagePlan
     in_flight: int
+    units: frozenset[str] | None = None  # stage 3: the ids of the units on the host (None: all or none)
 
     @property
     def device_peak(self) -> int:
         """The model state's bytes on the device at the peak."""
         return self.plan.device + self.in_flight
 
-    def describe(self) -> str:
+    def describe(self, names: Sequence[str] = ()) -> str:
+        """The decision in words; ``names``: stage 3's unit names by index."""
+        if self.units is not None:
+            shown = [names[int(u)] if names else u for u in sorted(self.units, key=int)]
+            return f"Offload(units={shown}): {len(shown)} unit(s) on the host, the others on the device"
         what = {0.0: "nothing offloaded", 1.0: "Offload(): all of the optimizer on the host"}
         return what.get(self.share, f"Offload(optimizer={self.share:.4g})")
 
@@ -137,13 +150,18 @@ def fit_budget(
             "before any model state; no offload lowers that. Give more bytes, or split the unit "
             "(Stage3(units=...), a smaller Stage3(unit_bytes=...))"
         )
-    base = plan_from_specs(specs, **common)[stage]
-    for share, plan in _shares(base, staged, policy, rank, world_size, bucket_size, optimizer, precision):
-        if plan.device + in_flight <= budget:
-            return BudgetFit(stage, share, plan, in_flight)
-    full = plan_from_specs(specs, offload=True, **common)[stage]
-    if full.device + in_flight <= budget:
-        return BudgetFit(stage, 1.0, full, in_flight)
+    if policy.gathers_units:
+        fit = _fit_units(budget - in_flight, specs, stage, common)
+        full = fit.plan if fit.share == 1.0 else None
+    else:
+        base = plan_from_specs(specs, **common)[stage]
+        shares = _shares(base, staged, policy, rank, world_size, bucket_size, optimizer, precision)
+        fits = (BudgetFit(stage, s, plan, 0) for s, plan in shares if plan.device + in_flight <= budget)
+        full = plan_from_specs(specs, offload=True, **common)[stage]
+        fit = next(fits, BudgetFit(stage, 1.0, full, 0))
+    if fit.plan.device + in_flight <= budget:
+        return replace(fit, in_flight=in_flight)
+    assert full is not None  # (what does not fit is all of it offloaded)
     raise ValueError(
         f"device budget {budget} bytes: stage {stage} needs {full.device + in_flight} bytes on "
         f"rank {rank}'s device with all of the optimizer on the host ({full.params} of params, "
@@ -151,6 +169,40 @@ def fit_budget(
         + (f", {in_flight} of units in full" if in_flight else "")
         + "). Give more bytes, or a stage that shards more"
     )
+
+
+def _fit_units(budget: int, specs: Sequence[ParamSpec], stage: int, common: dict[str, Any]) -> BudgetFit:
+    """Stage 3: the fewest units on the host with which the rank's model state fits
+    ``budget`` bytes, the units taken in ``unit_order``; all of them (share 1) if none fits."""
+    order = unit_order(specs, stage, common)
+
+    def plan(k: int) -> StagePlan:
+        return plan_from_specs(specs, offload=frozenset(order[:k]), **common)[stage]
+
+    lo, hi = 0, len(order)  # (device bytes fall as units leave: search the least k that fits)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if plan(mid).device <= budget else (mid + 1, hi)
+    units = None if lo == len(order) else frozenset(order[:lo])
+    return BudgetFit(stage, 0.0 if lo == 0 else 1.0, plan(lo), 0, units if lo else None)
+
+
+def unit_order(specs: Sequence[ParamSpec], stage: int, common: dict[str, Any]) -> list[str]:
+    """Stage 3's units (their ids) in the order a budget sends them to the host: least host
+    link traffic a step for the device bytes each frees first (a unit gathered once a step
+    before one regathered for backward), then the larger, then the earlier; planned on rank 0,
+    so that every rank orders them alike."""
+    staged = common.get("stage3_specs") or specs
+    ids = sorted({s.unit for s in staged if s.unit is not None}, key=int)
+    at0 = {**common, "rank": 0}
+    base = plan_from_specs(specs, offload=frozenset(), **at0)[stage].device
+
+    def cost(unit: str) -> tuple[float, int, int]:
+        alone = plan_from_specs(specs, offload=frozenset({unit}), **at0)[stage]
+        freed = base - alone.device
+        return (alone.link_bytes_per_step / freed if freed > 0 else float("inf"), -freed, int(unit))
+
+    return sorted(ids, key=cost)
 
 
 def _shares(
@@ -200,12 +252,13 @@ def _shares(
         )
 
 
-def least_share(
+def least_offload(
     budget: int, planned: BudgetSpecs, *, stage: int, optimizer: str, precision: OptimizerPrecision | None
-) -> float:
-    """The share of the optimizer to offload so that every rank fits ``budget``: the largest
-    any rank needs (ranks' shards differ by padding), the same on every rank without a word
-    between them; a ``ValueError`` naming the first rank that cannot fit."""
+) -> tuple[float, frozenset[str] | None]:
+    """The share of the optimizer to offload, and at stage 3 the units, so that every rank
+    fits ``budget``: the most any rank needs (ranks' shards differ by padding; units are
+    taken in one order, so the most is the longest list), the same on every rank without a
+    word between them; a ``ValueError`` naming the first rank that cannot fit."""
     stage3 = StagePolicy(stage).gathers_units
     fits = [
         fit_budget(
@@ -222,4 +275,12 @@ def least_share(
         )
         for rank in range(planned.world_size)
     ]
-    return max(fit.share for fit in fits)
+    most = max(fits, key=_extent)
+    return most.share, most.units
+
+
+def _extent(fit: BudgetFit) -> tuple[float, float]:
+    """How much a decision offloads, to compare two ranks' (all units beyond any list)."""
+    if fit.share == 1.0 and fit.units is None:
+        return 1.0, float("inf")
+    return fit.share, len(fit.units or ())

@@ -12,7 +12,8 @@ The reasoning is in the notes below ([Note: layout], ...)."""
 #
 # * one buffer per (param dtype, grad dtype, gather dtype), in first-seen registration order
 #   (the gather dtype: fp8 for params gathered in fp8, [Note: fp8 gathers] in
-#   ``engine/fp8_gathers.py``; None for the others);
+#   ``engine/fp8_gathers.py``; None for the others); with ``buffer_per_unit``, one per
+#   (those, stage-3 unit) ([Note: unit homes] in ``planner/offload.py``);
 # * inside a buffer, params are laid out in *reverse* registration order, which is the order
 #   in which backward produces their grads, so the first bucket is ready first;
 # * a param is never split across buckets; a bucket closes as soon as it holds at least
@@ -262,6 +263,7 @@ class BufferLayout:
     numel: int  # padded total
     buckets: tuple[BucketLayout, ...]
     gather_dtype: torch.dtype | None = None  # what its gathers send (None: ``dtype``)
+    unit: str | None = None  # its params' one stage-3 unit, where each unit has buffers of its own
 
     @property
     def params(self) -> Iterator[ParamSlot]:
@@ -328,10 +330,13 @@ def plan_layout(
     shard: bool = True,
     pad_for_high_busbw: bool = False,
     align: int | None = None,
+    buffer_per_unit: bool = False,
 ) -> Layout:
     """Plan buffers, buckets and shards for ``specs`` (given in module registration order).
     ``align``: a multiple of ``PARAM_ALIGN`` at which params start and shards are cut
-    ([Note: aligned shards]); None: the default alignment.
+    ([Note: aligned shards]); None: the default alignment. ``buffer_per_unit``: each stage-3
+    unit's params get buffers of their own, so that each unit's shards can have their own
+    home ([Note: unit homes] in ``planner/offload.py``).
 
     See [Note: layout] at the top of this module for the rules and invariants.
     """
@@ -349,16 +354,18 @@ def plan_layout(
     if align is not None:
         multiple = math.lcm(multiple, world_size * align)
     step = align or PARAM_ALIGN
-    groups: dict[tuple[torch.dtype, torch.dtype, torch.dtype | None], list[int]] = {}
+    groups: dict[tuple[torch.dtype, torch.dtype, torch.dtype | None, str | None], list[int]] = {}
     for i, spec in enumerate(specs):
-        groups.setdefault((spec.dtype, spec.grad_dtype, spec.gather_dtype), []).append(i)
+        unit = spec.unit if buffer_per_unit else None
+        groups.setdefault((spec.dtype, spec.grad_dtype, spec.gather_dtype, unit), []).append(i)
     buffers = []
     loads = [0] * world_size  # of whole-param buckets, carried from buffer to buffer
-    for b, ((dtype, grad_dtype, gather_dtype), indices) in enumerate(groups.items()):
+    for b, ((dtype, grad_dtype, gather_dtype, unit), indices) in enumerate(groups.items()):
         ordered = [specs[i] for i in reversed(indices)]
         grouped = _group_buckets(ordered, list(reversed(indices)), bucket_size, shard, step)
         buckets = _place_buckets(grouped, shard, multiple, world_size, loads, step)
-        buffers.append(BufferLayout(b, dtype, grad_dtype, buckets[-1].end, tuple(buckets), gather_dtype))
+        end = buckets[-1].end
+        buffers.append(BufferLayout(b, dtype, grad_dtype, end, tuple(buckets), gather_dtype, unit))
     return Layout(world_size, shard, bucket_size, multiple if shard else 1, tuple(buffers))
 
 

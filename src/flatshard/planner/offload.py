@@ -37,9 +37,29 @@ The reasoning is [Note: memory tiers] below."""
 # CPU-only machine host and device are the same memory: every copy still runs, and the homes
 # are accounted by ownership (``memory_report``'s ``host`` bytes), so a CPU run tests the same
 # code and counts the same bytes as a GPU run.
+#
+# [Note: unit homes]
+#
+# At stage 3 a home can be chosen unit by unit: ``Offload(units=names)`` puts the named units'
+# shards, grad frames, main params and optimizer state on the host, as ``Offload()`` puts
+# everything, and keeps every other unit's on the device, stepped there. The unit is the
+# grain because a unit's shards are what a gather reads: a resident unit gathers from the
+# device as without offload, an offloaded one copies its part over the link first (a frame
+# of its own on the host, so its device bytes are its grads alone). The home is a buffer's:
+# with ``units`` (or a device budget) at stage 3, the layout gives each unit buffers of its
+# own (``plan_layout(buffer_per_unit=True)``), and ``build_shards`` puts a buffer on the
+# host when its unit is named. One inner optimizer steps both homes (torch's fused and
+# ``foreach`` kernels group tensors by device). Every other invariant of [Note: memory
+# tiers] holds buffer by buffer.
+#
+# Why not a share at stage 3 (a ``HybridDeviceOptimizer``, as at stages 0-2): its host runs
+# keep their shards and fp32 copies on the device too (only the state moves), so per element
+# a unit's home frees the shard as well. A device budget at stage 3 therefore chooses units
+# ([Note: device budget] in ``planner/budget.py``).
 
 from __future__ import annotations
 
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 
@@ -59,12 +79,16 @@ class Offload:
     device_budget: instead of ``optimizer``, the bytes of model state each rank's device may
         hold: the ``DistributedOptimizer`` built over the model takes the least offload that
         fits on every rank ([Note: device budget] in ``planner/budget.py``), or raises naming
-        what does not fit.
+        what does not fit; at stage 3 it chooses units, as ``units`` would.
+    units: stage 3 only: the names of the units (their modules' qualified names, as
+        ``flatshard layout`` prints them) whose shards and optimizer live on the host; the
+        other units' stay on the device ([Note: unit homes]). None: every unit's.
     """
 
     optimizer: bool | float = True
     pin_memory: bool = True
     device_budget: int | None = None
+    units: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
@@ -80,6 +104,22 @@ class Offload:
                 f"Offload: give a share (optimizer={share!r}) or a device_budget, not both: the "
                 "budget decides the share"
             )
+        self._check_units()
+
+    def _check_units(self) -> None:
+        units = self.units
+        if units is None:
+            return
+        if isinstance(units, str) or not all(isinstance(u, str) for u in units):
+            raise TypeError(f"Offload.units must be a collection of unit names (str), got {units!r}")
+        object.__setattr__(self, "units", tuple(units))
+        if float(self.optimizer) != 1.0:
+            raise ValueError(
+                f"Offload: give units or a share (optimizer={self.optimizer!r}), not both: the named "
+                "units' optimizer is all on the host"
+            )
+        if self.device_budget is not None:
+            raise ValueError("Offload: give units or a device_budget, not both: the budget decides the units")
 
     @property
     def fraction(self) -> float:
@@ -98,3 +138,28 @@ def offloaded_items(numels: list[int], fraction: float, smallest: int = 0) -> li
         out.append(before + n / 2 < limit and n >= smallest)
         before += n
     return out
+
+
+def unit_ids(names: Collection[str], units: Sequence[Sequence[str]]) -> frozenset[str]:
+    """The layout's ids (``ParamSpec.unit``: the index as a string) of the stage-3 units
+    ``names`` name; ``units`` are each unit's module names by index (merged siblings: all of
+    theirs, [Note: merged units]; the root's is ""). A ``ValueError`` names a name that is no
+    unit's, with the units there are."""
+    by_name = {name: str(i) for i, unit in enumerate(units) for name in unit}
+    by_name.update({f"{u[0]}..{u[-1]}": str(i) for i, u in enumerate(units) if len(u) > 1})
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        shown = [u[0] if len(u) == 1 else f"{u[0]}..{u[-1]}" for u in units]
+        raise ValueError(
+            f"Offload(units=...): {unknown[0]!r} is not a stage-3 unit of this model; its units are "
+            f'{shown} (the root, "", holds the params of no unit module)'
+        )
+    return frozenset(by_name[n] for n in names)
+
+
+def host_homed(offload: Offload | None, unit: str | None, ids: frozenset[str] | None) -> bool:
+    """Whether a buffer of ``unit`` (None: a buffer of several) lives on the host: all of the
+    optimizer offloaded and, where units were named (``ids``), its unit among them."""
+    if offload is None or offload.fraction != 1.0:
+        return False
+    return ids is None or unit in ids

@@ -140,10 +140,18 @@ def layout_at(
     world_size: int,
     bucket_size: int | None,
     align: int | None = None,
+    buffer_per_unit: bool = False,
 ) -> Layout:
-    """The layout ``shard`` builds for ``specs`` at ``policy``'s stage."""
-    shard = policy.pads_for_shards
-    return plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=shard, align=align)
+    """The layout ``shard`` builds for ``specs`` at ``policy``'s stage (``buffer_per_unit``:
+    at stage 3, buffers unit by unit, [Note: unit homes] in ``planner/offload.py``)."""
+    return plan_layout(
+        specs,
+        world_size=world_size,
+        bucket_size=bucket_size,
+        shard=policy.pads_for_shards,
+        align=align,
+        buffer_per_unit=buffer_per_unit and policy.gathers_units,
+    )
 
 
 def plan_from_specs(
@@ -157,7 +165,7 @@ def plan_from_specs(
     frozen_specs: Sequence[ParamSpec] = (),
     stage3_frozen_specs: Sequence[ParamSpec] | None = None,
     precision: OptimizerPrecision | None = None,
-    offload: bool = False,
+    offload: bool | frozenset[str] = False,
 ) -> dict[int, StagePlan]:
     """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
     as flatshard would use them), on the layout ``shard`` would build; stage 3 lays out
@@ -165,7 +173,9 @@ def plan_from_specs(
     ``frozen_specs`` (``model_specs(module, frozen=True)``) are frozen params: whole on every
     rank at stages 0-2, sharded and gathered with their unit at stage 3 (laid out from
     ``stage3_frozen_specs`` when given), never with grads or optimizer state. ``offload``:
-    as ``shard(..., offload=Offload())`` ([Note: memory tiers] in ``planner/offload.py``)."""
+    True as ``shard(..., offload=Offload())`` ([Note: memory tiers] in ``planner/offload.py``);
+    a set of stage-3 unit ids (``ParamSpec.unit``) as ``Offload(units=...)``: those units on
+    the host at stage 3 ([Note: unit homes]), nothing at stages 0-2, which have no units."""
     state_bytes, scalar_bytes, fp32_main = _check(world_size, optimizer, precision)
     fmt = FORMATS.get(optimizer)  # (a blockwise format: piece runs on a layout aligned to its blocks)
     if not 0 <= rank < world_size:
@@ -174,7 +184,9 @@ def plan_from_specs(
     for stage in STAGES:
         policy = StagePolicy(stage)
         staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
-        layout = layout_at(policy, staged, world_size, bucket_size, fmt.align if fmt else None)
+        per_unit = not isinstance(offload, bool)
+        homed = offload if not isinstance(offload, bool) else frozenset()
+        layout = layout_at(policy, staged, world_size, bucket_size, fmt.align if fmt else None, per_unit)
         gathers = _gathers_per_bucket(staged)
         totals = dict.fromkeys(
             ("params", "grads", "main_params", "optimizer_state", "comm_bytes_per_step", "host"), 0
@@ -182,11 +194,12 @@ def plan_from_specs(
         totals["link_bytes_per_step"] = 0
         group_of = {spec.name: 0 for spec in specs}
         for buffer in layout.buffers:
+            host = offload is True or (buffer.unit in homed and policy.gathers_units)
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
             sent = buffer.gather_dtype.itemsize if buffer.gather_dtype and policy.gathers_units else pb
             full, shard = buffer.numel, buffer.shard_numel(rank)
             half = buffer.dtype in HALF_DTYPES and fp32_main  # (at stage 3 they hold the 16-bit shard)
-            held_by_main = half or offload  # (offloaded fp32 params get a host copy too)
+            held_by_main = half or host  # (offloaded fp32 params get a host copy too)
             totals["params"] += (0 if held_by_main else pb * shard) if policy.shards_params else pb * full
             totals["grads"] += gb * (shard if policy.shards_grads else full)
             main = (4 if half else pb) * shard if held_by_main else 0
@@ -196,7 +209,7 @@ def plan_from_specs(
             totals["comm_bytes_per_step"] += sum(
                 _comm(policy, b.numel, world_size, sent, gb, gathers(b)) for b in buffer.buckets
             )
-            if offload:  # the grads' host frame; grads down once, params up once a step or gather
+            if host:  # the grads' host frame; grads down once, params up once a step or gather
                 totals["grads"] += gb * shard
                 totals["host"] += main + state + gb * shard
                 ups = [gathers(b) if policy.shards_params else 1 for b in buffer.buckets]

@@ -23,7 +23,7 @@ from flatshard.engine.fp8_gathers import Fp8Cast
 from flatshard.engine.tensor_parallel import TensorParallel, describe, is_distributed, mesh_of, refuse
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import MixedPrecision, cast_params
-from flatshard.planner.offload import Offload
+from flatshard.planner.offload import Offload, unit_ids
 from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
 from flatshard.units.build import is_meta_model, replace_meta_params
 from flatshard.units.unit_tree import Unit
@@ -144,6 +144,14 @@ class WrapPlan:
     fp8: Mapping[str, Fp8Cast] = field(default_factory=dict)  # weights gathered in fp8, by name
 
     @property
+    def buffer_per_unit(self) -> bool:
+        """Each stage-3 unit gets buffers of its own, so each can have its home ([Note: unit
+        homes] in ``planner/offload.py``): where units are named or a budget will name them."""
+        offload = self.offload
+        per_unit = offload is not None and (offload.units is not None or offload.device_budget is not None)
+        return per_unit and self.policy.gathers_units
+
+    @property
     def worlds(self) -> tuple[World, World]:
         return self.world, self.replicate
 
@@ -193,6 +201,7 @@ def plan_wrap(
     units, unit_of = (
         stage3_units(module, named, s3.units, s3.unit_bytes) if policy.gathers_units else ([], {})
     )
+    _check_offload_units(offload, policy, units)
     fp8 = _fp8_gathered(module, marked, policy)
     specs_of = partial(
         param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole, mixed_precision=mp, fp8=fp8
@@ -236,6 +245,18 @@ def plan_wrap(
         offload,
         fp8,
     )
+
+
+def _check_offload_units(offload: Offload | None, policy: StagePolicy, units: list[Unit]) -> None:
+    """``Offload(units=...)`` names units of this model, at stage 3."""
+    if offload is None or offload.units is None:
+        return
+    if not policy.gathers_units:
+        raise ValueError(
+            f"Offload(units=...) names stage 3's units; at stage {policy.stage} there are none: offload "
+            "a share of the optimizer instead (Offload(optimizer=0.5)), or all of it (Offload())"
+        )
+    unit_ids(offload.units, [u.names for u in units])
 
 
 def _fp8_gathered(

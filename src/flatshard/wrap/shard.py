@@ -194,6 +194,7 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
         unsharder=unsharder,
         frozen=frozen,
         offload=plan.offload,
+        unit_names=tuple(u.names for u in plan.units),
     )
     if plan.offload is not None and plan.offload.device_budget is not None:
         state.budget_specs = _budget_specs(module, plan)
@@ -237,6 +238,7 @@ def _build_set(part: ParamPart, plan: WrapPlan) -> BufferSet:
         shard=policy.pads_for_shards,
         pad_for_high_busbw=plan.buckets.pad_for_high_busbw,
         align=plan.buckets.align,
+        buffer_per_unit=plan.buffer_per_unit,
     )
     params = [p for _, p in named]
     buffers = []
@@ -331,4 +333,5 @@ def _budget_specs(module: nn.Module, plan: WrapPlan) -> BudgetSpecs:
             for n, p in module.named_parameters()
             if not p.requires_grad and p.numel() and p.is_floating_point() and id(p) not in in_parts
         )
-    return BudgetSpecs(main.specs, frozen, plan.buckets.size, main.world.size)
+    names = tuple(u.name for u in plan.units)
+    return BudgetSpecs(main.specs, frozen, plan.buckets.size, main.world.size, names)
