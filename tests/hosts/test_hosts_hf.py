@@ -39,7 +39,8 @@ def _against_ddp(
 ) -> dict:
     """The Trainer's DDP on the plain model, then flatshard's Trainer at each stage; each
     side's copy of the model through ``prepare`` first, if given; ``callback()``: a fresh
-    ``TrainerCallback`` for each trainer; ``shard``: more of ``flatshard.shard``'s keywords."""
+    ``TrainerCallback`` for each trainer; ``shard``: more of ``flatshard.shard``'s keywords (or
+    a function of the stage that gives them)."""
     from flatshard.hosts import hf
 
     model, data = tiny_llama(), Tokens()
@@ -56,7 +57,7 @@ def _against_ddp(
     logged["ddp"] = [*_logged(reference), (reference.evaluate(data)["eval_loss"], 1.0)]
     for stage in stages:
         args = _args(f"{out}/{stage}", optim=optim, **more)
-        how = stage if shard is None else {"stage": stage, **shard}
+        how = stage if shard is None else {"stage": stage, **(shard(stage) if callable(shard) else shard)}
         trainer = hf.Trainer(model=fresh(), args=args, train_dataset=data, shard=how, callbacks=callbacks())
         trainer.train()
         logged[stage] = [*_logged(trainer), (trainer.evaluate(data)["eval_loss"], 1.0)]
@@ -374,37 +375,50 @@ def test_states_offloaded_between_the_trainers_steps_follow_its_ddp(tmp_path):
 
 
 class _ShareDecided(transformers.TrainerCallback):
-    """Checks, at the end, the share of the optimizer a device budget put on the host: a
-    share strictly between none and all (the DDP reference has no such optimizer)."""
+    """Checks, at the end, what a device budget put on the host: a share of the optimizer
+    strictly between none and all, at stage 3 some units and not all (the DDP reference has
+    no such optimizer)."""
 
     def on_train_end(self, args, state, control, optimizer=None, **kwargs):
         if args.output_dir.endswith("/ddp"):
             return
         decided = getattr(optimizer, "optimizer", optimizer).offload  # (accelerate wraps it)
-        assert decided is not None and 0 < decided.fraction < 1, decided
+        if args.output_dir.endswith("/3"):  # ([Note: unit homes])
+            assert decided is not None and decided.units, decided
+        else:
+            assert decided is not None and 0 < decided.fraction < 1, decided
 
 
-def _budgeted_against_ddp(out: str) -> dict:
-    """``_against_ddp`` at stage 1 with ``Offload(device_budget=B)``, B 60% of the way from
-    what all of the optimizer on the host needs on the most loaded rank to what none does."""
+def _budget(stage: int) -> dict:
+    """``shard``'s keywords at ``stage`` with ``Offload(device_budget=B)``, B 60% of the way
+    from what all of the optimizer on the host needs on the most loaded rank to what none
+    does (stage 3: a unit a decoder layer, so that the budget chooses among them)."""
     import flatshard
+    from flatshard.planner.budget import in_flight_bytes
     from flatshard.planner.plan import plan_from_specs
     from flatshard.wrap.specs import model_specs
 
     with torch.device("meta"):
-        specs = model_specs(tiny_llama(), stage=1)
+        specs = model_specs(tiny_llama(), stage=stage, unit_bytes=None)
     kwargs = {"world_size": 2, "bucket_size": 3000, "stage3_specs": specs}
-    none = max(plan_from_specs(specs, rank=r, **kwargs)[1].device for r in range(2))
-    full = max(plan_from_specs(specs, rank=r, offload=True, **kwargs)[1].device for r in range(2))
-    budget = full + int(0.6 * (none - 1 - full))
-    shard = {"offload": flatshard.Offload(device_budget=budget), "buckets": flatshard.Buckets(size=3000)}
-    return _against_ddp([1], out, "adamw_torch_fused", shard=shard, callback=_ShareDecided)
+    none = max(plan_from_specs(specs, rank=r, **kwargs)[stage].device for r in range(2))
+    full = max(plan_from_specs(specs, rank=r, offload=True, **kwargs)[stage].device for r in range(2))
+    in_flight = in_flight_bytes(specs)[0] if stage == 3 else 0
+    budget = full + int(0.6 * (none - 1 - full)) + in_flight
+    more = {"stage3": flatshard.Stage3(unit_bytes=None)} if stage == 3 else {}
+    more["buckets"] = flatshard.Buckets(size=3000)
+    return {"offload": flatshard.Offload(device_budget=budget), **more}
+
+
+def _budgeted_against_ddp(out: str) -> dict:
+    return _against_ddp([1, 3], out, "adamw_torch_fused", shard=_budget, callback=_ShareDecided)
 
 
 def test_a_device_budget_under_the_trainer_follows_its_ddp(tmp_path):
     """``shard={"offload": flatshard.Offload(device_budget=B)}``: the optimizer built by the
-    Trainer takes the least share of its state on the host that fits B (a share, not all),
-    and the run follows the Trainer's DDP with the same fused AdamW on both sides."""
+    Trainer takes the least offload that fits B (a share of its state at stage 1, some
+    decoder layers at stage 3), and the run follows the Trainer's DDP with the same fused
+    AdamW on both sides."""
     for logged in run_distributed(_budgeted_against_ddp, 2, str(tmp_path), init=False):
         _check_follows(logged, rel=1e-5)
 

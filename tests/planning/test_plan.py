@@ -10,12 +10,13 @@ import torch.distributed as dist
 import flatshard
 from _cli import cli, missing_from_help
 from flatshard import DistributedOptimizer, memory_report
+from flatshard.planner.offload import unit_ids
 from flatshard.planner.plan import plan_from_count, plan_from_specs
 from flatshard.planner.state_blocks import FORMATS
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.testing import run_distributed
-from flatshard.wrap.specs import model_specs
+from flatshard.wrap.specs import model_specs, stage3_units
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, tie_embeddings=True)
 
@@ -48,16 +49,21 @@ def test_count_plan_is_the_design_formula(world):
 def _measured(
     stage: int,
     precision: flatshard.OptimizerPrecision | None = None,
-    offload: bool = False,
+    offload: bool | tuple[str, ...] = False,
     low_bit: str | None = None,
     fp8: bool = False,
 ) -> dict:
     """``low_bit``: a torchao class name, on the layout aligned to its blocks that the plan
     of its lower-case name assumes; ``fp8``: the blocks' linears converted to torchao's float8
-    training with fp8 gathers ([Note: fp8 gathers])."""
+    training with fp8 gathers ([Note: fp8 gathers]); ``offload``: True for ``Offload()``,
+    unit names for ``Offload(units=...)`` at stage 3, each block a unit ([Note: unit homes])."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    more = {"offload": flatshard.Offload()} if offload else {}
+    named = isinstance(offload, tuple)
+    unit_bytes = None if named else flatshard.Stage3().unit_bytes
+    more: dict = {"offload": flatshard.Offload()} if offload is True else {}
+    if named:
+        more = {"offload": flatshard.Offload(units=offload), "stage3": flatshard.Stage3(unit_bytes=None)}
     buckets = flatshard.Buckets(size=3000, align=FORMATS[low_bit.lower()].align if low_bit else None)
     convert = _float8 if fp8 else (lambda module: module)
     model = flatshard.shard(convert(GPT(CFG).to(torch.bfloat16)), stage=stage, buckets=buckets, **more)
@@ -81,7 +87,10 @@ def _measured(
     model.wait_for_params()
     with torch.device("meta"):
         meta = convert(GPT(CFG).to(torch.bfloat16))
-    specs, stage3_specs = model_specs(meta), model_specs(meta, stage=3)
+    specs, stage3_specs = model_specs(meta), model_specs(meta, stage=3, unit_bytes=unit_bytes)
+    homed: bool | frozenset[str] = offload is True
+    if named:  # (the layout's ids of the named units)
+        homed = unit_ids(offload, [u.names for u in stage3_units(meta, [], None, None)[0]])
     plan = plan_from_specs(
         specs,
         world_size=world,
@@ -90,7 +99,7 @@ def _measured(
         rank=rank,
         stage3_specs=stage3_specs,
         precision=precision,
-        offload=offload,
+        offload=homed,
     )[stage]
     sent = sum(v["wire_bytes"] for op, v in stats.items() if op != "all_reduce" or stage == 0)
     link = sum(stats.get(op, {}).get("payload_bytes", 0) for op in ("host_to_device", "device_to_host"))
@@ -141,6 +150,21 @@ def test_the_plan_of_an_offloaded_optimizer_equals_what_a_run_measures(stage):
         for role in ("params", "grads", "main_params", "optimizer_state", "host", "device"):
             assert plan[role] == measured[role], (role, plan, measured)
         assert plan["host"] > 0 and plan["link_bytes_per_step"] == r["link"] > 0, (plan, r["link"])
+        assert plan["comm_bytes_per_step"] == r["sent"]
+
+
+@pytest.mark.parametrize("units", [("blocks.1",), ("", "blocks.0")], ids=["a-block", "root-and-a-block"])
+def test_the_plan_of_offloaded_units_equals_what_a_run_measures(units):
+    """``Offload(units=...)`` at stage 3 on 3 ranks: memory_report equals the plan of those
+    units on the host ([Note: unit homes]) role by role and in host and device bytes; the
+    host link carries the named units' grads down and their parts up at each gather, as the
+    plan says; the other units' bytes stay on the device."""
+    for r in run_distributed(_measured, 3, 3, offload=units):
+        plan, measured = r["plan"], r["measured"]
+        for role in ("params", "grads", "main_params", "optimizer_state", "host", "device"):
+            assert plan[role] == measured[role], (role, plan, measured)
+        assert 0 < plan["link_bytes_per_step"] == r["link"], (plan, r["link"])
+        assert 0 < measured["host"] < measured["main_params"] + measured["optimizer_state"], measured
         assert plan["comm_bytes_per_step"] == r["sent"]
 
 
