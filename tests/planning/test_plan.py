@@ -144,11 +144,15 @@ def test_the_plan_of_an_offloaded_optimizer_equals_what_a_run_measures(stage):
     """With ``Offload()`` every rank's memory_report equals the plan role by role and in its
     host and device bytes, and the bytes copied over the host link in a steady step equal
     the plan's: grads down once, params up once a step (stages 0-2) or once a gather of
-    this rank's part (stage 3, [Note: memory tiers])."""
+    this rank's part (stage 3, [Note: memory tiers]). At stages 2-3 the grad shards live on
+    the host, so after the step the device holds the params of stage 2 and nothing at 3."""
     for r in run_distributed(_measured, 3, stage, offload=True):
         plan, measured = r["plan"], r["measured"]
         for role in ("params", "grads", "main_params", "optimizer_state", "host", "device"):
             assert plan[role] == measured[role], (role, plan, measured)
+        assert measured["grads"] > 0
+        if stage >= 2:
+            assert measured["device"] == (measured["params"] if stage == 2 else 0), measured
         assert plan["host"] > 0 and plan["link_bytes_per_step"] == r["link"] > 0, (plan, r["link"])
         assert plan["comm_bytes_per_step"] == r["sent"]
 

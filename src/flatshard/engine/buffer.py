@@ -89,6 +89,7 @@ class FlatBuffer:
         self.frame_numel = offset
         self.main_frame: torch.Tensor | None = None  # stage 3, 16-bit: fp32 main params hold the shard
         self.main_on_host = False  # that frame is on the host ([Note: memory tiers])
+        self.grads_on_host = False  # stages 2-3: the grad shards are on the host ([Note: memory tiers])
         if sharded_params:
             self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
         else:
@@ -278,6 +279,20 @@ class FlatBuffer:
         """``bucket``'s grad shard with its storage allocated (values undefined if it was
         freed: the caller overwrites them)."""
         return refill(self.grad_shards[bucket.index])
+
+    def home_grads_on_host(self, pin: bool) -> None:
+        """Stages 2-3: this rank's grad shards live on the host from now on (page-locked with
+        ``pin``), their values kept: each reduction folds its shard into them over the host
+        link, and the device keeps no grad of this buffer between backwards ([Note: memory
+        tiers] in ``planner/offload.py``)."""
+        if self.full_grads or not self.has_grads:
+            raise RuntimeError("home_grads_on_host: only a buffer of grad shards (stages 2-3) has them")
+        homed = []
+        for shard in self.grad_shards:
+            host = torch.zeros(shard.numel(), dtype=shard.dtype, pin_memory=pin)
+            homed.append(host.copy_(shard) if allocated(shard) else release(host))
+        self.grad_shards = homed
+        self.grads_on_host = True
 
     def has_grad_shard(self, bucket: BucketLayout) -> bool:
         """Whether ``bucket``'s grads exist (not freed by ``zero_grad`` since)."""

@@ -356,15 +356,15 @@ def norm_chunks(pieces: Sequence[torch.Tensor]) -> list[torch.Tensor]:
 
 def _partial(pieces: list[torch.Tensor], ord: float, param: nn.Parameter) -> torch.Tensor:
     """This rank's share of a param's norm: sum of ``|x|**ord`` (a count for 0, the max for
-    inf) over its pieces, in fp64."""
-    device = pieces[0].device if pieces else param.device
+    inf) over its pieces, in fp64, on the param's device (its pieces may be on the host:
+    [Note: memory tiers] in ``planner/offload.py``)."""
     if not pieces:
-        return torch.zeros((), dtype=torch.float64, device=device)
+        return torch.zeros((), dtype=torch.float64, device=param.device)
     wide = torch.promote_types(pieces[0].dtype, torch.float32)
     norms = torch.stack([torch.linalg.vector_norm(t, ord, dtype=wide) for t in norm_chunks(pieces)]).double()
     if math.isinf(ord):
-        return norms.max()
-    return norms.sum() if ord in (0.0, 1.0) else norms.pow(ord).sum()
+        return norms.max().to(param.device)
+    return (norms.sum() if ord in (0.0, 1.0) else norms.pow(ord).sum()).to(param.device)
 
 
 def _flat(args):
@@ -401,11 +401,22 @@ def _scalar(value) -> torch.Tensor | float:
     return value
 
 
+def _near(value, piece: torch.Tensor):
+    """A scalar operand where ``piece`` lives (a grad piece on the host, [Note: memory tiers]
+    in ``planner/offload.py``, is scaled by a device tensor's value)."""
+    return value.to(piece.device) if isinstance(value, torch.Tensor) else value
+
+
 def _inplace(method: str, op: str):
     def handler(views: GradViews, args, kwargs):
         grad, rest = args[0], [_scalar(a) if a is not None else None for a in args[1:]]
         extra = {k: _scalar(v) if v is not None else None for k, v in kwargs.items()}
-        views.write(grad._key, op, lambda piece: getattr(piece, method)(*rest, **extra))
+
+        def apply(piece: torch.Tensor) -> None:
+            near = {k: _near(v, piece) for k, v in extra.items()}
+            getattr(piece, method)(*(_near(a, piece) for a in rest), **near)
+
+        views.write(grad._key, op, apply)
         return grad
 
     return handler
@@ -425,7 +436,7 @@ def _foreach_inplace(method: str, op: str):
 
 
 def _call(method: str, rest: tuple, piece: torch.Tensor) -> None:
-    getattr(piece, method)(*rest)
+    getattr(piece, method)(*(_near(a, piece) for a in rest))
 
 
 def _accumulate(views: GradViews, args, kwargs):

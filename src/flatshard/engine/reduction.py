@@ -50,7 +50,14 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from flatshard.comm.collectives import CommStats, Handle, all_reduce, reduce_scatter_coalesced, wait_until
+from flatshard.comm.collectives import (
+    DEVICE_TO_HOST,
+    CommStats,
+    Handle,
+    all_reduce,
+    reduce_scatter_coalesced,
+    wait_until,
+)
 from flatshard.comm.world import ONE, World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
 from flatshard.engine.lifecycle import ReductionState, advance
@@ -337,10 +344,13 @@ class Reduction:
         for bucket in self.buckets:
             shard = self.buffer.shard_range(bucket)
             reduced = self.live_grad[shard.start - self.start : shard.end - self.start]
+            if self.buffer.grads_on_host:  # (down the host link, waited for: [Note: memory tiers])
+                self.stats.record(DEVICE_TO_HOST, reduced.numel() * reduced.element_size(), 0)
             if self._shard_fresh:  # (its storage may have been freed by zero_grad)
                 self.buffer.allocate_grad_shard(bucket).copy_(reduced)
             else:
-                self.buffer.grad_shard(bucket).add_(reduced)
+                target = self.buffer.grad_shard(bucket)
+                target.add_(reduced.to(target.device))
         self._shard_fresh = False
         self.release()
 

@@ -168,7 +168,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         for shards in self._buffer_shards:
             shards.load_main_values(originals)
             if shards.main_data is not None and shards.buffer.sharded_params:  # [Note: main-backed shards]
-                shards.buffer.adopt_main(shards.main_data, host=shards.host_grads is not None)
+                shards.buffer.adopt_main(shards.main_data, host=shards.on_host)
         inner_groups = [{**hyper, "params": []} for hyper in groups]
         for shards in self._buffer_shards:
             for run, tensor in zip(shards.runs, shards.tensors, strict=True):
@@ -345,14 +345,15 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         """The tensors whose home is the host, by role ([Note: memory tiers]): empty unless the
         model was sharded with ``Offload(optimizer=True)`` (its named units', [Note: unit
         homes])."""
-        offloaded = [s for s in self._buffer_shards if s.host_grads is not None]
+        offloaded = [s for s in self._buffer_shards if s.on_host]
         if not offloaded:  # (an inner optimizer may keep its own: a HybridDeviceOptimizer)
             inner = getattr(self.inner, "host_tensors", None)
             return inner() if callable(inner) else {}
         homed = [self.inner.state.get(t, {}) for s in offloaded for t in s.tensors]
         state = [v for st in homed for v in st.values() if isinstance(v, torch.Tensor)]
+        shards = [g for s in offloaded if s.buffer.grads_on_host for g in s.buffer.grad_storage()]
         return {
-            "grads": [s.host_grads for s in offloaded if s.host_grads is not None],
+            "grads": [*(s.host_grads for s in offloaded if s.host_grads is not None), *shards],
             "main_params": [s.main_data for s in offloaded if s.main_data is not None],
             "optimizer_state": state,
         }

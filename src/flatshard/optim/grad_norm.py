@@ -93,5 +93,5 @@ def _squares(shards: BufferShards, tp: TensorParallel | None) -> torch.Tensor:
     for i, pieces in enumerate(kinds):
         if pieces:
             norms = torch._foreach_norm(norm_chunks(pieces), 2, dtype=wide)  # (NORM_CHUNK elements each)
-            out[i] = torch.stack(norms).double().square().sum()
+            out[i] = torch.stack(norms).double().square().sum().to(out.device)  # (grads on the host too)
     return out

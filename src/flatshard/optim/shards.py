@@ -28,7 +28,8 @@ class BufferShards:
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
     grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match)
-    host_grads: torch.Tensor | None = None  # the grad shards' host frame ([Note: memory tiers])
+    on_host: bool = False  # its optimizer's home is the host ([Note: memory tiers])
+    host_grads: torch.Tensor | None = None  # stages 0-1 on the host: the grads' host frame
     _split_pieces: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(
         default=None, init=False, repr=False
     )
@@ -43,7 +44,7 @@ class BufferShards:
         record] in ``wrap/record.py``): ``main_data``, unless it is an offloaded copy of params
         in their own dtype (fp32 params: they are their own record)."""
         main = self.main_data
-        copy = main is not None and self.host_grads is not None and main.dtype == self.buffer.layout.dtype
+        copy = main is not None and self.on_host and main.dtype == self.buffer.layout.dtype
         return None if copy else main
 
     def fetch_grads(self, stats: CommStats) -> None:
@@ -136,7 +137,7 @@ class BufferShards:
                 frame = self.buffer.frame_range(bucket)
                 main, shard = self.main_data[frame.start : frame.end], self.buffer.param_shard(bucket)
                 shard.copy_(main, non_blocking=main.is_pinned())
-                if self.host_grads is not None:
+                if self.on_host:
                     stats.record(HOST_TO_DEVICE, shard.numel() * shard.element_size(), 0)
 
 
@@ -168,14 +169,19 @@ def build_shards(
     """The runs of ``buffer``'s shards, over fp32 main params where its params are 16-bit
     and ``main_dtype`` is fp32, else over the param shard itself (``run_dtype``); with
     ``host`` (the offload that homes this buffer's optimizer on the host), over a host frame
-    in every case, their grads over another ([Note: memory tiers] in ``planner/offload.py``)."""
+    in every case, their grads over the grad shards moved to the host (stages 2-3) or a host
+    frame the step copies them into (stages 0-1) ([Note: memory tiers] in
+    ``planner/offload.py``)."""
     runs = plan_runs(buffer.layout, buffer.rank, group_of, shapes, pieces)
     dtype = run_dtype(buffer.layout.dtype, main_dtype)
     main_data = host_grads = None
     if host is not None:
         pin = host.pin_memory and buffer.device.type == "cuda"
         main_data = torch.zeros(buffer.frame_numel, dtype=dtype, pin_memory=pin)
-        host_grads = torch.zeros(buffer.frame_numel, dtype=buffer.layout.grad_dtype, pin_memory=pin)
+        if buffer.full_grads:
+            host_grads = torch.zeros(buffer.frame_numel, dtype=buffer.layout.grad_dtype, pin_memory=pin)
+        elif buffer.has_grads:
+            buffer.home_grads_on_host(pin)
     elif dtype != buffer.layout.dtype:
         main_data = torch.zeros(buffer.frame_numel, dtype=torch.float32, device=buffer.device)
     tensors, run_grads = [], []
@@ -198,6 +204,6 @@ def build_shards(
             tensor.grad = grad  # that torch refuses as their .grad: they are read from ``grads``)
         tensors.append(tensor)
         run_grads.append(grad)
-    shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads, host_grads)
+    shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads, host is not None, host_grads)
     shards.load_main_from_params()
     return shards

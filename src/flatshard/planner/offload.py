@@ -8,11 +8,18 @@ The reasoning is [Note: memory tiers] below."""
 # model is sharded and the optimizer built, never moved behind the user's back. ``Offload``
 # (given to ``shard(..., offload=...)``, read by the ``DistributedOptimizer`` built over the
 # model) says which. With ``optimizer=True`` the optimizer's tensors of this rank live on the
-# host: the main params (fp32 params get a host copy the step updates), a host frame for the
-# grads, and the inner optimizer's state, created there by its first step. A step is
+# host: the main params (fp32 params get a host copy the step updates), the grads, and the
+# inner optimizer's state, created there by its first step. Where the grads live depends on
+# the stage. At stages 2-3 a rank keeps only its grad shards between backwards, and those
+# move to the host: each bucket's reduction copies its reduced shard down the host link as
+# it finishes (adding it to what an earlier backward of the step left there), waits for the
+# copy, and frees the device's; every reader of grads (the global norm, clipping, a
+# ``ShardedGrad``'s pieces) reads them where they are, scalars brought to them. At stages
+# 0-1 the device's grad buffer is what the collectives reduce in place, so it stays, and the
+# step copies the grads into a host frame. A step is
 #
 # 1. the grads as the optimizer prepared them (reduced, unscaled, clipped: [Note: prepared
-#    grads] in ``optim/grad_prep.py``) copied from the device shards into the host frame;
+#    grads] in ``optim/grad_prep.py``), at stages 0-1 copied from the device into the frame;
 # 2. the inner optimizer's update on the host, with torch's fused kernel for the classes that
 #    have one, else ``foreach`` (never torch's default loop of ops over each tensor);
 # 3. the new values copied to the device params, rounded to their dtype, before the next
@@ -21,8 +28,9 @@ The reasoning is [Note: memory tiers] below."""
 # At stage 3 the main params are already the only copy of a rank's param shards ([Note:
 # main-backed shards] in ``engine/buffer.py``), so offloading them offloads the shards: a
 # unit's gather copies this rank's part from the host into the full bucket on the device, and
-# the device keeps nothing per element of the rank's shard but its grads. fp32 params get the
-# same host frame as their only copy.
+# the device keeps nothing per element of the rank's shard between steps: it holds the units
+# in flight and what their backward needs, as FSDP2's ``CPUOffloadPolicy``. fp32 params get
+# the same host frame as their only copy.
 #
 # Invariants: the host main params are the values the optimizer steps, and any write that
 # reaches the params outside a step reaches them as it reaches device main params (a load, a
@@ -32,8 +40,10 @@ The reasoning is [Note: memory tiers] below."""
 # equals after every step.
 #
 # On an accelerator, host tensors are page-locked (``pin_memory``) and copies are asynchronous
-# on the current stream: the grads' copies are waited for once before the host update; the
-# params' copies are queued ahead of the next forward's work on the same stream. On a
+# on the current stream: the grads' copies into a frame (stages 0-1) are waited for once
+# before the host update, the grad shards' (stages 2-3) as each reduction finishes, since
+# the global norm reads them next; the params' copies are queued ahead of the next
+# forward's work on the same stream. On a
 # CPU-only machine host and device are the same memory: every copy still runs, and the homes
 # are accounted by ownership (``memory_report``'s ``host`` bytes), so a CPU run tests the same
 # code and counts the same bytes as a GPU run.
@@ -41,21 +51,22 @@ The reasoning is [Note: memory tiers] below."""
 # [Note: unit homes]
 #
 # At stage 3 a home can be chosen unit by unit: ``Offload(units=names)`` puts the named units'
-# shards, grad frames, main params and optimizer state on the host, as ``Offload()`` puts
+# shards, grad shards, main params and optimizer state on the host, as ``Offload()`` puts
 # everything, and keeps every other unit's on the device, stepped there. The unit is the
 # grain because a unit's shards are what a gather reads: a resident unit gathers from the
 # device as without offload, an offloaded one copies its part over the link first (a frame
-# of its own on the host, so its device bytes are its grads alone). The home is a buffer's:
-# with ``units`` (or a device budget) at stage 3, the layout gives each unit buffers of its
-# own (``plan_layout(buffer_per_unit=True)``), and ``build_shards`` puts a buffer on the
-# host when its unit is named. One inner optimizer steps both homes (torch's fused and
-# ``foreach`` kernels group tensors by device). Every other invariant of [Note: memory
-# tiers] holds buffer by buffer.
+# of its own on the host; its grad shards go there too, so between steps it holds nothing on
+# the device). The home is a buffer's: with ``units`` (or a device budget) at stage 3, the
+# layout gives each unit buffers of its own (``plan_layout(buffer_per_unit=True)``), and
+# ``build_shards`` puts a buffer on the host when its unit is named: its frame, its grad
+# shards and its state. One inner optimizer steps both homes (torch's fused and ``foreach``
+# kernels group tensors by device). Every other invariant of [Note: memory tiers] holds
+# buffer by buffer.
 #
 # Why not a share at stage 3 (a ``HybridDeviceOptimizer``, as at stages 0-2): its host runs
 # keep their shards and fp32 copies on the device too (only the state moves), so per element
-# a unit's home frees the shard as well. A device budget at stage 3 therefore chooses units
-# ([Note: device budget] in ``planner/budget.py``).
+# a unit's home frees the shard and its grads as well. A device budget at stage 3 therefore
+# chooses units ([Note: device budget] in ``planner/budget.py``).
 
 from __future__ import annotations
 

@@ -209,8 +209,9 @@ def plan_from_specs(
             totals["comm_bytes_per_step"] += sum(
                 _comm(policy, b.numel, world_size, sent, gb, gathers(b)) for b in buffer.buckets
             )
-            if host:  # the grads' host frame; grads down once, params up once a step or gather
-                totals["grads"] += gb * shard
+            if host:  # grads down once (into a host frame beside the device's grad buffer at
+                # stages 0-1; the grad shards themselves at 2-3), params up once a step or gather
+                totals["grads"] += 0 if policy.shards_grads else gb * shard
                 totals["host"] += main + state + gb * shard
                 ups = [gathers(b) if policy.shards_params else 1 for b in buffer.buckets]
                 sizes = [b.shard_range(rank).size for b in buffer.buckets]
