@@ -84,12 +84,16 @@ def state_tensors(
         mains = [*(main_params() if callable(main_params) else []), *homed.get("main_params", [])]
         inner_state = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
         inner_state += homed.get("optimizer_state", [])
+    homed_params = []  # (frozen shards the model keeps on the host itself: [Note: memory tiers])
+    if state is not None:
+        buffers = [b for bset in state.param_sets() for b in bset.buffers]
+        homed_params = [b.param_storage() for b in buffers if b.params_on_host]
     return {
         "params": held,
         "grads": grads,
         "main_params": mains,  # (an inner optimizer's host copies too)
         "optimizer_state": inner_state,
-        "host": [t for role in homed.values() for t in role],
+        "host": [t for role in homed.values() for t in role] + [t for t in homed_params if t is not None],
     }
 
 

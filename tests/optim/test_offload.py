@@ -146,7 +146,7 @@ def _lora_or_low_state(stage: int, offload: bool, what: str) -> tuple[list[float
 
 @pytest.mark.parametrize("what", ["lora", "bf16 state"])
 def test_offloading_a_lora_model_or_low_precision_state_changes_no_bit(what):
-    """On 2 ranks: a LoRA model at stage 3 (its frozen base stays on the device) and bf16 main
+    """On 2 ranks: a LoRA model at stage 3 (its frozen base's shards on the host too) and bf16 main
     params and state ([Note: precision-aware optimizer]) at stages 1 and 3 train offloaded
     exactly as on the device."""
     for rank_result in run_distributed(_lora_or_low_both, 2, what):

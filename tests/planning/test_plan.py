@@ -306,6 +306,65 @@ def _measured_lora(stage: int) -> dict:
     return memory_report(model, opt).as_dict()
 
 
+def _lora_offloaded(units: tuple[str, ...] | None) -> dict:
+    """A LoRA GPT at stage 3 (a unit a block) with ``Offload()`` or ``Offload(units=...)``:
+    what a step holds and copies over the host link, and its plan."""
+    from _parity import LoRAGPT
+
+    torch.manual_seed(0)
+    offload = flatshard.Offload() if units is None else flatshard.Offload(units=units)
+    model = flatshard.shard(
+        LoRAGPT(),
+        stage=3,
+        buckets=flatshard.Buckets(size=3000),
+        stage3=flatshard.Stage3(unit_bytes=None),
+        offload=offload,
+    )
+    opt = DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    x, y = SyntheticCorpus(64, 16).batch(0, dist.get_rank(), 4)
+    for _ in range(2):  # (the second step is a steady one)
+        opt.zero_grad()
+        model.comm_stats.reset()
+        model(x, y).backward()
+        opt.step()
+    model.wait_for_params()
+    stats = model.comm_stats.as_dict()
+    link = sum(stats.get(op, {}).get("payload_bytes", 0) for op in ("host_to_device", "device_to_host"))
+    with torch.device("meta"):
+        meta = LoRAGPT()
+    homed: bool | frozenset[str] = True
+    if units is not None:
+        homed = unit_ids(units, [u.names for u in stage3_units(meta, [], None, None)[0]])
+    plan = plan_from_specs(
+        model_specs(meta),
+        world_size=dist.get_world_size(),
+        bucket_size=3000,
+        rank=dist.get_rank(),
+        stage3_specs=model_specs(meta, stage=3, unit_bytes=None),
+        frozen_specs=model_specs(meta, frozen=True),
+        stage3_frozen_specs=model_specs(meta, stage=3, frozen=True, unit_bytes=None),
+        offload=homed,
+    )[3]
+    return {"measured": memory_report(model, opt).as_dict(), "plan": plan.as_dict(), "link": link}
+
+
+@pytest.mark.parametrize("units", [None, ("blocks.1",)], ids=["all", "a-block"])
+def test_an_offloaded_lora_models_frozen_base_lives_on_the_host(units):
+    """QLoRA-FSDP's use: at stage 3 with ``Offload()`` the frozen base's shards live on the
+    host with the adapters' optimizer (with ``units``, those of the named units), and each
+    gather copies them up the host link: host bytes, device bytes and link bytes as planned
+    on 3 ranks; the device holds none of the base's shards with ``Offload()``."""
+    for r in run_distributed(_lora_offloaded, 3, units):
+        plan, measured = r["plan"], r["measured"]
+        for role in ("grads", "main_params", "optimizer_state"):
+            assert plan[role] == measured[role], (role, plan, measured)
+        # (each frozen param's placeholder is a few bytes the plan leaves out, on the device)
+        assert 0 <= measured["params"] - plan["params"] <= 64, (plan, measured)
+        assert plan["host"] == measured["host"] > 0 and plan["link_bytes_per_step"] == r["link"] > 0
+        if units is None:
+            assert measured["device"] <= 64 and measured["host"] > measured["params"] - 64, measured
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_plan_of_a_lora_model_counts_frozen_params_without_grads_or_state(stage, capsys):
     """``flatshard plan --model`` on a LoRA model (frozen base, trainable adapters) equals

@@ -90,6 +90,7 @@ class FlatBuffer:
         self.main_frame: torch.Tensor | None = None  # stage 3, 16-bit: fp32 main params hold the shard
         self.main_on_host = False  # that frame is on the host ([Note: memory tiers])
         self.grads_on_host = False  # stages 2-3: the grad shards are on the host ([Note: memory tiers])
+        self.params_on_host = False  # stage 3: the (frozen) param shards are on the host (the same)
         if sharded_params:
             self.param_shard_data = torch.zeros(offset, dtype=layout.dtype, device=device)
         else:
@@ -169,6 +170,21 @@ class FlatBuffer:
         self.main_frame = main
         self.main_on_host = host
         self.param_shard_data = None
+
+    def home_params_on_host(self, pin: bool) -> None:
+        """Stage 3, a buffer without main params (frozen params): its param shards live on
+        the host from now on (page-locked with ``pin``), so each gather copies this rank's
+        part over the host link ([Note: memory tiers] in ``planner/offload.py``)."""
+        if self.param_shard_data is None or self.main_frame is not None:
+            raise RuntimeError("home_params_on_host: only a stage-3 shard without main params moves")
+        host = torch.empty(self.param_shard_data.shape, dtype=self.layout.dtype, pin_memory=pin)
+        self.param_shard_data = host.copy_(self.param_shard_data)
+        self.params_on_host = True
+
+    @property
+    def shard_on_host(self) -> bool:
+        """Whether this rank's shard lives on the host (main params or params)."""
+        return self.main_on_host or self.params_on_host
 
     @property
     def shard_dropped(self) -> bool:

@@ -164,6 +164,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
             for buffer in bset.buffers
             for home in [offload if host_homed(offload, buffer.layout.unit, ids) else None]
         ]
+        state.home_frozen_shards(offload, ids)  # (a budget's decision: its units' frozen shards too)
         originals = state.take_originals()
         for shards in self._buffer_shards:
             shards.load_main_values(originals)

@@ -30,7 +30,9 @@ The reasoning is [Note: memory tiers] below."""
 # unit's gather copies this rank's part from the host into the full bucket on the device, and
 # the device keeps nothing per element of the rank's shard between steps: it holds the units
 # in flight and what their backward needs, as FSDP2's ``CPUOffloadPolicy``. fp32 params get
-# the same host frame as their only copy.
+# the same host frame as their only copy. Frozen params' shards (a LoRA base) have no
+# optimizer: they move with their unit's home when the model is sharded (or when a device
+# budget is decided), and their gathers copy them up as the others'.
 #
 # Invariants: the host main params are the values the optimizer steps, and any write that
 # reaches the params outside a step reaches them as it reaches device main params (a load, a

@@ -219,7 +219,7 @@ def plan_from_specs(
                 totals["link_bytes_per_step"] += gb * shard + up
         totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
         frozen = stage3_frozen_specs if policy.gathers_units and stage3_frozen_specs else frozen_specs
-        _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank)
+        _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank, offload)
         if world_size == 1:
             totals["comm_bytes_per_step"] = 0
         plans[stage] = StagePlan(**totals)
@@ -254,22 +254,34 @@ def _add_frozen(
     world_size: int,
     bucket_size: int | None,
     rank: int,
+    offload: bool | frozenset[str] = False,
 ) -> None:
     """Frozen params ([Note: frozen params] in ``units/build.py``): their bytes, whole or
-    (stage 3) this rank's shard, and at stage 3 their gathers."""
+    (stage 3) this rank's shard, and at stage 3 their gathers; ``offload`` (as
+    ``plan_from_specs``'): at stage 3 the shards of the units it homes on the host, sent up
+    the host link at each gather."""
     if not specs:
         return
     if not policy.shards_params:
         totals["params"] += sum(s.numel * s.dtype.itemsize for s in specs)
         return
-    layout = plan_layout(specs, world_size=world_size, bucket_size=bucket_size, shard=True)
+    per_unit = not isinstance(offload, bool)
+    layout = plan_layout(
+        specs, world_size=world_size, bucket_size=bucket_size, shard=True, buffer_per_unit=per_unit
+    )
     gathers = _gathers_per_bucket([*trainable, *specs])  # (the kept units are the model's)
     for buffer in layout.buffers:
         pb = buffer.dtype.itemsize
-        totals["params"] += pb * buffer.shard_numel(rank)
+        shard = pb * buffer.shard_numel(rank)
+        totals["params"] += shard
         ring = (world_size - 1) / world_size
         sent = buffer.gather_dtype.itemsize if buffer.gather_dtype is not None else pb
         totals["comm_bytes_per_step"] += sum(int(ring * b.numel * sent * gathers(b)) for b in buffer.buckets)
+        homed = offload if not isinstance(offload, bool) else frozenset()
+        if offload is True or buffer.unit in homed:
+            totals["host"] += shard
+            up = (sent * b.shard_range(rank).size * gathers(b) for b in buffer.buckets)
+            totals["link_bytes_per_step"] += sum(up)
     totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
 
 

@@ -65,7 +65,7 @@ def start_gather(
         part.scales.encode(part.buffer, part.bucket, source, encoded)
         if encoded is not mine:
             mine.copy_(encoded)
-    if part.buffer.main_on_host:  # (an offloaded shard: what crossed the link, [Note: memory tiers])
+    if part.buffer.shard_on_host:  # (an offloaded shard: what crossed the link, [Note: memory tiers])
         stats.record(HOST_TO_DEVICE, mine.numel() * mine.element_size(), 0)
     if part.world.size == 1:
         return DONE, packed

@@ -25,7 +25,7 @@ from flatshard.engine.param_gather import ParamGather
 from flatshard.engine.tensor_parallel import full_value
 from flatshard.engine.wrapper_tensors import copy_to
 from flatshard.planner.layout import Layout
-from flatshard.planner.offload import Offload
+from flatshard.planner.offload import Offload, host_homed
 from flatshard.planner.stage import StagePolicy
 from flatshard.units.full_params import (
     full_state_dict,
@@ -88,6 +88,17 @@ class ShardState:
     @property
     def stage(self) -> int:
         return self.policy.stage
+
+    def home_frozen_shards(self, offload: Offload | None, ids: frozenset[str] | None) -> None:
+        """Stage 3: the frozen params' shards of the units ``offload`` homes on the host (all
+        of them, or those of ``ids``) move there; a LoRA base then costs the device only its
+        units in flight ([Note: memory tiers] in ``planner/offload.py``)."""
+        if self.frozen is None:
+            return
+        for buffer in self.frozen.buffers:
+            if host_homed(offload, buffer.layout.unit, ids) and not buffer.params_on_host:
+                assert offload is not None  # (homed)
+                buffer.home_params_on_host(offload.pin_memory and buffer.device.type == "cuda")
 
     @property
     def timeout(self) -> timedelta | None:

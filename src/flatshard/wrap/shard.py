@@ -27,7 +27,7 @@ from flatshard.engine.param_gather import ParamGather
 from flatshard.planner.budget import BudgetSpecs
 from flatshard.planner.layout import ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import MixedPrecision, input_cast_hook
-from flatshard.planner.offload import Offload
+from flatshard.planner.offload import Offload, unit_ids
 from flatshard.planner.stage import Buckets, Stage3
 from flatshard.toolkit.malloc import warn_once_without_tunables
 from flatshard.units.build import build_unsharder, initialize_units
@@ -198,6 +198,10 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
     )
     if plan.offload is not None and plan.offload.device_budget is not None:
         state.budget_specs = _budget_specs(module, plan)
+    elif plan.offload is not None and plan.offload.units is not None:  # ([Note: unit homes])
+        state.home_frozen_shards(plan.offload, unit_ids(plan.offload.units, state.unit_names))
+    else:
+        state.home_frozen_shards(plan.offload, None)
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     if plan.meta:
