@@ -30,18 +30,25 @@ def _offload(home: str) -> Offload | None:
     return Offload() if home == "all" else Offload(units=units)
 
 
-def _gpt(home: str, bf16: bool, steps: int = 3) -> dict:
-    """The GPT at stage 3 trained ``steps`` clipped AdamW steps with ``home``'s offload."""
+def _gpt(home: str, bf16: bool, steps: int = 3, compiled: str | None = None) -> dict:
+    """The GPT at stage 3 trained ``steps`` clipped AdamW steps with ``home``'s offload;
+    ``compiled``: each block compiled before sharding ("block") or the sharded model
+    ("model"), on dynamo's aot_eager backend ([Note: compile backends in the suite])."""
     torch.manual_seed(0)
     kwargs: dict = {"stage": 3, "buckets": Buckets(size=3000), "stage3": UNMERGED}
     if bf16:
         kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
-    model = flatshard.shard(GPT(CFG), offload=_offload(home), **kwargs)
+    gpt = GPT(CFG)
+    if compiled == "block":
+        for block in gpt.blocks:
+            block.compile(backend="aot_eager")
+    model = flatshard.shard(gpt, offload=_offload(home), **kwargs)
+    run = torch.compile(model, backend="aot_eager") if compiled == "model" else model
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, **FUSED)
     corpus, rank = SyntheticCorpus(CFG.vocab_size, CFG.seq_len), torch.distributed.get_rank()
     losses = []
     for step in range(steps):
-        loss = model(*corpus.batch(step, rank, 4))
+        loss = run(*corpus.batch(step, rank, 4))
         loss.backward()
         opt.clip_grad_norm_(0.5)
         opt.step()
@@ -74,6 +81,22 @@ def test_units_on_the_host_change_no_bit_of_training(world_size, bf16):
         all_host, units_host = r["all"]["memory"].host, r["units"]["memory"].host
         assert 0 < r["root"]["memory"].host < units_host < all_host
         assert r["all"]["memory"].device < r["units"]["memory"].device < r["none"]["memory"].device
+
+
+def _compiled_homes() -> dict:
+    runs = [(c, home) for c in ("block", "model") for home in ("none", "units")]
+    return {(c, home): _gpt(home, False, compiled=c) for c, home in runs}
+
+
+def test_compiled_models_with_units_on_the_host_train_as_without():
+    """Each block compiled, and the whole sharded model compiled, on 2 ranks: units on the
+    host change no bit of either (the gathers and copies run in hooks, outside the graphs)."""
+    for r in run_distributed(_compiled_homes, 2, timeout=300):
+        for c in ("block", "model"):
+            want, got = r[(c, "none")], r[(c, "units")]
+            assert got["losses"] == want["losses"], c
+            assert all(torch.equal(want["params"][k], v) for k, v in got["params"].items()), c
+            assert any(got["homes"]) and got["memory"].host > 0, c
 
 
 def _llama(units: tuple[str, ...] | None) -> tuple[list[float], dict]:
