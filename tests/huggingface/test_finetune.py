@@ -40,11 +40,14 @@ def _lora_from_config(directory: str, device: str):
     return peft.get_peft_model(base, _lora_config())
 
 
-def _job(base_dir: str, out: str, stage: int) -> dict:
+def _job(base_dir: str, out: str, stage: int, offload: bool = False) -> dict:
+    """``offload``: QLoRA-FSDP's use, the frozen base's shards and the adapters' optimizer on
+    the host ([Note: memory tiers] in planner/offload.py), the same run to the bit."""
     rank = torch.distributed.get_rank()
     device = "meta" if stage == 3 else "cpu"  # (below stage 3 every rank holds the whole model)
+    more = {"offload": flatshard.Offload()} if offload else {}
     model = flatshard.shard(
-        _lora_from_config(base_dir, device), stage=stage, buckets=flatshard.Buckets(size=2000)
+        _lora_from_config(base_dir, device), stage=stage, buckets=flatshard.Buckets(size=2000), **more
     )
     missing, unexpected = flatshard.load_pretrained(model, base_dir)
     with torch.no_grad():
@@ -72,12 +75,15 @@ def _job(base_dir: str, out: str, stage: int) -> dict:
     }
 
 
-@pytest.mark.parametrize(("stage", "world_size"), [(3, 1), (3, 2), (3, 3), (2, 2)])
-def test_load_train_generate_export_and_reload_with_plain_transformers(stage, world_size, tmp_path):
+@pytest.mark.parametrize(
+    ("stage", "world_size", "offload"),
+    [(3, 1, False), (3, 2, False), (3, 3, False), (2, 2, False), (3, 2, True)],
+)
+def test_load_train_generate_export_and_reload_with_plain_transformers(stage, world_size, offload, tmp_path):
     base_dir, out = str(tmp_path / "base"), str(tmp_path / "out")
     pretrained = tiny_llama(seed=0).eval()
     pretrained.save_pretrained(base_dir)
-    results = run_distributed(_job, world_size, base_dir, out, stage, timeout=300)
+    results = run_distributed(_job, world_size, base_dir, out, stage, offload, timeout=300)
     r = results[0]
     assert r["missing"] == [] and r["unexpected"] == []
     with torch.no_grad():
