@@ -17,7 +17,7 @@ The reasoning is [Note: native CPU Adam] below."""
 # What it must keep (tested against the eager function, to the bit):
 #
 # * **The arithmetic of torch's step, op for op.** The same fp32 operations in the same order
-#   as ``fused_adam.adam_chunk``, fused exactly where torch's AVX2 kernels fuse a multiply and
+#   as ``fused_adam.adam_chunk``, fused exactly where torch's vector kernels fuse a multiply and
 #   an add (``lerp``, ``addcmul``, ``add`` with ``alpha``), and nowhere else: the C is built
 #   with ``-ffp-contract=off`` and spells each fused multiply-add as ``fmaf``.
 # * **The rounding bits** of [Note: rounding bits], computed from the element's place in its

@@ -22,8 +22,8 @@ The reasoning is [Note: rounding bits] below."""
 # low 32 bits xor the salt's low half, a second round folding in the high 32 bits only for
 # elements past 2**32 of a run, the salt's high half xored over the result and its two
 # 16-bit halves xored together: a handful of 32-bit operations, which a CPU runs 8 elements
-# to an AVX2 instruction ([Note: native CPU Adam] in ``cpu_adam.py`` spells the same
-# function in C). Torch's integer tensors have no unsigned 32-bit multiply, so ``_mul32``
+# to an AVX2 instruction, 16 at AVX-512 ([Note: native CPU Adam] in ``cpu_adam.py`` spells
+# the same function in C). Torch's integer tensors have no unsigned 32-bit multiply, so ``_mul32``
 # multiplies 16-bit halves in int64, which never overflows and gives the same low 32 bits on
 # every backend. The bits changed from the 31-bit hash of earlier versions: a resume from a
 # checkpoint of one rounds, from then on, with other (equally random) bits.
