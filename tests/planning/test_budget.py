@@ -197,7 +197,7 @@ def test_a_budget_that_cannot_be_met_is_refused_when_the_optimizer_is_built():
     full: each a ValueError naming it; a budget beside a share is refused at once."""
     ((unknown, small),) = run_distributed(_refusals, 1)
     assert "RMSprop" in unknown and "Offload(optimizer=...)" in unknown
-    assert "unit" in small and "needs" in small and "device budget 1000 bytes" in small
+    assert "unit 'blocks." in small and "needs" in small and "device budget 1000 bytes" in small  # (by name)
     with pytest.raises(ValueError, match="not both"):
         flatshard.Offload(optimizer=0.5, device_budget=10**9)
     with pytest.raises(ValueError, match="positive number of bytes"):

@@ -167,7 +167,7 @@ def _budget(args: argparse.Namespace, specs, planning: dict, names: list[str]) -
     ]
     for stage in STAGES:
         try:
-            fit = fit_budget(args.device_budget, specs, stage=stage, **planning)
+            fit = fit_budget(args.device_budget, specs, stage=stage, unit_names=names, **planning)
         except ValueError as e:
             out[str(stage)] = {"fits": False, "why": str(e)}
             lines.append(f"  stage {stage}: does not fit: {e}")

@@ -122,10 +122,12 @@ def fit_budget(
     frozen_specs: Sequence[ParamSpec] = (),
     stage3_frozen_specs: Sequence[ParamSpec] | None = None,
     precision: OptimizerPrecision | None = None,
+    unit_names: Sequence[str] = (),
 ) -> BudgetFit:
     """The least offload with which ``rank``'s model state at ``stage`` fits in ``budget``
-    bytes of its device (arguments as ``plan_from_specs``); a ``ValueError`` naming what
-    does not fit when nothing does ([Note: device budget])."""
+    bytes of its device (arguments as ``plan_from_specs``; ``unit_names``: stage 3's units'
+    names by index, for the errors); a ``ValueError`` naming what does not fit when nothing
+    does ([Note: device budget])."""
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"the device budget must be a positive number of bytes, got {budget!r}")
     common: dict[str, Any] = {
@@ -145,7 +147,8 @@ def fit_budget(
         in_flight, unit, unit_bytes = in_flight_bytes(staged, stage3_frozen_specs or frozen_specs)
     if unit is not None and in_flight > budget:
         raise ValueError(
-            f"device budget {budget} bytes: stage 3's unit {unit} needs {unit_bytes} bytes in full "
+            f"device budget {budget} bytes: stage 3's unit {_named(unit, unit_names)} needs {unit_bytes} "
+            "bytes in full "
             f"(params and grads), twice at the peak with the root unit's params: {in_flight} bytes "
             "before any model state; no offload lowers that. Give more bytes, or split the unit "
             "(Stage3(units=...), a smaller Stage3(unit_bytes=...))"
@@ -272,11 +275,20 @@ def least_offload(
             frozen_specs=() if stage3 else planned.frozen,
             stage3_frozen_specs=planned.frozen if stage3 else None,
             precision=precision,
+            unit_names=planned.unit_names,
         )
         for rank in range(planned.world_size)
     ]
     most = max(fits, key=_extent)
     return most.share, most.units
+
+
+def _named(unit: str, names: Sequence[str]) -> str:
+    """A unit's name where its names are known (the root's: "the root"), else its index."""
+    if not names:
+        return unit
+    name = names[int(unit)]
+    return "(the root)" if name == "" else repr(name)
 
 
 def _extent(fit: BudgetFit) -> tuple[float, float]:
