@@ -46,7 +46,7 @@ import flatshard
 from _parity import CFG, TiedGPT
 from flatshard.optim import cpu_adam, fused_adam
 from flatshard.optim.precision import PrecisionAwareOptimizer
-from flatshard.optim.rounding import noise, round_into, salt
+from flatshard.optim.rounding import noise, round_into, salt, shift_of
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.testing import run_distributed
 
@@ -95,8 +95,9 @@ def test_stochastic_rounding_is_unbiased_exact_where_it_can_be_and_replays():
 
 def test_the_rounding_bits_are_uniform():
     """Each of the 16 bits is set in half the elements and neighbouring elements' bits are
-    uncorrelated (4M draws: a bit's share has std 0.00025, a correlation std 0.0005; 8 std)."""
-    bits = noise(torch.arange(1 << 22), salt(3, 5, 1, 2, "exp_avg_sq"))
+    uncorrelated, as are one element's two moments' (4M draws: a bit's share has std 0.00025,
+    a correlation std 0.0005; 8 std)."""
+    bits = noise(torch.arange(1 << 22), salt(3, 5, 1, 2, "exp_avg_sq"), shift=shift_of("exp_avg_sq"))
     near = torch.arange((1 << 32) - 1000, 1 << 32)  # (far=False skips work, never changes bits)
     assert torch.equal(
         noise(near, salt(3, 5, 1, 2, "param"), far=False), noise(near, salt(3, 5, 1, 2, "param"))
@@ -104,6 +105,12 @@ def test_the_rounding_bits_are_uniform():
     shares = torch.tensor([((bits >> b) & 1).sum().item() / bits.numel() for b in range(16)])
     assert (shares - 0.5).abs().max().item() < 8 * 0.00025, shares
     pair = torch.stack([bits[:-1], bits[1:]]).double()
+    assert abs(torch.corrcoef(pair)[0, 1].item()) < 8 * 0.0005
+    # (an element's two moments draw the two halves of one hash: uncorrelated too)
+    where = salt(3, 5, 1, 2, "exp_avg_sq")
+    assert where == salt(3, 5, 1, 2, "exp_avg") and shift_of("exp_avg_sq") == 16
+    first = noise(torch.arange(1 << 22), where, shift=shift_of("exp_avg"))
+    pair = torch.stack([first, bits]).double()
     assert abs(torch.corrcoef(pair)[0, 1].item()) < 8 * 0.0005
 
 

@@ -60,12 +60,12 @@ static inline uint32_t fmix(uint32_t h) {
     h ^= h >> 16; h *= 0x85EBCA6Bu; h ^= h >> 13; h *= 0xC2B2AE35u; return h ^ (h >> 16);
 }
 
-/* [Note: rounding bits]: 16 random bits for element top * 2**32 + i of its run (far: top > 0) */
-static inline uint32_t noise(uint32_t i, int far, uint32_t top, uint32_t lo, uint32_t hi) {
+/* [Note: rounding bits]: the 32-bit hash of element top * 2**32 + i of its run (far: top > 0),
+   two draws of 16 bits */
+static inline uint32_t hash(uint32_t i, int far, uint32_t top, uint32_t lo, uint32_t hi) {
     uint32_t h = fmix(i ^ lo);
     if (far) h = fmix(h ^ top);
-    h ^= hi;
-    return (h ^ (h >> 16)) & 0xFFFFu;
+    return h ^ hi;
 }
 
 static inline float f32_load(const void *p, int64_t j) { return ((const float *)p)[j]; }
@@ -75,17 +75,23 @@ static inline float bf16_load(const void *p, int64_t j) {
     memcpy(&f, &u, 4);
     return f;
 }
-static inline void f32_store(void *p, int64_t j, float value, uint32_t i, int far, uint32_t top,
-                             uint32_t lo, uint32_t hi) {
+/* the hash a store of this dtype rounds with (none for fp32) */
+static inline uint32_t f32_hash(uint32_t i, int far, uint32_t top, uint32_t lo, uint32_t hi) {
     (void)i; (void)far; (void)top; (void)lo; (void)hi;
+    return 0;
+}
+static inline uint32_t bf16_hash(uint32_t i, int far, uint32_t top, uint32_t lo, uint32_t hi) {
+    return hash(i, far, top, lo, hi);
+}
+static inline void f32_store(void *p, int64_t j, float value, uint32_t bits) {
+    (void)bits;
     ((float *)p)[j] = value;
 }
-/* stochastic rounding: add the bits below the bf16 ulp, keep the top 16 (NaN as torch's) */
-static inline void bf16_store(void *p, int64_t j, float value, uint32_t i, int far, uint32_t top,
-                              uint32_t lo, uint32_t hi) {
+/* stochastic rounding: add the 16 bits below the bf16 ulp, keep the top 16 (NaN as torch's) */
+static inline void bf16_store(void *p, int64_t j, float value, uint32_t bits) {
     uint32_t raw;
     memcpy(&raw, &value, 4);
-    uint32_t q = (raw + noise(i, far, top, lo, hi)) & 0xFFFF0000u;
+    uint32_t q = (raw + (bits & 0xFFFFu)) & 0xFFFF0000u;
     int nan = (q & 0x7F800000u) == 0x7F800000u && (q & 0x007F0000u) != 0;
     ((uint16_t *)p)[j] = nan ? (uint16_t)0x7FC0u : (uint16_t)(q >> 16);
 }
@@ -101,8 +107,8 @@ static inline __attribute__((always_inline)) void NAME##_loop(                  
     const float correction2_sqrt = hyper[4], eps = hyper[5], neg_step_size = hyper[6];        \
     const int small = fabsf(weight1) < 0.5f;                                                  \
     const float coeff = small ? weight1 : weight1 - 1.0f;                                     \
+    /* (salts[4:6], exp_avg_sq's, equal exp_avg's: it draws the high half of that hash) */    \
     const uint32_t pl = salts[0], ph = salts[1], ml = salts[2], mh = salts[3];               \
-    const uint32_t vl = salts[4], vh = salts[5];                                              \
     for (int64_t j = 0; j < n; j++) {                                                         \
         const uint32_t i = start + (uint32_t)j; /* (a call never crosses 2**32) */            \
         float g = G##_load(grad, j);                                                          \
@@ -113,9 +119,10 @@ static inline __attribute__((always_inline)) void NAME##_loop(                  
         const float m = fmaf(coeff, g - m0, small ? m0 : g);                                  \
         const float v = fmaf(weight2 * g, g, S##_load(exp_avg_sq, j) * beta2);                \
         const float w = w0 * decay + (m * neg_step_size) / (sqrtf(v) / correction2_sqrt + eps);\
-        P##_store(param, j, w, i, far, top, pl, ph);                                          \
-        S##_store(exp_avg, j, m, i, far, top, ml, mh);                                        \
-        S##_store(exp_avg_sq, j, v, i, far, top, vl, vh);                                     \
+        const uint32_t moments = S##_hash(i, far, top, ml, mh);                               \
+        P##_store(param, j, w, P##_hash(i, far, top, pl, ph));                                \
+        S##_store(exp_avg, j, m, moments);                                                    \
+        S##_store(exp_avg_sq, j, v, moments >> 16);                                           \
     }                                                                                         \
 }                                                                                             \
 void NAME(void *param, const void *grad, void *exp_avg, void *exp_avg_sq, int64_t n,         \

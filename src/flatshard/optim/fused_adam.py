@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 from flatshard.optim import cpu_adam
-from flatshard.optim.rounding import noise, salt, stochastic
+from flatshard.optim.rounding import noise, salt, shift_of, stochastic
 
 FUSED_CLASSES = (torch.optim.Adam, torch.optim.AdamW)
 FUSED_CHUNK = 1 << 30
@@ -102,8 +102,10 @@ def adam_chunk(
     w = torch.addcdiv(w, m * neg_step_size, v.sqrt() / correction2_sqrt + eps)
     index = torch.arange(param.numel(), device=param.device) + ints[0]
     salts = ints[1:].view(3, 2)
-    for out, value, halves in zip((param, exp_avg, exp_avg_sq), (w, m, v), salts, strict=True):
-        out.copy_(value if out.dtype == torch.float32 else stochastic(value, noise(index, halves, far)))
+    outs = (param, exp_avg, exp_avg_sq)
+    for out, value, halves, key in zip(outs, (w, m, v), salts, STATE_KEYS, strict=True):
+        bits = None if out.dtype == torch.float32 else noise(index, halves, far, shift_of(key))
+        out.copy_(value if bits is None else stochastic(value, bits))
 
 
 @functools.cache

@@ -52,7 +52,7 @@ import torch
 
 from flatshard.optim import fused_adam
 from flatshard.optim.composite import CompositeOptimizer, class_defaults, run_closure
-from flatshard.optim.rounding import round_into, salt
+from flatshard.optim.rounding import round_into, salt, shift_of
 from flatshard.optim.shards import run_dtype
 from flatshard.planner.mixed_precision import OptimizerPrecision
 
@@ -220,7 +220,7 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
                     )
                 if key not in state or not isinstance(state[key], torch.Tensor):
                     state[key] = torch.zeros(p.shape, dtype=self.precision.state_dtype, device=p.device)
-                round_into(state[key].view(-1)[start:end], value, salt(*where, key), start)
+                round_into(state[key].view(-1)[start:end], value, salt(*where, key), start, shift_of(key))
             if p.dtype != torch.float32:  # bf16 main params: the params themselves
                 round_into(p.view(-1)[start:end], w, salt(*where, "param"), start)
 

@@ -20,13 +20,18 @@ The reasoning is [Note: rounding bits] below."""
 #
 # The hash is murmur3's 32-bit finalizer (two multiplies, three xor-shifts) over the index's
 # low 32 bits xor the salt's low half, a second round folding in the high 32 bits only for
-# elements past 2**32 of a run, the salt's high half xored over the result and its two
-# 16-bit halves xored together: a handful of 32-bit operations, which a CPU runs 8 elements
-# to an AVX2 instruction, 16 at AVX-512 ([Note: native CPU Adam] in ``cpu_adam.py`` spells
-# the same function in C). Torch's integer tensors have no unsigned 32-bit multiply, so ``_mul32``
-# multiplies 16-bit halves in int64, which never overflows and gives the same low 32 bits on
-# every backend. The bits changed from the 31-bit hash of earlier versions: a resume from a
-# checkpoint of one rounds, from then on, with other (equally random) bits.
+# elements past 2**32 of a run, and the salt's high half xored over the result: a handful of
+# 32-bit operations, which a CPU runs 8 elements to an AVX2 instruction, 16 at AVX-512
+# ([Note: native CPU Adam] in ``cpu_adam.py`` spells the same function in C). One hash gives
+# 32 bits, two draws: a key takes its low 16 bits, and a key paired with another (``PAIRED``:
+# Adam's ``exp_avg_sq`` with ``exp_avg``) takes the high 16 bits of that key's hash, so an
+# element's two moments cost one hash (the finalizer mixes every input bit into every output
+# bit, so the halves are as independent as two hashes'). Torch's integer tensors have no
+# unsigned 32-bit multiply, so ``_mul32`` multiplies 16-bit halves in int64, which never
+# overflows and gives the same low 32 bits on every backend. The bits changed from the 31-bit
+# hash of earlier versions, and again when the moments came to share a hash (their halves
+# were xored together before): a resume from a checkpoint of one rounds, from then on, with
+# other (equally random) bits.
 
 from __future__ import annotations
 
@@ -40,10 +45,20 @@ _M32 = (1 << 32) - 1
 _FMIX = (0x85EBCA6B, 0xC2B2AE35)  # (murmur3's finalizer constants)
 
 
+PAIRED = {"exp_avg_sq": "exp_avg"}
+"""State keys that draw the high half of another key's hash ([Note: rounding bits])."""
+
+
+def shift_of(key: str) -> int:
+    """Where ``key``'s 16 bits lie in its hash: 16 for a paired key, else 0."""
+    return 16 if key in PAIRED else 0
+
+
 def salt(seed: int, count: int, group: int, run: int, key: str) -> tuple[int, int]:
-    """The two 32-bit halves of the salt for ``key``'s elements of one run in one step."""
+    """The two 32-bit halves of the salt for ``key``'s elements of one run in one step (a
+    paired key's: its partner's)."""
     x = 0
-    for part in (seed, count, group, run, zlib.crc32(key.encode())):
+    for part in (seed, count, group, run, zlib.crc32(PAIRED.get(key, key).encode())):
         x = (x * 0x9E3779B97F4A7C15 + (part & ((1 << 64) - 1))) % (1 << 64)
         x ^= x >> 29
     return x & _M32, x >> 32
@@ -64,17 +79,19 @@ def _fmix(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def noise(index: torch.Tensor, halves: tuple[int, int] | torch.Tensor, far: bool = True) -> torch.Tensor:
+def noise(
+    index: torch.Tensor, halves: tuple[int, int] | torch.Tensor, far: bool = True, shift: Any = 0
+) -> torch.Tensor:
     """16 random bits (int64 in ``[0, 65536)``) for each int64 ``index`` (at most 2**63) under
-    the salt ``halves`` (a pair of ints, or a 2-element int64 tensor for compiled callers).
-    ``far=False`` promises every index is below 2**32 and skips the second round's work."""
+    the salt ``halves`` (a pair of ints, or a 2-element int64 tensor for compiled callers):
+    the hash's bits from ``shift`` up (``shift_of(key)``). ``far=False`` promises every index
+    is below 2**32 and skips the second round's work."""
     lo, hi = halves[0], halves[1]
     h = _fmix((index & _M32) ^ lo)
     if far:  # (the second round, for elements past 2**32 of a run)
         top = index >> 32
         h = torch.where(top == 0, h, _fmix(h ^ top))
-    h = h ^ hi
-    return (h ^ (h >> 16)) & 0xFFFF
+    return ((h ^ hi) >> shift) & 0xFFFF
 
 
 def stochastic(value: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -85,23 +102,25 @@ def stochastic(value: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     return (raw & -65536).view(torch.float32)  # (0xFFFF0000: the bf16 bits)
 
 
-def round_into(out: torch.Tensor, value: torch.Tensor, halves: tuple[int, int], start: int = 0) -> None:
+def round_into(
+    out: torch.Tensor, value: torch.Tensor, halves: tuple[int, int], start: int = 0, shift: int = 0
+) -> None:
     """Write fp32 ``value`` into ``out``: exactly where ``out`` is fp32, else rounded to bf16
-    stochastically, with the bits of elements ``start, start + 1, ...`` of its run (one
-    compiled kernel on an accelerator)."""
+    stochastically, with the bits of elements ``start, start + 1, ...`` of its run from
+    ``shift`` up in their hash (one compiled kernel on an accelerator)."""
     if out.dtype == torch.float32:
         out.copy_(value)
         return
     if out.dtype != torch.bfloat16:
         raise TypeError(f"stochastic rounding writes fp32 or bf16, not {out.dtype}")
-    ints = torch.tensor([start, *halves], dtype=torch.int64, device=value.device)
+    ints = torch.tensor([start, *halves, shift], dtype=torch.int64, device=value.device)
     far = start + value.numel() > 1 << 32
     (_round if value.device.type == "cpu" else _compiled_round())(out, value, ints, far)
 
 
 def _round(out: torch.Tensor, value: torch.Tensor, ints: torch.Tensor, far: bool) -> None:
     index = torch.arange(value.numel(), device=value.device) + ints[0]
-    out.copy_(stochastic(value, noise(index, ints[1:], far)).view(out.shape))
+    out.copy_(stochastic(value, noise(index, ints[1:3], far, ints[3])).view(out.shape))
 
 
 @functools.cache
