@@ -18,10 +18,11 @@ device may hold, decided before anything runs ([Note: device budget])."""
 #
 # At stage 3 the candidates are units instead of shares ([Note: unit homes] in
 # ``planner/offload.py``): nothing, then the first k units of ``unit_order`` on the host
-# (whole: shards, grads' frame, main params, state), for the least k that fits (found by
-# bisection: each unit sent frees device bytes), then all of them. The order puts first the
-# units that cost the host link least for the bytes they free: a unit gathered once a step
-# (the last ones of the forward, kept for backward; the root) before one gathered twice.
+# (whole: shards, grad shards, main params, state, frozen shards), for the least k that fits
+# (found by bisection: each unit sent frees device bytes), then all of them. The order puts
+# first the units that cost the host link least for the bytes they free: a unit gathered
+# once a step (the last ones of the forward, kept for backward; the root) before one
+# gathered twice.
 #
 # What a device holds is ``memory_report``'s count (the plan's ``device`` bytes: params,
 # grads, main params and state whose home is the device) plus, at stage 3, the units in full
@@ -284,7 +285,7 @@ def least_offload(
 
 
 def _named(unit: str, names: Sequence[str]) -> str:
-    """A unit's name where its names are known (the root's: "the root"), else its index."""
+    """A unit's name where its names are known ("(the root)" for the root's), else its index."""
     if not names:
         return unit
     name = names[int(unit)]
