@@ -112,14 +112,25 @@ def _fsdp2(reshard_after_forward: bool, offload: bool = False) -> Peer:
     return wrap
 
 
-def _deepspeed(stage: int) -> Peer:
+def _deepspeed(stage: int, offload: bool = False) -> Peer:
     """DeepSpeed ZeRO ``stage`` with torch's AdamW as the client optimizer (on CPU with
-    ``DS_ACCELERATOR=cpu``); its model state is not countable from outside: see RSS."""
+    ``DS_ACCELERATOR=cpu``); ``offload``: ZeRO-Offload, the optimizer (and at stage 3 the
+    params) on the host, stepped by DeepSpeed's own ``DeepSpeedCPUAdam`` (built on first use,
+    minutes). Its model state is not countable from outside: see RSS."""
 
     def wrap(model: nn.Module, bucket_size: int | None, compute: torch.dtype | None) -> Trainer:
         deepspeed = prepare("deepspeed-1")
-        optimizer = torch.optim.AdamW(model.parameters(), **ADAMW)
+        optimizer: torch.optim.Optimizer | None = torch.optim.AdamW(model.parameters(), **ADAMW)
         zero: dict = {"stage": stage}
+        extra: dict = {}
+        if offload:  # (DeepSpeed steps an offloaded optimizer with its CPU Adam, from the config)
+            pin = torch.cuda.is_available()
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
+            if stage == 3:
+                zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
+            hyper = {**ADAMW, "betas": list(ADAMW.get("betas", (0.9, 0.999)))}
+            extra["optimizer"] = {"type": "AdamW", "params": hyper}
+            optimizer = None
         if bucket_size is not None:
             zero.update(reduce_bucket_size=bucket_size, allgather_bucket_size=bucket_size)
         config = {
@@ -129,13 +140,18 @@ def _deepspeed(stage: int) -> Peer:
             "zero_allow_untested_optimizer": True,
             "gradient_clipping": 0.0,  # DeepSpeed clips to norm 1.0 unless told; no other peer clips
             "steps_per_print": 2**31 - 1,
+            **extra,
         }
         if compute is not None:
             if compute != torch.bfloat16:
                 raise ValueError(f"the DeepSpeed peers run fp32 or bf16, not {compute}")
             config["bf16"] = {"enabled": True}
         engine, ds_optimizer, _, _ = deepspeed.initialize(
-            model=model, optimizer=optimizer, config=config, dist_init_required=False
+            model=model,
+            optimizer=optimizer,
+            model_parameters=model.parameters() if optimizer is None else None,
+            config=config,
+            dist_init_required=False,
         )
         return Trainer(engine.module, ds_optimizer, None, engine=engine)
 
@@ -291,7 +307,7 @@ def _flatshard_muon(stage: int) -> Peer:
 def prepare(name: str):
     """Import what peer ``name`` needs beyond torch (before memory is measured, so that no
     peer's RSS counts its imports); the DeepSpeed module for DeepSpeed's peers."""
-    if name in DEEPSPEED_PEERS:
+    if name.startswith("deepspeed"):
         if not torch.cuda.is_available():
             os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
@@ -339,6 +355,7 @@ OPTIMIZER_PEERS: dict[str, Peer] = {
 }
 OFFLOAD_PEERS: dict[str, Peer] = {  # (not run by default)
     "fsdp2-zero3-offload": _fsdp2(True, offload=True),
+    "deepspeed-3-offload": _deepspeed(3, offload=True),
     **{f"flatshard-{s}+offload": _flatshard(s, offload=flatshard.Offload()) for s in (1, 3)},
 }
 COMPILED_PEERS: dict[str, Peer] = {  # (not run by default: inductor compiles in every peer process)
@@ -364,6 +381,7 @@ RING_UNITS: dict[str, tuple[int, int]] = {
     "flatshard-3": (1, 2),
     "flatshard-3-no-reshard": (1, 1),
     "fsdp2-zero3-offload": (1, 2),
+    "deepspeed-3-offload": (1, 2),
     "flatshard-1+offload": (1, 1),
     "flatshard-3+offload": (1, 2),
 }
