@@ -31,7 +31,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
 from flatshard.memory import memory_report
-from flatshard.planner.stage import STAGES
+from flatshard.planner.stage import STAGES, StagePolicy
 from flatshard.units.unit_tree import find_units
 
 ADAMW: dict[str, Any] = {"lr": 1e-3, "weight_decay": 0.1}
@@ -126,7 +126,7 @@ def _deepspeed(stage: int, offload: bool = False) -> Peer:
         if offload:  # (DeepSpeed steps an offloaded optimizer with its CPU Adam, from the config)
             pin = torch.cuda.is_available()
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
-            if stage == 3:
+            if StagePolicy(stage).shards_params:  # (ZeRO-3's param offload)
                 zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
             hyper = {**ADAMW, "betas": list(ADAMW.get("betas", (0.9, 0.999)))}
             extra["optimizer"] = {"type": "AdamW", "params": hyper}
