@@ -106,12 +106,13 @@ def test_the_rounding_bits_are_uniform():
     assert (shares - 0.5).abs().max().item() < 8 * 0.00025, shares
     pair = torch.stack([bits[:-1], bits[1:]]).double()
     assert abs(torch.corrcoef(pair)[0, 1].item()) < 8 * 0.0005
-    # (an element's two moments draw the two halves of one hash: uncorrelated too)
+    # (an element's two moments draw the two halves of one hash: uncorrelated too; 1M draws,
+    # a correlation's std 0.001)
     where = salt(3, 5, 1, 2, "exp_avg_sq")
     assert where == salt(3, 5, 1, 2, "exp_avg") and shift_of("exp_avg_sq") == 16
-    first = noise(torch.arange(1 << 22), where, shift=shift_of("exp_avg"))
-    pair = torch.stack([first, bits]).double()
-    assert abs(torch.corrcoef(pair)[0, 1].item()) < 8 * 0.0005
+    first = noise(torch.arange(1 << 20), where, shift=shift_of("exp_avg"))
+    pair = torch.stack([first, bits[: 1 << 20]]).double()
+    assert abs(torch.corrcoef(pair)[0, 1].item()) < 8 * 0.001
 
 
 def _pair(cls, params, kwargs, precision, chunk, fused):
