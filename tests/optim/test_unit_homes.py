@@ -225,9 +225,9 @@ def test_offload_states_moves_every_home_and_brings_it_back():
 
 
 def _grads_read(units: tuple[str, ...] | None) -> tuple:
-    """After a backward: torch's own ``clip_grad_norm_`` over the params (their ``ShardedGrad``s,
-    [Note: grads seen by torch]) and the full grads ``summon_full_params(with_grads=True)``
-    gathers, then a step."""
+    """After a backward: torch's own ``clip_grad_norm_`` over the params (their
+    ``ShardedGrad``s, see [Note: grads seen by torch] in engine/grad_view.py) and the full
+    grads ``summon_full_params(with_grads=True)`` gathers, then a step."""
     torch.manual_seed(0)
     offload = None if units is None else Offload(units=units)
     model = flatshard.shard(GPT(CFG), stage=3, stage3=UNMERGED, offload=offload)
