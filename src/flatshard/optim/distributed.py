@@ -157,7 +157,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         self._sharded: ShardState = state
         self._group_names = group_of  # optimized param name -> its param group
         named = offload.units if offload is not None else None  # ([Note: unit homes])
-        ids = None if named is None else unit_ids(named, state.unit_names)
+        ids = None if named is None else unit_ids(named, state.unit_modules)
         self._buffer_shards = [
             build_shards(buffer, bset.world, group_of, shapes, main_dtype, pieces=pieces, host=home)
             for bset in state.sets.values()

@@ -153,16 +153,22 @@ def offloaded_items(numels: list[int], fraction: float, smallest: int = 0) -> li
     return out
 
 
+def unit_label(modules: Sequence[str]) -> str:
+    """A stage-3 unit's name: its module's, or the first and last of merged siblings'
+    ("blocks.0..blocks.5", [Note: merged units]); ``Unit.name`` is this."""
+    return modules[0] if len(modules) == 1 else f"{modules[0]}..{modules[-1]}"
+
+
 def unit_ids(names: Collection[str], units: Sequence[Sequence[str]]) -> frozenset[str]:
     """The layout's ids (``ParamSpec.unit``: the index as a string) of the stage-3 units
-    ``names`` name; ``units`` are each unit's module names by index (merged siblings: all of
-    theirs, [Note: merged units]; the root's is ""). A ``ValueError`` names a name that is no
+    ``names`` name (a unit's name, or any of its modules'); ``units`` are each unit's
+    modules' names by index (the root's is ""). A ``ValueError`` names a name that is no
     unit's, with the units there are."""
     by_name = {name: str(i) for i, unit in enumerate(units) for name in unit}
-    by_name.update({f"{u[0]}..{u[-1]}": str(i) for i, u in enumerate(units) if len(u) > 1})
+    by_name.update({unit_label(u): str(i) for i, u in enumerate(units)})
     unknown = [n for n in names if n not in by_name]
     if unknown:
-        shown = [u[0] if len(u) == 1 else f"{u[0]}..{u[-1]}" for u in units]
+        shown = [unit_label(u) for u in units]
         raise ValueError(
             f"Offload(units=...): {unknown[0]!r} is not a stage-3 unit of this model; its units are "
             f'{shown} (the root, "", holds the params of no unit module)'

@@ -47,6 +47,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from flatshard.planner.offload import unit_label
+
 UnitSpec = Iterable[type[nn.Module]] | Callable[[str, nn.Module], bool] | None
 
 
@@ -60,7 +62,7 @@ class Unit:
     @property
     def name(self) -> str:
         """The module's name, or the first and last of merged ones ("blocks.0..blocks.5")."""
-        return self.names[0] if len(self.names) == 1 else f"{self.names[0]}..{self.names[-1]}"
+        return unit_label(self.names)
 
 
 def find_units(module: nn.Module, units: UnitSpec = None) -> list[Unit]:

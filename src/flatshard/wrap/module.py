@@ -75,7 +75,7 @@ class ShardState:
     tree: WrappedTree | None = None  # what was wrapped ([Note: writes through the params])
     pipeline: Pipeline | None = None  # the pipeline this is a chunk of ([Note: pipeline chunks])
     offload: Offload | None = None  # host homes ([Note: memory tiers] in planner/offload.py)
-    unit_names: tuple[tuple[str, ...], ...] = ()  # stage 3: each unit's module names, by index
+    unit_modules: tuple[tuple[str, ...], ...] = ()  # stage 3: each unit's modules' names, by index
     # the bytes offload_states moved to the host ([Note: states between phases] in flatshard/phases.py)
     parked: Any = None
     # what an Offload(device_budget=...) is decided from ([Note: device budget] in planner/budget.py)

@@ -194,14 +194,13 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
         unsharder=unsharder,
         frozen=frozen,
         offload=plan.offload,
-        unit_names=tuple(u.names for u in plan.units),
+        unit_modules=tuple(u.names for u in plan.units),
     )
     if plan.offload is not None and plan.offload.device_budget is not None:
-        state.budget_specs = _budget_specs(module, plan)
-    elif plan.offload is not None and plan.offload.units is not None:  # ([Note: unit homes])
-        state.home_frozen_shards(plan.offload, unit_ids(plan.offload.units, state.unit_names))
-    else:
-        state.home_frozen_shards(plan.offload, None)
+        state.budget_specs = _budget_specs(module, plan)  # (its units' frozen shards: when decided)
+    else:  # ([Note: unit homes])
+        named = plan.offload.units if plan.offload is not None else None
+        state.home_frozen_shards(plan.offload, None if named is None else unit_ids(named, state.unit_modules))
     sharded = make_sharded(module, state)
     sharded.register_forward_hook(eager(_backward_start_hook(sync)))
     if plan.meta:
