@@ -184,8 +184,7 @@ def plan_from_specs(
     for stage in STAGES:
         policy = StagePolicy(stage)
         staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
-        per_unit = not isinstance(offload, bool)
-        homed = offload if not isinstance(offload, bool) else frozenset()
+        per_unit = not isinstance(offload, bool)  # (units named: buffers unit by unit)
         layout = layout_at(policy, staged, world_size, bucket_size, fmt.align if fmt else None, per_unit)
         gathers = _gathers_per_bucket(staged)
         totals = dict.fromkeys(
@@ -194,7 +193,7 @@ def plan_from_specs(
         totals["link_bytes_per_step"] = 0
         group_of = {spec.name: 0 for spec in specs}
         for buffer in layout.buffers:
-            host = offload is True or (buffer.unit in homed and policy.gathers_units)
+            host = _on_host(offload, buffer, policy)
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
             sent = buffer.gather_dtype.itemsize if buffer.gather_dtype and policy.gathers_units else pb
             full, shard = buffer.numel, buffer.shard_numel(rank)
@@ -246,6 +245,14 @@ def _state_bytes(
     return total
 
 
+def _on_host(offload: bool | frozenset[str], buffer: BufferLayout, policy: StagePolicy) -> bool:
+    """Whether ``buffer`` lives on the host under ``offload`` as ``plan_from_specs`` takes it:
+    all of it, or at stage 3 the buffers of the units named ([Note: unit homes])."""
+    if isinstance(offload, bool):
+        return offload
+    return policy.gathers_units and buffer.unit in offload
+
+
 def _add_frozen(
     totals: dict[str, int],
     policy: StagePolicy,
@@ -277,8 +284,7 @@ def _add_frozen(
         ring = (world_size - 1) / world_size
         sent = buffer.gather_dtype.itemsize if buffer.gather_dtype is not None else pb
         totals["comm_bytes_per_step"] += sum(int(ring * b.numel * sent * gathers(b)) for b in buffer.buckets)
-        homed = offload if not isinstance(offload, bool) else frozenset()
-        if offload is True or buffer.unit in homed:
+        if _on_host(offload, buffer, policy):
             totals["host"] += shard
             up = (sent * b.shard_range(rank).size * gathers(b) for b in buffer.buckets)
             totals["link_bytes_per_step"] += sum(up)
