@@ -77,7 +77,8 @@ def train_tp_dp(
     batch goes through in that many micro-batches, all but the last under ``no_sync()``.
     ``compile``: flatshard's model runs under ``torch.compile`` with that backend
     (``module.compile()``, so it keeps its class), the reference eagerly. ``offload``:
-    ``shard(..., offload=flatshard.Offload())``."""
+    ``shard(..., offload=flatshard.Offload())``, at stage 3 ``Offload(units=("",))``: the root
+    unit on the host, the blocks on the device ([Note: unit homes] in planner/offload.py)."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     build, parallel = MODELS[model]
@@ -85,9 +86,17 @@ def train_tp_dp(
     run = partial(
         _train, mesh=mesh, build=build, parallel=parallel, mp=mp, accumulate=accumulate, compile=compile
     )
-    if offload:
-        run = partial(run, offload=flatshard.Offload())
-    return {stage: run(stage, steps=steps, batch=batch, max_norm=max_norm) for stage in stages}
+    homes = {3: flatshard.Offload(units=("",))}
+    return {
+        stage: run(
+            stage,
+            steps=steps,
+            batch=batch,
+            max_norm=max_norm,
+            offload=homes.get(stage, flatshard.Offload()) if offload else None,
+        )
+        for stage in stages
+    }
 
 
 def _train(

@@ -54,8 +54,10 @@ def test_tensor_parallel_follows_one_process_at_every_stage(world, tp, model):
 
 
 def test_an_offloaded_tensor_parallel_model_follows_one_process():
-    """TP2 x DP2 with ``Offload()``: the local shards' main params and SGD's momentum on the
-    host (stepped by torch's fused SGD), at stage 3 the param shards too; the RELATIVE bound."""
+    """TP2 x DP2 with ``Offload()`` at stage 1: the local shards' main params and SGD's
+    momentum on the host (stepped by torch's fused SGD); at stage 3 the root unit's param and
+    grad shards on the host too and the blocks' on the device, both homes stepped in one
+    optimizer, their grads' norm taken over tp; the RELATIVE bound."""
     results = run_distributed(train_tp_dp, 4, [1, 3], 2, "tiny", offload=True, timeout=240)
     for stage, r in results[0].items():
         assert r["ref_norm"] > 0.5, "clipping must scale the grads for the norm to matter"
