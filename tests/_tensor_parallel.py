@@ -133,6 +133,7 @@ def _train(
         counters.clear()
         model.compile(backend=compile)
     opt = flatshard.DistributedOptimizer(model, torch.optim.SGD, lr=0.2, momentum=0.9)
+    assert offload is None or opt.host_tensors()["main_params"]  # (something lives on the host)
     mains = [
         torch.equal(main, originals[piece.name].reshape(-1)[slice(*piece.in_param)])
         for shards in opt.shards
