@@ -59,6 +59,7 @@ from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
 from flatshard.optim.rank_state import load_rank_state, rank_state
 from flatshard.optim.shards import BufferShards, build_shards
+from flatshard.optim.streamed_step import StreamedStep
 from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.planner.offload import host_homed, unit_ids
 from flatshard.wrap.arguments import check_flags
@@ -183,6 +184,8 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
                 id(t): g for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)
             }
             self.inner = PrecisionAwareOptimizer(optimizer_class, inner_groups, defaults, low, grads)
+        streamed = offload is not None and offload.step == "device"  # ([Note: streamed step])
+        self._streamed = StreamedStep(self._buffer_shards, state.stats) if streamed else None
         self._init_base()
         self.overlap_param_gather = overlap_param_gather
         self.loss_scaler = make_loss_scaler(loss_scale)
@@ -306,7 +309,10 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         fetch_grads(self._buffer_shards, self._sharded.stats)  # (offloaded: [Note: memory tiers])
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
         with self._held.step(self.inner, self._buffer_shards, without):
-            self.inner.step()
+            if self._streamed is not None:
+                self._streamed.step(self.inner)
+            else:
+                self.inner.step()
         if without:
             self.main_params_changed()  # (an inner keeping its own copies stepped them)
         if self.loss_scaler is not None:

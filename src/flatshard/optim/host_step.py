@@ -16,12 +16,20 @@ from flatshard.planner.offload import Offload
 
 FUSED_ON_HOST = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD, torch.optim.Adagrad)
 """torch classes with a fused CPU kernel (``fused=True``): one pass over each tensor."""
+FUSED_ON_DEVICE = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+"""torch classes with a fused accelerator kernel (Adagrad's is CPU-only)."""
 
 
-def host_defaults(optimizer_class: type, classes: Sequence[type], defaults: dict[str, Any]) -> dict[str, Any]:
-    """``defaults`` with the fastest host kernel asked for, where the user chose none: torch's
-    fused one when every class has it, else ``foreach`` when every class takes it (torch's
-    default on the CPU is a loop over tensors, op by op)."""
+def host_defaults(
+    optimizer_class: type,
+    classes: Sequence[type],
+    defaults: dict[str, Any],
+    fused: Sequence[type] = FUSED_ON_HOST,
+) -> dict[str, Any]:
+    """``defaults`` with the fastest kernel asked for, where the user chose none: torch's
+    fused one when every class is in ``fused`` (those with a fused kernel where the step runs:
+    the host's by default), else ``foreach`` when every class takes it (torch's default on the
+    CPU is a loop over tensors, op by op)."""
     from flatshard.optim.hybrid import HybridDeviceOptimizer
 
     if isinstance(optimizer_class, type) and issubclass(optimizer_class, HybridDeviceOptimizer):
@@ -32,7 +40,7 @@ def host_defaults(optimizer_class: type, classes: Sequence[type], defaults: dict
         )
     if "fused" in defaults or "foreach" in defaults:
         return defaults
-    if all(cls in FUSED_ON_HOST for cls in classes):
+    if all(cls in fused for cls in classes):
         return {**defaults, "fused": True}
     if all("foreach" in inspect.signature(cls).parameters for cls in classes):
         return {**defaults, "foreach": True}
@@ -65,10 +73,13 @@ def budget_offload(
         )
     budget = offload.device_budget
     share, units = least_offload(budget, planned, stage=stage, optimizer=kind, precision=precision)
+    pin, place = offload.pin_memory, offload.step
     if units is not None:  # (stage 3: these units on the host, [Note: unit homes])
         named = tuple(planned.unit_names[int(u)] for u in sorted(units, key=int))
-        return Offload(pin_memory=offload.pin_memory, units=named)
-    return Offload(optimizer=share, pin_memory=offload.pin_memory) if share else None
+        return Offload(units=named, pin_memory=pin, step=place)
+    if share and place == "device":
+        share = 1.0  # (a streamed step takes all of the optimizer: [Note: streamed step])
+    return Offload(optimizer=share, pin_memory=pin, step=place) if share else None
 
 
 def resolve_offload(
@@ -77,11 +88,13 @@ def resolve_offload(
     """What ``Offload`` makes of a ``DistributedOptimizer``: the offload whose host frames
     its shards get (all of the optimizer on the host; None otherwise), the class that steps
     them (a ``HybridDeviceOptimizer`` over ``optimizer_class`` for a share below 1) and its
-    defaults, with the host kernel asked for."""
+    defaults, with the kernel of where it steps asked for ([Note: streamed step] in
+    ``optim/streamed_step.py`` for ``step="device"``)."""
     share = 0.0 if offload is None else offload.fraction
     if share == 0.0:
         return None, optimizer_class, defaults
-    defaults = host_defaults(optimizer_class, classes, defaults)
+    fused = FUSED_ON_DEVICE if offload is not None and offload.step == "device" else FUSED_ON_HOST
+    defaults = host_defaults(optimizer_class, classes, defaults, fused)
     if share == 1.0:
         return offload, optimizer_class, defaults
     from flatshard.optim.hybrid import HybridDeviceOptimizer

@@ -45,7 +45,7 @@ The reasoning is [Note: precision-aware optimizer] below."""
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -102,7 +102,14 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         loss = run_closure(closure)
-        self._steps += 1
+        self.step_runs(None)
+        return loss
+
+    def step_runs(self, only: Collection[int] | None, count: bool = True) -> None:
+        """Step the runs whose ``id`` is in ``only`` (None: every run), counting a step of this
+        optimizer's own where ``count`` (a step streamed a chunk at a time is one step, counted
+        at its first call: [Note: streamed step] in ``optim/streamed_step.py``)."""
+        self._steps += int(count)
         self._places = {
             id(p): (i, j) for i, g in enumerate(self.param_groups) for j, p in enumerate(g["params"])
         }
@@ -115,18 +122,18 @@ class PrecisionAwareOptimizer(torch.optim.Optimizer):
         }
         try:
             for group in self.param_groups:
+                params = [p for p in group["params"] if only is None or id(p) in only]
                 if self.fused and fused_adam.fusable(self.optimizer_class, group):
-                    self._step_fused(group)
+                    self._step_fused(group, params)
                     continue
                 hyper = {k: v for k, v in group.items() if k != "params"}
-                for chunk in self._chunks(group["params"]):
+                for chunk in self._chunks(params):
                     self._step_chunk(hyper, chunk)
         finally:
             self._scratch.clear()  # (between steps only the stored dtypes stay)
-        return loss
 
-    def _step_fused(self, group: dict[str, Any]) -> None:
-        for p in group["params"]:
+    def _step_fused(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
+        for p in params:
             where = (self.precision.seed, *self._places[id(p)])
             grad = self._grads[id(p)]
             size = self.chunk or (CHUNK if p.device.type == "cpu" else fused_adam.FUSED_CHUNK)

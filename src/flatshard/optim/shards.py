@@ -178,8 +178,9 @@ def build_shards(
     if host is not None:
         pin = host.pin_memory and buffer.device.type == "cuda"
         main_data = torch.zeros(buffer.frame_numel, dtype=dtype, pin_memory=pin)
-        if buffer.full_grads:
-            host_grads = torch.zeros(buffer.frame_numel, dtype=buffer.layout.grad_dtype, pin_memory=pin)
+        if buffer.full_grads:  # (a streamed step reads them on the device: [Note: streamed step])
+            if host.step == "host":
+                host_grads = torch.zeros(buffer.frame_numel, dtype=buffer.layout.grad_dtype, pin_memory=pin)
         elif buffer.has_grads:
             buffer.home_grads_on_host(pin)
     elif dtype != buffer.layout.dtype:

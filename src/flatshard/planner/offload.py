@@ -75,6 +75,8 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
+STEP_PLACES = ("host", "device")
+
 
 @dataclass(frozen=True)
 class Offload:
@@ -96,12 +98,17 @@ class Offload:
     units: stage 3 only: the names of the units (their modules' qualified names, as
         ``flatshard layout`` prints them) whose shards and optimizer live on the host; the
         other units' stay on the device ([Note: unit homes]). None: every unit's.
+    step: where the offloaded optimizer's update runs: "host" (its fused CPU kernel), or
+        "device": its tensors stay at home on the host and are streamed to the device a chunk
+        at a time, stepped there and streamed back ([Note: streamed step] in
+        ``optim/streamed_step.py``); not with a share (its host part steps on the host).
     """
 
     optimizer: bool | float = True
     pin_memory: bool = True
     device_budget: int | None = None
     units: tuple[str, ...] | None = None
+    step: str = "host"
 
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
@@ -116,6 +123,13 @@ class Offload:
             raise ValueError(
                 f"Offload: give a share (optimizer={share!r}) or a device_budget, not both: the "
                 "budget decides the share"
+            )
+        if self.step not in STEP_PLACES:
+            raise ValueError(f"Offload.step must be one of {STEP_PLACES}, got {self.step!r}")
+        if self.step == "device" and 0 < float(share) < 1:
+            raise ValueError(
+                f"Offload(step='device') streams all of the optimizer, not a share (optimizer={share!r}): "
+                "a share's host part steps on the host; give optimizer=True, or step='host'"
             )
         self._check_units()
 

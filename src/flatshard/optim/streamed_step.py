@@ -1,0 +1,251 @@
+"""The offloaded optimizer stepped on the device, its tensors streamed there and back a chunk
+at a time: [Note: streamed step].
+
+The reasoning is [Note: streamed step] below."""
+
+# [Note: streamed step]
+#
+# ``Offload(step="device")`` keeps every tensor of the offloaded optimizer at home on the host,
+# as ``Offload()`` does ([Note: memory tiers] in ``planner/offload.py``: main params, state,
+# and at stages 2-3 the grad shards), and runs its update on the device. The runs of the
+# host-homed buffers are cut, in the inner optimizer's order, into chunks of whole runs of at
+# most ``STREAM_CHUNK`` elements (a longer run is a chunk of its own), and each chunk is
+#
+# 1. uploaded: its runs' main params, their grads where those live on the host (stages 2-3;
+#    at stages 0-1 the grads are the device's own) and every tensor of their state, copied
+#    to the device;
+# 2. stepped there by the one inner optimizer: for the call each run tensor's and grad's
+#    ``.data`` is its device copy and its state entries are the device copies; only the
+#    chunk's runs step (the other runs' ``.grad`` is None for the call, the way torch skips
+#    a param without a grad; the precision-aware optimizer is told which runs);
+# 3. downloaded: main params and state copied back into their host tensors (state made by a
+#    first step is made on the device and copied into new host tensors), the run tensors
+#    pointed back at the host.
+#
+# Runs whose buffer lives on the device (units kept resident, [Note: unit homes]) step first,
+# in one call. Every run steps once a step, from the same values, with the kernel the device
+# has (``resolve_offload`` asks for torch's fused kernel where the device has one): on a
+# CPU-only machine, where host and device are one memory and every copy is still made, a
+# run equals ``Offload()``'s bit for bit; on an accelerator the device's fused kernels differ
+# from the host's only in the order of fp32 arithmetic.
+#
+# On CUDA the copies run on two side streams: chunk i+1 is uploaded while chunk i steps on
+# the current stream, and chunk i is downloaded behind its step; before allocating chunk i+1
+# the host waits for chunk i-1's download, so at most two chunks are on the device at once.
+# ``step`` returns after every download is done: the host values are the values of record,
+# which the params' copies (stages 0-2) and the next gathers (stage 3) read. Host tensors
+# are page-locked where ``Offload.pin_memory`` (so these copies are asynchronous); state a
+# first step makes is pinned as it comes home.
+#
+# Why stream: per element a streamed step moves 16 bytes up and 12 down over the host link
+# that a host step does not (fp32 main params, grads and Adam's two moments; 8 and 6 with
+# the 4-byte state), in exchange for the device's memory bandwidth. That wins where the
+# host's cores are few for its link (a fast coherent link, a host shared by many devices);
+# a many-core host over PCIe steps faster at home. Both are one option apart.
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from flatshard.comm.collectives import DEVICE_TO_HOST, HOST_TO_DEVICE, CommStats
+from flatshard.optim.precision import PrecisionAwareOptimizer
+from flatshard.optim.shards import BufferShards
+
+STREAM_CHUNK = 1 << 25
+"""Elements a streamed chunk holds at most (whole runs): 512 MiB of fp32 main params, grads
+and Adam's moments, two chunks on the device at once."""
+
+
+@dataclass
+class _Run:
+    """One run of a host-homed buffer: its inner tensor and grad, and whether the grad lives
+    on the host (and so is uploaded)."""
+
+    tensor: torch.Tensor
+    grad: torch.Tensor
+    grad_on_host: bool
+
+
+@dataclass
+class _Staged:
+    """A chunk on the device: per run, its host tensors (to point back at) and the device
+    copies standing in for them; the events of its copies (CUDA only)."""
+
+    runs: list[_Run]
+    homes: list[tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]] = field(default_factory=list)
+    copies: list[tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]] = field(default_factory=list)
+    uploaded: Any = None
+    downloaded: Any = None
+
+
+class StreamedStep:
+    """Steps the runs of ``shards`` homed on the host on their device, a chunk at a time, and
+    the other runs in one call ([Note: streamed step])."""
+
+    def __init__(self, shards: Sequence[BufferShards], stats: CommStats, chunk: int | None = None) -> None:
+        self.stats = stats
+        chunk = chunk or STREAM_CHUNK
+        self._all = [t for s in shards for t in s.tensors]
+        self._resident = {id(t) for s in shards if not s.on_host for t in s.tensors}
+        self.chunks: list[list[_Run]] = []
+        room = 0
+        for s in shards:
+            if not s.on_host:
+                continue
+            for tensor, grad in zip(s.tensors, s.grads, strict=True):
+                if not self.chunks or room < tensor.numel():
+                    self.chunks.append([])
+                    room = chunk
+                self.chunks[-1].append(_Run(tensor, grad, s.buffer.grads_on_host))
+                room -= tensor.numel()
+        devices = {s.buffer.device for s in shards if s.on_host}
+        self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
+        cuda = self.device.type == "cuda"
+        self._h2d = torch.cuda.Stream(self.device) if cuda else None
+        self._d2h = torch.cuda.Stream(self.device) if cuda else None
+        self._pin = any(s.main_data is not None and s.main_data.is_pinned() for s in shards)
+
+    @torch.no_grad()
+    def step(self, inner: torch.optim.Optimizer) -> None:
+        """One update of every run: the resident ones, then the streamed chunks."""
+        first = True
+        if self._resident:
+            _step_only(inner, self._resident, self._all, first)
+            first = False
+        if not self.chunks:
+            return
+        current = torch.cuda.current_stream(self.device) if self._h2d is not None else None
+        if current is not None and self._h2d is not None:  # (grads and main params: written there)
+            self._h2d.wait_stream(current)
+        behind: _Staged | None = None  # the chunk before: downloading
+        ahead = self._upload(inner, self.chunks[0])
+        for following in [*self.chunks[1:], None]:
+            staged = ahead
+            if current is not None:
+                current.wait_event(staged.uploaded)
+            self._step_staged(inner, staged, first)
+            first = False
+            self._download(inner, staged)
+            _wait(behind)  # (its device copies released before the next chunk's are made)
+            behind = staged
+            if following is not None:
+                ahead = self._upload(inner, following)
+        _wait(behind)
+
+    def _upload(self, inner: torch.optim.Optimizer, runs: list[_Run]) -> _Staged:
+        staged = _Staged(runs)
+        with _on(self._h2d):
+            for run in runs:
+                state = inner.state.get(run.tensor) or {}
+                tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
+                grad = self._send(run.grad, HOST_TO_DEVICE) if run.grad_on_host else None
+                copies = {k: self._send(v, HOST_TO_DEVICE) for k, v in tensors.items()}
+                staged.homes.append((run.tensor.data, run.grad.data if grad is not None else None, tensors))
+                staged.copies.append((self._send(run.tensor, HOST_TO_DEVICE), grad, copies))
+            staged.uploaded = _record(self._h2d)
+        return staged
+
+    def _step_staged(self, inner: torch.optim.Optimizer, staged: _Staged, first: bool) -> None:
+        """Point the chunk's runs at their device copies, step them, point them back."""
+        for run, (tensor, grad, state) in zip(staged.runs, staged.copies, strict=True):
+            run.tensor.data = tensor
+            if grad is not None:
+                run.grad.data = grad
+            if state:
+                inner.state[run.tensor].update(state)
+        try:
+            _step_only(inner, {id(r.tensor) for r in staged.runs}, self._all, first)
+        finally:
+            for run, (tensor, grad, _) in zip(staged.runs, staged.homes, strict=True):
+                run.tensor.data = tensor
+                if grad is not None:
+                    run.grad.data = grad
+
+    def _download(self, inner: torch.optim.Optimizer, staged: _Staged) -> None:
+        """Copy the chunk's stepped main params and state home (behind its step)."""
+        stream = self._d2h
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with _on(stream):
+            for run, (home, _, homes), (copy, _, _) in zip(
+                staged.runs, staged.homes, staged.copies, strict=True
+            ):
+                self._receive(home, copy)
+                state = inner.state.get(run.tensor) or {}
+                for key, value in list(state.items()):
+                    if torch.is_tensor(value):
+                        state[key] = self._receive(homes.get(key), value)
+            staged.downloaded = _record(stream)
+
+    def _send(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        self.stats.record(op, tensor.numel() * tensor.element_size(), 0)
+        return tensor.detach().to(self.device, copy=True, non_blocking=tensor.is_pinned())
+
+    def _receive(self, home: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+        """``value`` (on the device) copied into ``home`` where it fits, else into a new host
+        tensor; the host tensor that holds it now."""
+        self.stats.record(DEVICE_TO_HOST, value.numel() * value.element_size(), 0)
+        if (
+            home is not None
+            and type(home) is type(value)
+            and (home.shape, home.dtype) == (value.shape, value.dtype)
+        ):
+            return home.copy_(value, non_blocking=home.is_pinned())
+        new = value.to("cpu", copy=True)
+        return new.pin_memory() if self._pin and type(new) is torch.Tensor else new
+
+
+def _step_only(
+    inner: torch.optim.Optimizer, ids: Collection[int], runs: list[torch.Tensor], first: bool
+) -> None:
+    """Step the runs whose ids are ``ids`` and no other: the precision-aware optimizer by
+    name; any other by hiding the other runs' grads for the call, as torch skips a param
+    without a grad. ``first``: the first call of this step (the precision-aware optimizer
+    counts its steps there)."""
+    if isinstance(inner, PrecisionAwareOptimizer):
+        inner.step_runs(ids, count=first)
+        return
+    hidden = [(t, t.grad) for t in runs if id(t) not in ids and t.grad is not None]
+    for t, _ in hidden:
+        t.grad = None
+    try:
+        inner.step()
+    finally:
+        for t, grad in hidden:
+            t.grad = grad
+
+
+class _on:
+    """``torch.cuda.stream(stream)``, or nothing on a CPU."""
+
+    def __init__(self, stream: Any) -> None:
+        self.context = torch.cuda.stream(stream) if stream is not None else None
+
+    def __enter__(self) -> None:
+        if self.context is not None:
+            self.context.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.context is not None:
+            self.context.__exit__(*exc)
+
+
+def _record(stream: Any) -> Any:
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _wait(staged: _Staged | None) -> None:
+    """The host waits for ``staged``'s download; its device copies are then released."""
+    if staged is None:
+        return
+    if staged.downloaded is not None:
+        staged.downloaded.synchronize()
+    staged.copies.clear()
