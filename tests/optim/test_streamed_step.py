@@ -115,6 +115,51 @@ def test_a_step_streamed_to_the_device_is_the_host_step_to_the_bit(world_size, v
             assert down == 3 * (device["main"] + device["state"]) - 3 * (h.grads - d.grads), stage
 
 
+def _other_inner(stage: int, offload: Offload, kind: str) -> tuple[list[float], dict]:
+    """torchao's ``AdamW8bit`` (quantized state: tensor subclasses streamed), or two classes
+    (SGD with momentum for the matrices, AdamW for the rest) with the embedding frozen after
+    the first step (held back: [Note: params without a grad]); 3 steps."""
+    streamed_step.STREAM_CHUNK = CHUNK
+    torch.manual_seed(0)
+    model = flatshard.shard(GPT(CFG), stage=stage, buckets=Buckets(size=3000), offload=offload)
+    if kind == "8bit":
+        from torchao.optim import AdamW8bit
+
+        opt = flatshard.DistributedOptimizer(model, AdamW8bit, lr=1e-2, block_size=32)
+    else:
+        named = dict(model.named_parameters())
+        matrices = [p for n, p in named.items() if p.dim() == 2 and "wte" not in n]
+        rest = [p for p in named.values() if all(p is not m for m in matrices)]
+        sgd = {"params": matrices, "optimizer_class": torch.optim.SGD, "momentum": 0.9}
+        opt = flatshard.DistributedOptimizer(
+            model, torch.optim.AdamW, params=[sgd, {"params": rest}], lr=1e-2
+        )
+    corpus, rank = SyntheticCorpus(CFG.vocab_size, CFG.seq_len), torch.distributed.get_rank()
+    losses = []
+    for step in range(3):
+        if step == 1 and kind == "grouped":
+            model.wte.weight.requires_grad_(False)
+        loss = model(*corpus.batch(step, rank, 4))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    model.wait_for_params()
+    return losses, model.full_state_dict()
+
+
+def _other_inner_both(kind: str) -> dict:
+    return {s: [_other_inner(s, Offload(step=where), kind) for where in ("host", "device")] for s in (1, 3)}
+
+
+@pytest.mark.parametrize("kind", ["8bit", "grouped"])
+def test_low_bit_state_grouped_classes_and_held_params_stream_as_they_step_at_home(kind):
+    for r in run_distributed(_other_inner_both, 2, kind):
+        for stage, ((want, want_params), (got, got_params)) in r.items():
+            assert got == want, stage
+            assert all(torch.equal(want_params[k], v) for k, v in got_params.items()), stage
+
+
 def _resume(path: str, saving_world: int) -> dict:
     """Streamed at stage 3 on ``saving_world`` ranks, 2 steps, saved; loaded here streamed at
     stage 2 and host-stepped at stage 3: the saved params, and one more step equal."""

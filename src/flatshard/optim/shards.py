@@ -27,7 +27,7 @@ class BufferShards:
     main_data: torch.Tensor | None  # 1D shard frame the runs view; None: they view the params
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
-    grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match)
+    grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match, but streamed)
     on_host: bool = False  # its optimizer's home is the host ([Note: memory tiers])
     host_grads: torch.Tensor | None = None  # stages 0-1 on the host: the grads' host frame
     _split_pieces: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(
@@ -201,8 +201,11 @@ def build_shards(
             grad = grads[lo:hi]  # (a view: it outlives the shard's storage being freed)
         if run.shape is not None:  # a whole-param run: the param's own shape
             tensor, grad = tensor.view(run.shape), grad.view(run.shape)
-        if grad.dtype == tensor.dtype:  # (bf16 runs, the params themselves, have fp32 grads
-            tensor.grad = grad  # that torch refuses as their .grad: they are read from ``grads``)
+        # (bf16 runs, the params themselves, have fp32 grads that torch refuses as their .grad:
+        # they are read from ``grads``; a streamed run gets its .grad for its step: [Note:
+        # streamed step] in optim/streamed_step.py)
+        if grad.dtype == tensor.dtype and (host is None or host.step == "host"):
+            tensor.grad = grad
         tensors.append(tensor)
         run_grads.append(grad)
     shards = BufferShards(buffer, world, main_data, runs, tensors, run_grads, host is not None, host_grads)

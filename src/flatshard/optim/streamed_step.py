@@ -78,6 +78,7 @@ class _Staged:
     runs: list[_Run]
     homes: list[tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]] = field(default_factory=list)
     copies: list[tuple[torch.Tensor, torch.Tensor | None, dict[str, Any]]] = field(default_factory=list)
+    made: list[torch.Tensor] = field(default_factory=list)  # device state the download reads
     uploaded: Any = None
     downloaded: Any = None
 
@@ -150,17 +151,23 @@ class StreamedStep:
         return staged
 
     def _step_staged(self, inner: torch.optim.Optimizer, staged: _Staged, first: bool) -> None:
-        """Point the chunk's runs at their device copies, step them, point them back."""
+        """Point the chunk's runs at their device copies, step them, point them back. A run's
+        ``.grad`` is set for the call only where its dtype is the run's (a bf16 run's fp32
+        grad is the precision-aware optimizer's to read), and only while both are on the
+        device: at stages 0-1 a run's grad is the device's, its tensor the host's."""
         for run, (tensor, grad, state) in zip(staged.runs, staged.copies, strict=True):
             run.tensor.data = tensor
             if grad is not None:
                 run.grad.data = grad
+            if run.grad.dtype == tensor.dtype:
+                run.tensor.grad = run.grad
             if state:
                 inner.state[run.tensor].update(state)
         try:
             _step_only(inner, {id(r.tensor) for r in staged.runs}, self._all, first)
         finally:
             for run, (tensor, grad, _) in zip(staged.runs, staged.homes, strict=True):
+                run.tensor.grad = None
                 run.tensor.data = tensor
                 if grad is not None:
                     run.grad.data = grad
@@ -179,6 +186,7 @@ class StreamedStep:
                 for key, value in list(state.items()):
                     if torch.is_tensor(value):
                         state[key] = self._receive(homes.get(key), value)
+                        staged.made.append(value)  # (made by the step: kept until its copy is done)
             staged.downloaded = _record(stream)
 
     def _send(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
@@ -249,3 +257,4 @@ def _wait(staged: _Staged | None) -> None:
     if staged.downloaded is not None:
         staged.downloaded.synchronize()
     staged.copies.clear()
+    staged.made.clear()
