@@ -52,18 +52,23 @@ def _measured(
     offload: bool | tuple[str, ...] = False,
     low_bit: str | None = None,
     fp8: bool = False,
+    step: str = "host",
 ) -> dict:
     """``low_bit``: a torchao class name, on the layout aligned to its blocks that the plan
     of its lower-case name assumes; ``fp8``: the blocks' linears converted to torchao's float8
     training with fp8 gathers ([Note: fp8 gathers]); ``offload``: True for ``Offload()``,
-    unit names for ``Offload(units=...)`` at stage 3, each block a unit ([Note: unit homes])."""
+    unit names for ``Offload(units=...)`` at stage 3, each block a unit ([Note: unit homes]);
+    ``step``: where the offloaded optimizer steps ([Note: streamed step])."""
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     named = isinstance(offload, tuple)
     unit_bytes = None if named else flatshard.Stage3().unit_bytes
-    more: dict = {"offload": flatshard.Offload()} if offload is True else {}
+    more: dict = {"offload": flatshard.Offload(step=step)} if offload is True else {}
     if named:
-        more = {"offload": flatshard.Offload(units=offload), "stage3": flatshard.Stage3(unit_bytes=None)}
+        more = {
+            "offload": flatshard.Offload(units=offload, step=step),
+            "stage3": flatshard.Stage3(unit_bytes=None),
+        }
     buckets = flatshard.Buckets(size=3000, align=FORMATS[low_bit.lower()].align if low_bit else None)
     convert = _float8 if fp8 else (lambda module: module)
     model = flatshard.shard(convert(GPT(CFG).to(torch.bfloat16)), stage=stage, buckets=buckets, **more)
@@ -100,6 +105,7 @@ def _measured(
         stage3_specs=stage3_specs,
         precision=precision,
         offload=homed,
+        streamed=step == "device",
     )[stage]
     sent = sum(v["wire_bytes"] for op, v in stats.items() if op != "all_reduce" or stage == 0)
     link = sum(stats.get(op, {}).get("payload_bytes", 0) for op in ("host_to_device", "device_to_host"))
@@ -139,14 +145,18 @@ def test_the_plan_of_fp8_gathers_equals_what_a_run_measures(offload):
         assert plan["link_bytes_per_step"] == r["link"]
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_the_plan_of_an_offloaded_optimizer_equals_what_a_run_measures(stage):
+@pytest.mark.parametrize(
+    ("stage", "step"), [(0, "host"), (1, "host"), (2, "host"), (3, "host"), (1, "device"), (3, "device")]
+)
+def test_the_plan_of_an_offloaded_optimizer_equals_what_a_run_measures(stage, step):
     """With ``Offload()`` every rank's memory_report equals the plan role by role and in its
     host and device bytes, and the bytes copied over the host link in a steady step equal
     the plan's: grads down once, params up once a step (stages 0-2) or once a gather of
     this rank's part (stage 3, [Note: memory tiers]). At stages 2-3 the grad shards live on
-    the host, so after the step the device holds the params of stage 2 and nothing at 3."""
-    for r in run_distributed(_measured, 3, stage, offload=True):
+    the host, so after the step the device holds the params of stage 2 and nothing at 3.
+    Streamed to the device ([Note: streamed step]): no grads' frame at stage 1, and the link
+    carries each run's main params and state both ways and its grads up (stage 3) besides."""
+    for r in run_distributed(_measured, 3, stage, offload=True, step=step):
         plan, measured = r["plan"], r["measured"]
         for role in ("params", "grads", "main_params", "optimizer_state", "host", "device"):
             assert plan[role] == measured[role], (role, plan, measured)
@@ -157,13 +167,15 @@ def test_the_plan_of_an_offloaded_optimizer_equals_what_a_run_measures(stage):
         assert plan["comm_bytes_per_step"] == r["sent"]
 
 
-@pytest.mark.parametrize("units", [("blocks.1",), ("", "blocks.0")], ids=["a-block", "root-and-a-block"])
-def test_the_plan_of_offloaded_units_equals_what_a_run_measures(units):
+@pytest.mark.parametrize(
+    ("units", "step"), [(("blocks.1",), "host"), (("", "blocks.0"), "host"), (("blocks.1",), "device")]
+)
+def test_the_plan_of_offloaded_units_equals_what_a_run_measures(units, step):
     """``Offload(units=...)`` at stage 3 on 3 ranks: memory_report equals the plan of those
     units on the host ([Note: unit homes]) role by role and in host and device bytes; the
     host link carries the named units' grads down and their parts up at each gather, as the
     plan says; the other units' bytes stay on the device."""
-    for r in run_distributed(_measured, 3, 3, offload=units):
+    for r in run_distributed(_measured, 3, 3, offload=units, step=step):
         plan, measured = r["plan"], r["measured"]
         for role in ("params", "grads", "main_params", "optimizer_state", "host", "device"):
             assert plan[role] == measured[role], (role, plan, measured)
@@ -242,6 +254,11 @@ def test_plan_cli_json_and_table():
     assert "gathered in float8_e4m3fn" in drawn["3"] and "gathered in" not in drawn["2"], drawn
     out = cli("plan", "--model", "tiny", "-n", "2", "--offload")  # ([Note: memory tiers])
     assert "the optimizer offloaded" in out.stdout and "host link/step" in out.stdout, out.stdout
+    streamed = json.loads(cli("plan", "--model", "tiny", "-n", "2", "--offload", "device", "--json").stdout)
+    at_home = json.loads(cli("plan", "--model", "tiny", "-n", "2", "--offload", "--json").stdout)
+    for stage in "123":  # ([Note: streamed step]: more over the link; no grads' frame at stage 1)
+        s, h = streamed["stages"][stage], at_home["stages"][stage]
+        assert s["link_bytes_per_step"] > h["link_bytes_per_step"] and s["host"] <= h["host"], stage
     refused = cli("plan", "--params", "7e9", "--offload")
     assert refused.returncode == 2 and "--offload applies to --model only" in refused.stderr
 

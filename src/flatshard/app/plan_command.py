@@ -65,9 +65,12 @@ def add_plan(sub) -> None:
     plan.add_argument("--rank", type=int, default=0, help="with --model: whose shard to count (default 0)")
     plan.add_argument(
         "--offload",
-        action="store_true",
+        nargs="?",
+        const="host",
+        choices=("host", "device"),
         help="with --model: as shard(..., offload=flatshard.Offload()): the bytes on the host and "
-        "on the device apart, and the bytes over the host link per step",
+        "on the device apart, and the bytes over the host link per step; --offload device: as "
+        "Offload(step='device'), the optimizer streamed to the device for its step",
     )
     plan.add_argument(
         "--device-budget",
@@ -110,7 +113,7 @@ def run_plan(args: argparse.Namespace) -> int:
     else:
         for option, given in (
             ("--grad-dtype", args.grad_dtype is not None),
-            ("--offload (the budget decides)", args.offload and args.device_budget is not None),
+            ("--offload (the budget decides)", args.offload is not None and args.device_budget is not None),
             ("--tp", args.tp > 1),
             ("--pp", args.pp > 1),
         ):
@@ -131,7 +134,8 @@ def run_plan(args: argparse.Namespace) -> int:
                 "stage3_frozen_specs": frozen[1],
                 "precision": precision,
             }
-            plans = plan.plan_from_specs(specs, offload=args.offload, **planning)
+            offload = {"offload": args.offload is not None, "streamed": args.offload == "device"}
+            plans = plan.plan_from_specs(specs, **offload, **planning)
         except (ValueError, ImportError, AttributeError) as e:
             print(f"flatshard plan: {e}", file=sys.stderr)
             return 2
@@ -147,6 +151,7 @@ def run_plan(args: argparse.Namespace) -> int:
         title += f", {args.world_size} ranks, {args.param_dtype} params, {args.optimizer}"
         title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
         title += ", the optimizer offloaded" if args.offload else ""
+        title += ", stepped on the device" if args.offload == "device" else ""
         title += ", float8 linears gathered in fp8 at stage 3" if args.fp8_gathers else ""
         print(plan.format_plan(plans, title))
         if args.model is not None:

@@ -166,6 +166,7 @@ def plan_from_specs(
     stage3_frozen_specs: Sequence[ParamSpec] | None = None,
     precision: OptimizerPrecision | None = None,
     offload: bool | frozenset[str] = False,
+    streamed: bool = False,
 ) -> dict[int, StagePlan]:
     """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
     as flatshard would use them), on the layout ``shard`` would build; stage 3 lays out
@@ -175,7 +176,9 @@ def plan_from_specs(
     ``stage3_frozen_specs`` when given), never with grads or optimizer state. ``offload``:
     True as ``shard(..., offload=Offload())`` ([Note: memory tiers] in ``planner/offload.py``);
     a set of stage-3 unit ids (``ParamSpec.unit``) as ``Offload(units=...)``: those units on
-    the host at stage 3 ([Note: unit homes]), nothing at stages 0-2, which have no units."""
+    the host at stage 3 ([Note: unit homes]), nothing at stages 0-2, which have no units;
+    ``streamed``: as ``Offload(step="device")`` ([Note: streamed step] in
+    ``optim/streamed_step.py``)."""
     state_bytes, scalar_bytes, fp32_main = _check(world_size, optimizer, precision)
     fmt = FORMATS.get(optimizer)  # (a blockwise format: piece runs on a layout aligned to its blocks)
     if not 0 <= rank < world_size:
@@ -208,14 +211,13 @@ def plan_from_specs(
             totals["comm_bytes_per_step"] += sum(
                 _comm(policy, b.numel, world_size, sent, gb, gathers(b)) for b in buffer.buckets
             )
-            if host:  # grads down once (into a host frame beside the device's grad buffer at
-                # stages 0-1; the grad shards themselves at 2-3), params up once a step or gather
-                totals["grads"] += 0 if policy.shards_grads else gb * shard
-                totals["host"] += main + state + gb * shard
+            if host:
                 ups = [gathers(b) if policy.shards_params else 1 for b in buffer.buckets]
                 sizes = [b.shard_range(rank).size for b in buffer.buckets]
                 up = sum(sent * size * n for size, n in zip(sizes, ups, strict=True))
-                totals["link_bytes_per_step"] += gb * shard + up
+                ran = sum(r.in_shard.size for r in plan_runs(buffer, rank, group_of))
+                runs = (ran * (4 if half else pb) + state, ran * gb if policy.shards_grads else 0)
+                _add_host(totals, policy, gb * shard, main + state, up, runs if streamed else None)
         totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
         frozen = stage3_frozen_specs if policy.gathers_units and stage3_frozen_specs else frozen_specs
         _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank, offload)
@@ -223,6 +225,30 @@ def plan_from_specs(
             totals["comm_bytes_per_step"] = 0
         plans[stage] = StagePlan(**totals)
     return plans
+
+
+def _add_host(
+    totals: dict[str, int],
+    policy: StagePolicy,
+    grads: int,
+    kept: int,
+    up: int,
+    streamed: tuple[int, int] | None,
+) -> None:
+    """A buffer whose optimizer lives on the host ([Note: memory tiers]): its main params and
+    state there (``kept`` bytes), and its ``grads`` bytes: the grad shards themselves at stages
+    2-3, sent down once a step; at stages 0-1 a host frame beside the device's grad buffer that
+    they are copied into, unless the step is streamed (it reads the device's). Its params go
+    up (``up``: once a step, at stage 3 once a gather of this rank's part). A streamed step
+    ([Note: streamed step] in ``optim/streamed_step.py``) also sends its runs' main params
+    and state up and back, and their grads up where they live on the host: ``streamed`` is
+    (the runs' main-param and state bytes, their grads' bytes on the host)."""
+    frame = 0 if policy.shards_grads or streamed else grads
+    totals["grads"] += frame
+    totals["host"] += kept + (grads if policy.shards_grads else frame)
+    totals["link_bytes_per_step"] += up + (grads if policy.shards_grads or not streamed else 0)
+    if streamed is not None:
+        totals["link_bytes_per_step"] += 2 * streamed[0] + streamed[1]
 
 
 def _state_bytes(
