@@ -80,13 +80,15 @@ def test_the_trainer_follows_its_ddp_at_every_stage(tmp_path):
         _check_follows(logged, rel=1e-5)
 
 
-def test_the_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_path):
+@pytest.mark.parametrize("step", ["host", "device"])
+def test_the_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_path, step):
     """``shard={"stage": ..., "offload": flatshard.Offload()}``: the host step takes torch's
     fused AdamW, so the reference trains with ``optim="adamw_torch_fused"`` (the same kernel);
-    at stage 3 the param shards live on the host too."""
+    at stage 3 the param shards live on the host too. ``step="device"``: the same state
+    streamed to the device for its step ([Note: streamed step]), the same kernel here."""
     import flatshard
 
-    offload = {"offload": flatshard.Offload()}
+    offload = {"offload": flatshard.Offload(step=step)}
     for logged in run_distributed(
         _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch_fused", shard=offload, init=False
     ):
