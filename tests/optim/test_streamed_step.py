@@ -4,7 +4,7 @@ streamed step] in ``optim/streamed_step.py``).
 
 On this CPU machine host and device are one memory and every copy is still made, so a
 streamed run must equal the host-stepped ``Offload()`` run to the bit: the same kernel steps
-the same values. Chunks are made small here (``STREAM_CHUNK``) so that every step streams
+the same values. Chunks are made small here (``Offload.stream_chunk``) so that every step streams
 several, with runs of several buckets and groups in each."""
 
 import copy
@@ -15,7 +15,6 @@ import torch
 import flatshard
 from flatshard import Buckets, Offload, Stage3
 from flatshard.comm.collectives import DEVICE_TO_HOST, HOST_TO_DEVICE
-from flatshard.optim import streamed_step
 from flatshard.toolkit.data import SyntheticCorpus
 from flatshard.toolkit.models import GPT, GPTConfig
 from flatshard.toolkit.testing import run_distributed
@@ -50,7 +49,6 @@ def _model(stage: int, offload: Offload | None, variant: str) -> tuple:
 def _train(stage: int, offload: Offload | None, variant: str, steps: int = 3) -> dict:
     """``steps`` clipped steps; the losses, the params, the memory report and the bytes each
     way over the host link."""
-    streamed_step.STREAM_CHUNK = CHUNK
     model, opt = _model(stage, offload, variant)
     stats = model.flatshard_state.stats
     stats.reset()
@@ -84,7 +82,7 @@ def _nbytes(tensors) -> int:
 def _host_and_device(variant: str) -> dict:
     units = ("blocks.0", "blocks.2") if variant == "units" else None
     stages = [3] if variant == "units" else STAGES
-    offloads = [Offload(units=units), Offload(units=units, step="device")]
+    offloads = [Offload(units=units), Offload(units=units, step="device", stream_chunk=CHUNK)]
     return {s: [_train(s, offload, variant) for offload in offloads] for s in stages}
 
 
@@ -119,7 +117,6 @@ def _other_inner(stage: int, offload: Offload, kind: str) -> tuple[list[float], 
     """torchao's ``AdamW8bit`` (quantized state: tensor subclasses streamed), or two classes
     (SGD with momentum for the matrices, AdamW for the rest) with the embedding frozen after
     the first step (held back: [Note: params without a grad]); 3 steps."""
-    streamed_step.STREAM_CHUNK = CHUNK
     torch.manual_seed(0)
     model = flatshard.shard(GPT(CFG), stage=stage, buckets=Buckets(size=3000), offload=offload)
     if kind == "8bit":
@@ -149,7 +146,10 @@ def _other_inner(stage: int, offload: Offload, kind: str) -> tuple[list[float], 
 
 
 def _other_inner_both(kind: str) -> dict:
-    return {s: [_other_inner(s, Offload(step=where), kind) for where in ("host", "device")] for s in (1, 3)}
+    return {
+        s: [_other_inner(s, Offload(step=where, stream_chunk=CHUNK), kind) for where in ("host", "device")]
+        for s in (1, 3)
+    }
 
 
 @pytest.mark.parametrize("kind", ["8bit", "grouped"])
@@ -163,7 +163,6 @@ def test_low_bit_state_grouped_classes_and_held_params_stream_as_they_step_at_ho
 def _resume(path: str, saving_world: int) -> dict:
     """Streamed at stage 3 on ``saving_world`` ranks, 2 steps, saved; loaded here streamed at
     stage 2 and host-stepped at stage 3: the saved params, and one more step equal."""
-    streamed_step.STREAM_CHUNK = CHUNK
     corpus, rank = SyntheticCorpus(CFG.vocab_size, CFG.seq_len), torch.distributed.get_rank()
 
     def step(model, opt, n):
@@ -172,14 +171,14 @@ def _resume(path: str, saving_world: int) -> dict:
         opt.zero_grad()
 
     if torch.distributed.get_world_size() == saving_world:
-        model, opt = _model(3, Offload(step="device"), "bf16")
+        model, opt = _model(3, Offload(step="device", stream_chunk=CHUNK), "bf16")
         step(model, opt, 0)
         step(model, opt, 1)
         flatshard.save_checkpoint(path, model, opt)
         return {"saved": model.full_state_dict()}
     out = {}
     for stage, where in [(2, "device"), (3, "host")]:
-        model, opt = _model(stage, Offload(step=where), "bf16")
+        model, opt = _model(stage, Offload(step=where, stream_chunk=CHUNK), "bf16")
         flatshard.load_checkpoint(path, model, opt)
         start = copy.deepcopy(model.full_state_dict())
         step(model, opt, 2)

@@ -138,36 +138,43 @@ def _train_offloaded(stage: int, offload: flatshard.Offload | None) -> tuple:
         opt.step()
         opt.zero_grad()
     model.wait_for_params()
-    return opt.offload, flatshard.memory_report(model, opt).device, model.full_state_dict()
+    staging = 0 if opt._streamed is None else opt._streamed.peak_bytes  # ([Note: streamed step])
+    return opt.offload, (flatshard.memory_report(model, opt).device, staging), model.full_state_dict()
 
 
-def _budgeted(stage: int, fraction: float) -> tuple:
-    """A run with ``Offload(device_budget=B)``, B ``fraction`` of the way between what all of
-    the optimizer offloaded and nothing offloaded need on the most loaded rank, beside the
-    same run given the share it decided by hand."""
+def _budgeted(stage: int, fraction: float, step: str) -> tuple:
+    """A run with ``Offload(device_budget=B, step=step)``, B ``fraction`` of the way between
+    what all of the optimizer offloaded and nothing offloaded need on the most loaded rank,
+    beside the same run given the share it decided by hand; streamed, a step's chunks count at
+    its peak."""
     with torch.device("meta"):
         specs = model_specs(GPT(CFG), stage=stage, unit_bytes=None)  # (as shard lays them out)
     world = torch.distributed.get_world_size()
     kwargs = {"world_size": world, "bucket_size": 3000, "stage3_specs": specs}
     base = max(plan_from_specs(specs, rank=r, **kwargs)[stage].device for r in range(world))
-    full = max(plan_from_specs(specs, rank=r, offload=True, **kwargs)[stage].device for r in range(world))
+    streamed = {"streamed": step == "device", "stream_chunk": 700}
+    alls = [plan_from_specs(specs, rank=r, offload=True, **kwargs, **streamed)[stage] for r in range(world)]
     in_flight = in_flight_bytes(specs)[0] if stage == 3 else 0
-    budget = full + int(fraction * (base - 1 - full)) + in_flight
-    decided, device, values = _train_offloaded(stage, flatshard.Offload(device_budget=budget))
+    full, peak = max(p.device for p in alls), max(max(in_flight, p.staging) for p in alls)
+    budget = full + int(fraction * (base - 1 - full)) + peak
+    offload = flatshard.Offload(device_budget=budget, step=step, stream_chunk=streamed["stream_chunk"])
+    decided, (device, staging), values = _train_offloaded(stage, offload)
     by_hand = _train_offloaded(stage, decided)[2]
     same = all(torch.equal(values[k], by_hand[k]) for k in values)
-    return (decided.fraction, decided.units), device + in_flight <= budget, same
+    chosen = (0.0, None) if decided is None else (decided.fraction, decided.units)
+    return chosen, device + max(in_flight, staging) <= budget, same
 
 
-@pytest.mark.parametrize("stage", [1, 3])
-def test_a_device_budget_given_to_shard_is_met(stage):
+@pytest.mark.parametrize(("stage", "step"), [(1, "host"), (3, "host"), (1, "device"), (3, "device")])
+def test_a_device_budget_given_to_shard_is_met(stage, step):
     """``shard(..., offload=Offload(device_budget=B))`` on 3 ranks: the optimizer takes the
     least offload that fits on every rank (a share, at stage 3 some units, then all of it as
     the budget shrinks), the device holds no more than B after the steps (stage 3: with the
     units in full at the peak added), and the run equals the one given that decision by
-    hand, bit for bit."""
+    hand, bit for bit. Streamed to the device ([Note: streamed step]): below stage 3 all of the
+    optimizer or none, and the step's two chunks within the budget too."""
     for fraction, expected in ((0.6, "some"), (0.0, "all")):
-        results = run_distributed(_budgeted, 3, stage, fraction)
+        results = run_distributed(_budgeted, 3, stage, fraction, step)
         assert all(fits and same for _, fits, same in results), results
         decisions = {decided for decided, _, _ in results}
         assert len(decisions) == 1  # (every rank decides the same, without a word between them)
@@ -176,6 +183,8 @@ def test_a_device_budget_given_to_shard_is_met(stage):
             assert share == 1.0 and units is None, (fraction, share, units)
         elif stage == 3:  # (units, by name: [Note: unit homes])
             assert share == 1.0 and units and all(u.startswith("blocks.") or u == "" for u in units), units
+        elif step == "device":  # (a streamed step takes all of the optimizer or none)
+            assert share in (0.0, 1.0) and units is None, (fraction, share)
         else:
             assert 0 < share < 1 and units is None, (fraction, share)
 

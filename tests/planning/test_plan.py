@@ -63,10 +63,12 @@ def _measured(
     torch.manual_seed(0)
     named = isinstance(offload, tuple)
     unit_bytes = None if named else flatshard.Stage3().unit_bytes
-    more: dict = {"offload": flatshard.Offload(step=step)} if offload is True else {}
+    chunk = 700  # (a streamed step moves several chunks: [Note: streamed step])
+    homes = {"step": step, "stream_chunk": chunk}
+    more: dict = {"offload": flatshard.Offload(**homes)} if offload is True else {}
     if named:
         more = {
-            "offload": flatshard.Offload(units=offload, step=step),
+            "offload": flatshard.Offload(units=offload, **homes),
             "stage3": flatshard.Stage3(unit_bytes=None),
         }
     buckets = flatshard.Buckets(size=3000, align=FORMATS[low_bit.lower()].align if low_bit else None)
@@ -106,11 +108,13 @@ def _measured(
         precision=precision,
         offload=homed,
         streamed=step == "device",
+        stream_chunk=chunk,
     )[stage]
     sent = sum(v["wire_bytes"] for op, v in stats.items() if op != "all_reduce" or stage == 0)
     link = sum(stats.get(op, {}).get("payload_bytes", 0) for op in ("host_to_device", "device_to_host"))
     measured = memory_report(model, opt).as_dict()
-    return {"measured": measured, "plan": plan.as_dict(), "sent": sent, "link": link}
+    staging = 0 if opt._streamed is None else opt._streamed.peak_bytes
+    return {"measured": measured, "plan": plan.as_dict(), "sent": sent, "link": link, "staging": staging}
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
@@ -165,6 +169,7 @@ def test_the_plan_of_an_offloaded_optimizer_equals_what_a_run_measures(stage, st
             assert measured["device"] == (measured["params"] if stage == 2 else 0), measured
         assert plan["host"] > 0 and plan["link_bytes_per_step"] == r["link"] > 0, (plan, r["link"])
         assert plan["comm_bytes_per_step"] == r["sent"]
+        assert plan["staging"] == r["staging"] and (r["staging"] > 0) == (step == "device")
 
 
 @pytest.mark.parametrize(
@@ -180,6 +185,7 @@ def test_the_plan_of_offloaded_units_equals_what_a_run_measures(units, step):
         for role in ("params", "grads", "main_params", "optimizer_state", "host", "device"):
             assert plan[role] == measured[role], (role, plan, measured)
         assert 0 < plan["link_bytes_per_step"] == r["link"], (plan, r["link"])
+        assert plan["staging"] == r["staging"] and (r["staging"] > 0) == (step == "device")
         assert 0 < measured["host"] < measured["main_params"] + measured["optimizer_state"], measured
         assert plan["comm_bytes_per_step"] == r["sent"]
 

@@ -184,8 +184,9 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
                 id(t): g for sh in self._buffer_shards for t, g in zip(sh.tensors, sh.grads, strict=True)
             }
             self.inner = PrecisionAwareOptimizer(optimizer_class, inner_groups, defaults, low, grads)
-        streamed = offload is not None and offload.step == "device"  # ([Note: streamed step])
-        self._streamed = StreamedStep(self._buffer_shards, state.stats) if streamed else None
+        self._streamed = None  # ([Note: streamed step])
+        if offload is not None and offload.step == "device":
+            self._streamed = StreamedStep(self._buffer_shards, state.stats, offload.stream_chunk)
         self._init_base()
         self.overlap_param_gather = overlap_param_gather
         self.loss_scaler = make_loss_scaler(loss_scale)

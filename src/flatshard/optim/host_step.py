@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -72,14 +73,21 @@ def budget_offload(
             "(Offload(optimizer=...))"
         )
     budget = offload.device_budget
-    share, units = least_offload(budget, planned, stage=stage, optimizer=kind, precision=precision)
-    pin, place = offload.pin_memory, offload.step
+    share, units = least_offload(
+        budget,
+        planned,
+        stage=stage,
+        optimizer=kind,
+        precision=precision,
+        streamed=offload.step == "device",
+        stream_chunk=offload.stream_chunk,
+    )
     if units is not None:  # (stage 3: these units on the host, [Note: unit homes])
         named = tuple(planned.unit_names[int(u)] for u in sorted(units, key=int))
-        return Offload(units=named, pin_memory=pin, step=place)
-    if share and place == "device":
+        return replace(offload, device_budget=None, units=named)
+    if share and offload.step == "device":
         share = 1.0  # (a streamed step takes all of the optimizer: [Note: streamed step])
-    return Offload(optimizer=share, pin_memory=pin, step=place) if share else None
+    return replace(offload, device_budget=None, optimizer=share) if share else None
 
 
 def resolve_offload(

@@ -9,7 +9,8 @@ The reasoning is [Note: streamed step] below."""
 # as ``Offload()`` does ([Note: memory tiers] in ``planner/offload.py``: main params, state,
 # and at stages 2-3 the grad shards), and runs its update on the device. The runs of the
 # host-homed buffers are cut, in the inner optimizer's order, into chunks of whole runs of at
-# most ``STREAM_CHUNK`` elements (a longer run is a chunk of its own), and each chunk is
+# most ``Offload.stream_chunk`` elements (a longer run is a chunk of its own: ``stream_chunks``
+# in ``planner/offload.py``, which the plan counts with too), and each chunk is
 #
 # 1. uploaded: its runs' main params, their grads where those live on the host (stages 2-3;
 #    at stages 0-1 the grads are the device's own) and every tensor of their state, copied
@@ -31,7 +32,8 @@ The reasoning is [Note: streamed step] below."""
 #
 # On CUDA the copies run on two side streams: chunk i+1 is uploaded while chunk i steps on
 # the current stream, and chunk i is downloaded behind its step; before allocating chunk i+1
-# the host waits for chunk i-1's download, so at most two chunks are on the device at once.
+# the host waits for chunk i-1's download, so at most two chunks are on the device at once
+# (``peak_bytes``; the plan's ``staging``, which a device budget counts at the step's peak).
 # ``step`` returns after every download is done: the host values are the values of record,
 # which the params' copies (stages 0-2) and the next gathers (stage 3) read. Host tensors
 # are page-locked where ``Offload.pin_memory`` (so these copies are asynchronous); state a
@@ -54,10 +56,7 @@ import torch
 from flatshard.comm.collectives import DEVICE_TO_HOST, HOST_TO_DEVICE, CommStats
 from flatshard.optim.precision import PrecisionAwareOptimizer
 from flatshard.optim.shards import BufferShards
-
-STREAM_CHUNK = 1 << 25
-"""Elements a streamed chunk holds at most (whole runs): 512 MiB of fp32 main params, grads
-and Adam's moments, two chunks on the device at once."""
+from flatshard.planner.offload import staging_bytes, stream_chunks
 
 
 @dataclass
@@ -87,22 +86,19 @@ class StreamedStep:
     """Steps the runs of ``shards`` homed on the host on their device, a chunk at a time, and
     the other runs in one call ([Note: streamed step])."""
 
-    def __init__(self, shards: Sequence[BufferShards], stats: CommStats, chunk: int | None = None) -> None:
+    def __init__(self, shards: Sequence[BufferShards], stats: CommStats, chunk: int) -> None:
         self.stats = stats
-        chunk = chunk or STREAM_CHUNK
         self._all = [t for s in shards for t in s.tensors]
         self._resident = {id(t) for s in shards if not s.on_host for t in s.tensors}
-        self.chunks: list[list[_Run]] = []
-        room = 0
-        for s in shards:
-            if not s.on_host:
-                continue
-            for tensor, grad in zip(s.tensors, s.grads, strict=True):
-                if not self.chunks or room < tensor.numel():
-                    self.chunks.append([])
-                    room = chunk
-                self.chunks[-1].append(_Run(tensor, grad, s.buffer.grads_on_host))
-                room -= tensor.numel()
+        runs = [
+            _Run(tensor, grad, s.buffer.grads_on_host)
+            for s in shards
+            if s.on_host
+            for tensor, grad in zip(s.tensors, s.grads, strict=True)
+        ]
+        cut = stream_chunks([r.tensor.numel() for r in runs], chunk)
+        self.chunks = [[runs[i] for i in c] for c in cut]
+        self.held: list[int] = []  # each chunk's bytes on the device in the last step
         devices = {s.buffer.device for s in shards if s.on_host}
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
         cuda = self.device.type == "cuda"
@@ -117,6 +113,7 @@ class StreamedStep:
         if self._resident:
             _step_only(inner, self._resident, self._all, first)
             first = False
+        self.held = []
         if not self.chunks:
             return
         current = torch.cuda.current_stream(self.device) if self._h2d is not None else None
@@ -178,16 +175,25 @@ class StreamedStep:
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(self.device))
         with _on(stream):
-            for run, (home, _, homes), (copy, _, _) in zip(
+            held = 0
+            for run, (home, _, homes), (copy, grad, _) in zip(
                 staged.runs, staged.homes, staged.copies, strict=True
             ):
                 self._receive(home, copy)
+                held += _nbytes(copy) + (_nbytes(grad) if grad is not None else 0)
                 state = inner.state.get(run.tensor) or {}
                 for key, value in list(state.items()):
                     if torch.is_tensor(value):
                         state[key] = self._receive(homes.get(key), value)
                         staged.made.append(value)  # (made by the step: kept until its copy is done)
+                        held += _nbytes(value)
             staged.downloaded = _record(stream)
+        self.held.append(held)
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes the last step held on the device at once ([Note: streamed step])."""
+        return staging_bytes(self.held)
 
     def _send(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         self.stats.record(op, tensor.numel() * tensor.element_size(), 0)
@@ -248,6 +254,10 @@ def _record(stream: Any) -> Any:
     event = torch.cuda.Event()
     event.record(stream)
     return event
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()
 
 
 def _wait(staged: _Staged | None) -> None:

@@ -46,7 +46,7 @@ from typing import Any
 
 from flatshard.planner.layout import ParamSpec
 from flatshard.planner.mixed_precision import HALF_DTYPES, OptimizerPrecision
-from flatshard.planner.offload import offloaded_items
+from flatshard.planner.offload import STREAM_CHUNK, offloaded_items
 from flatshard.planner.plan import OPTIMIZERS, StagePlan, layout_at, plan_from_specs
 from flatshard.planner.shard_map import plan_runs
 from flatshard.planner.stage import StagePolicy
@@ -79,8 +79,9 @@ class BudgetFit:
 
     @property
     def device_peak(self) -> int:
-        """The model state's bytes on the device at the peak."""
-        return self.plan.device + self.in_flight
+        """The model state's bytes on the device at the peak: with the units in full (forward
+        and backward) or with a streamed step's chunks (the step), whichever holds more."""
+        return self.plan.device + max(self.in_flight, self.plan.staging)
 
     def describe(self, names: Sequence[str] = ()) -> str:
         """The decision in words; ``names``: stage 3's unit names by index."""
@@ -124,11 +125,14 @@ def fit_budget(
     stage3_frozen_specs: Sequence[ParamSpec] | None = None,
     precision: OptimizerPrecision | None = None,
     unit_names: Sequence[str] = (),
+    streamed: bool = False,
+    stream_chunk: int = STREAM_CHUNK,
 ) -> BudgetFit:
     """The least offload with which ``rank``'s model state at ``stage`` fits in ``budget``
     bytes of its device (arguments as ``plan_from_specs``; ``unit_names``: stage 3's units'
     names by index, for the errors); a ``ValueError`` naming what does not fit when nothing
-    does ([Note: device budget])."""
+    does ([Note: device budget]). ``streamed``: the offloaded optimizer steps on the device,
+    whose chunks count at the step's peak; below stage 3 it takes all of the optimizer or none."""
     if not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0:
         raise ValueError(f"the device budget must be a positive number of bytes, got {budget!r}")
     common: dict[str, Any] = {
@@ -140,6 +144,8 @@ def fit_budget(
         "frozen_specs": frozen_specs,
         "stage3_frozen_specs": stage3_frozen_specs,
         "precision": precision,
+        "streamed": streamed,
+        "stream_chunk": stream_chunk,
     }
     policy = StagePolicy(stage)
     staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
@@ -155,38 +161,48 @@ def fit_budget(
             "(Stage3(units=...), a smaller Stage3(unit_bytes=...))"
         )
     if policy.gathers_units:
-        fit = _fit_units(budget - in_flight, specs, stage, common)
+        fit = _fit_units(budget, in_flight, specs, stage, common)
         full = fit.plan if fit.share == 1.0 else None
     else:
         base = plan_from_specs(specs, **common)[stage]
         shares = _shares(base, staged, policy, rank, world_size, bucket_size, optimizer, precision)
-        fits = (BudgetFit(stage, s, plan, 0) for s, plan in shares if plan.device + in_flight <= budget)
+        candidates = [(0.0, base)] if streamed else shares  # (streamed: all of it or none)
+        fits = (BudgetFit(stage, s, plan, 0) for s, plan in candidates if plan.device <= budget)
         full = plan_from_specs(specs, offload=True, **common)[stage]
         fit = next(fits, BudgetFit(stage, 1.0, full, 0))
-    if fit.plan.device + in_flight <= budget:
+    if fit.plan.device + max(in_flight, fit.plan.staging) <= budget:
         return replace(fit, in_flight=in_flight)
     assert full is not None  # (what does not fit is all of it offloaded)
+    peak = max(in_flight, full.staging)
     raise ValueError(
-        f"device budget {budget} bytes: stage {stage} needs {full.device + in_flight} bytes on "
+        f"device budget {budget} bytes: stage {stage} needs {full.device + peak} bytes on "
         f"rank {rank}'s device with all of the optimizer on the host ({full.params} of params, "
         f"{full.device - full.params} of grads"
-        + (f", {in_flight} of units in full" if in_flight else "")
+        + (f", {in_flight} of units in full" if in_flight >= full.staging and in_flight else "")
+        + (f", {full.staging} of a streamed step's chunks" if full.staging > in_flight else "")
         + "). Give more bytes, or a stage that shards more"
+        + (", or a smaller Offload(stream_chunk=...)" if full.staging > in_flight else "")
     )
 
 
-def _fit_units(budget: int, specs: Sequence[ParamSpec], stage: int, common: dict[str, Any]) -> BudgetFit:
+def _fit_units(
+    budget: int, in_flight: int, specs: Sequence[ParamSpec], stage: int, common: dict[str, Any]
+) -> BudgetFit:
     """Stage 3: the fewest units on the host with which the rank's model state fits
-    ``budget`` bytes, the units taken in ``unit_order``; all of them (share 1) if none fits."""
+    ``budget`` bytes at its peak (``in_flight``: the units in full), the units taken in
+    ``unit_order``; all of them (share 1) if none fits."""
     order = unit_order(specs, stage, common)
 
     def plan(k: int) -> StagePlan:
         return plan_from_specs(specs, offload=frozenset(order[:k]), **common)[stage]
 
+    def fits(p: StagePlan) -> bool:
+        return p.device + max(in_flight, p.staging) <= budget
+
     lo, hi = 0, len(order)  # (device bytes fall as units leave: search the least k that fits)
     while lo < hi:
         mid = (lo + hi) // 2
-        lo, hi = (lo, mid) if plan(mid).device <= budget else (mid + 1, hi)
+        lo, hi = (lo, mid) if fits(plan(mid)) else (mid + 1, hi)
     units = None if lo == len(order) else frozenset(order[:lo])
     return BudgetFit(stage, 0.0 if lo == 0 else 1.0, plan(lo), 0, units if lo else None)
 
@@ -257,12 +273,20 @@ def _shares(
 
 
 def least_offload(
-    budget: int, planned: BudgetSpecs, *, stage: int, optimizer: str, precision: OptimizerPrecision | None
+    budget: int,
+    planned: BudgetSpecs,
+    *,
+    stage: int,
+    optimizer: str,
+    precision: OptimizerPrecision | None,
+    streamed: bool = False,
+    stream_chunk: int = STREAM_CHUNK,
 ) -> tuple[float, frozenset[str] | None]:
     """The share of the optimizer to offload, and at stage 3 the units, so that every rank
     fits ``budget``: the most any rank needs (ranks' shards differ by padding; units are
     taken in one order, so the most is the longest list), the same on every rank without a
-    word between them; a ``ValueError`` naming the first rank that cannot fit."""
+    word between them; a ``ValueError`` naming the first rank that cannot fit. ``streamed``
+    and ``stream_chunk``: as ``fit_budget``'s."""
     stage3 = StagePolicy(stage).gathers_units
     fits = [
         fit_budget(
@@ -277,6 +301,8 @@ def least_offload(
             stage3_frozen_specs=planned.frozen if stage3 else None,
             precision=precision,
             unit_names=planned.unit_names,
+            streamed=streamed,
+            stream_chunk=stream_chunk,
         )
         for rank in range(planned.world_size)
     ]

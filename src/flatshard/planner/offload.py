@@ -72,10 +72,14 @@ The reasoning is [Note: memory tiers] below."""
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 STEP_PLACES = ("host", "device")
+STREAM_CHUNK = 1 << 25
+"""Elements a chunk of a streamed step holds at most by default, whole runs ([Note: streamed
+step] in ``optim/streamed_step.py``): 512 MiB of fp32 main params, grads and Adam's moments."""
 
 
 @dataclass(frozen=True)
@@ -102,6 +106,8 @@ class Offload:
         "device": its tensors stay at home on the host and are streamed to the device a chunk
         at a time, stepped there and streamed back ([Note: streamed step] in
         ``optim/streamed_step.py``); not with a share (its host part steps on the host).
+    stream_chunk: with ``step="device"``, the elements a chunk holds at most (whole runs; a
+        longer run is a chunk of its own); the device holds two chunks at once during the step.
     """
 
     optimizer: bool | float = True
@@ -109,6 +115,7 @@ class Offload:
     device_budget: int | None = None
     units: tuple[str, ...] | None = None
     step: str = "host"
+    stream_chunk: int = STREAM_CHUNK
 
     def __post_init__(self) -> None:
         if not isinstance(self.pin_memory, bool):
@@ -124,6 +131,9 @@ class Offload:
                 f"Offload: give a share (optimizer={share!r}) or a device_budget, not both: the "
                 "budget decides the share"
             )
+        chunk = self.stream_chunk
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk <= 0:
+            raise ValueError(f"Offload.stream_chunk must be a positive number of elements, got {chunk!r}")
         if self.step not in STEP_PLACES:
             raise ValueError(f"Offload.step must be one of {STEP_PLACES}, got {self.step!r}")
         if self.step == "device" and 0 < float(share) < 1:
@@ -152,6 +162,27 @@ class Offload:
     def fraction(self) -> float:
         """The share of each rank's optimizer elements on the host."""
         return float(self.optimizer)
+
+
+def stream_chunks(numels: Sequence[int], chunk: int) -> list[list[int]]:
+    """The runs (their indices, in order) of each chunk a streamed step moves: whole runs, at
+    most ``chunk`` elements a chunk, a longer run alone."""
+    chunks: list[list[int]] = []
+    room = 0
+    for i, n in enumerate(numels):
+        if not chunks or room < n:
+            chunks.append([])
+            room = chunk
+        chunks[-1].append(i)
+        room -= n
+    return chunks
+
+
+def staging_bytes(chunk_bytes: Sequence[int]) -> int:
+    """The most bytes a streamed step holds on the device at once, each chunk's given: two
+    chunks in a row (the one stepping and the next uploading), or the one."""
+    pairs = (a + b for a, b in itertools.pairwise(chunk_bytes))
+    return max(pairs, default=sum(chunk_bytes))
 
 
 def offloaded_items(numels: list[int], fraction: float, smallest: int = 0) -> list[bool]:

@@ -24,6 +24,7 @@ import torch
 
 from flatshard.planner.layout import BucketLayout, BufferLayout, Layout, ParamSpec, plan_layout
 from flatshard.planner.mixed_precision import HALF_DTYPES, OptimizerPrecision
+from flatshard.planner.offload import STREAM_CHUNK, staging_bytes, stream_chunks
 from flatshard.planner.shard_map import plan_runs
 from flatshard.planner.stage import STAGES, StagePolicy
 from flatshard.planner.state_blocks import FORMATS, BlockFormat, run_state_bytes
@@ -51,6 +52,7 @@ class StagePlan:
     comm_bytes_per_step: int
     host: int = 0  # of bytes_per_rank, those whose home is the host (``Offload``)
     link_bytes_per_step: int = 0  # copied between host and device in a step, both ways
+    staging: int = 0  # on the device during a streamed step, at most (not in ``device``)
 
     @property
     def bytes_per_rank(self) -> int:
@@ -167,6 +169,7 @@ def plan_from_specs(
     precision: OptimizerPrecision | None = None,
     offload: bool | frozenset[str] = False,
     streamed: bool = False,
+    stream_chunk: int = STREAM_CHUNK,
 ) -> dict[int, StagePlan]:
     """The plan of ``rank`` for params described by ``specs`` (their dtypes and grad dtypes
     as flatshard would use them), on the layout ``shard`` would build; stage 3 lays out
@@ -177,8 +180,8 @@ def plan_from_specs(
     True as ``shard(..., offload=Offload())`` ([Note: memory tiers] in ``planner/offload.py``);
     a set of stage-3 unit ids (``ParamSpec.unit``) as ``Offload(units=...)``: those units on
     the host at stage 3 ([Note: unit homes]), nothing at stages 0-2, which have no units;
-    ``streamed``: as ``Offload(step="device")`` ([Note: streamed step] in
-    ``optim/streamed_step.py``)."""
+    ``streamed``: as ``Offload(step="device", stream_chunk=stream_chunk)`` ([Note: streamed
+    step] in ``optim/streamed_step.py``)."""
     state_bytes, scalar_bytes, fp32_main = _check(world_size, optimizer, precision)
     fmt = FORMATS.get(optimizer)  # (a blockwise format: piece runs on a layout aligned to its blocks)
     if not 0 <= rank < world_size:
@@ -195,6 +198,7 @@ def plan_from_specs(
         )
         totals["link_bytes_per_step"] = 0
         group_of = {spec.name: 0 for spec in specs}
+        chunked: list[tuple[int, int]] = []  # streamed runs: (elements, bytes on the device)
         for buffer in layout.buffers:
             host = _on_host(offload, buffer, policy)
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
@@ -215,10 +219,14 @@ def plan_from_specs(
                 ups = [gathers(b) if policy.shards_params else 1 for b in buffer.buckets]
                 sizes = [b.shard_range(rank).size for b in buffer.buckets]
                 up = sum(sent * size * n for size, n in zip(sizes, ups, strict=True))
-                ran = sum(r.in_shard.size for r in plan_runs(buffer, rank, group_of))
-                runs = (ran * (4 if half else pb) + state, ran * gb if policy.shards_grads else 0)
-                _add_host(totals, policy, gb * shard, main + state, up, runs if streamed else None)
+                width = (4 if half else pb, gb if policy.shards_grads else 0)  # (main, grads sent)
+                ran = _streamed_runs(buffer, rank, group_of, fmt, (state_bytes, scalar_bytes), width)
+                moved = (sum(n * width[0] for n, _ in ran) + state, sum(n * width[1] for n, _ in ran))
+                _add_host(totals, policy, gb * shard, main + state, up, moved if streamed else None)
+                chunked += ran if streamed else []
         totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
+        cut = stream_chunks([n for n, _ in chunked], stream_chunk)
+        totals["staging"] = staging_bytes([sum(chunked[i][1] for i in c) for c in cut])
         frozen = stage3_frozen_specs if policy.gathers_units and stage3_frozen_specs else frozen_specs
         _add_frozen(totals, policy, frozen, staged, world_size, bucket_size, rank, offload)
         if world_size == 1:
@@ -269,6 +277,31 @@ def _state_bytes(
             if piece.name in group_of:
                 total += run_state_bytes(fmt, piece.in_shard.size, numel[piece.name])
     return total
+
+
+def _streamed_runs(
+    buffer: BufferLayout,
+    rank: int,
+    group_of: dict[str, int],
+    fmt: BlockFormat | None,
+    rates: tuple[float, int],
+    width: tuple[int, int],
+) -> list[tuple[int, int]]:
+    """Each of ``rank``'s runs of ``buffer`` as a streamed step moves it ([Note: streamed
+    step] in ``optim/streamed_step.py``): (elements, bytes on the device: ``width``'s main
+    params and grads sent an element, and its state)."""
+    per = sum(width)
+    if fmt is None:
+        sizes = [r.in_shard.size for r in plan_runs(buffer, rank, group_of)]
+        return [(n, n * per + int(rates[0] * n) + rates[1]) for n in sizes]
+    out = []
+    for bucket in buffer.buckets:  # (a blockwise format: a piece run a param part)
+        numel = {slot.name: slot.numel for slot in bucket.params}
+        for piece in bucket.local_ranges(rank):
+            if piece.name in group_of:
+                n = piece.in_shard.size
+                out.append((n, n * per + run_state_bytes(fmt, n, numel[piece.name])))
+    return out
 
 
 def _on_host(offload: bool | frozenset[str], buffer: BufferLayout, policy: StagePolicy) -> bool:
