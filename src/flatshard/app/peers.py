@@ -357,6 +357,11 @@ OFFLOAD_PEERS: dict[str, Peer] = {  # (not run by default)
     "fsdp2-zero3-offload": _fsdp2(True, offload=True),
     "deepspeed-3-offload": _deepspeed(3, offload=True),
     **{f"flatshard-{s}+offload": _flatshard(s, offload=flatshard.Offload()) for s in (1, 3)},
+    # ([Note: streamed step]: the same homes, the step on the device)
+    **{
+        f"flatshard-{s}+offload-device": _flatshard(s, offload=flatshard.Offload(step="device"))
+        for s in (1, 3)
+    },
 }
 COMPILED_PEERS: dict[str, Peer] = {  # (not run by default: inductor compiles in every peer process)
     f"{name}+compile": _block_compiled(STAGE_PEERS[name])
@@ -384,6 +389,8 @@ RING_UNITS: dict[str, tuple[int, int]] = {
     "deepspeed-3-offload": (1, 2),
     "flatshard-1+offload": (1, 1),
     "flatshard-3+offload": (1, 2),
+    "flatshard-1+offload-device": (1, 1),
+    "flatshard-3+offload-device": (1, 2),
 }
 """What a peer's algorithm must send per step, in ring collectives over all the grads and
 all the params: (grad units, param units); a unit moves (N - 1) / N of those bytes per rank
