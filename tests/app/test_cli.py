@@ -45,7 +45,7 @@ def _check_the_loss_fell(out: subprocess.CompletedProcess, stage: str) -> None:
     [
         ("0", [], "by its launcher"),
         ("1", ["--offload-fraction", "0.5"], "as under torchrun"),
-        ("3", ["--offload-fraction", "1"], "as under torchrun"),
+        ("3", ["--offload-fraction", "1", "--offload-step", "device"], "as under torchrun"),
     ],
 )
 def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
@@ -56,8 +56,9 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
     args += ["--stage", stage]
     out = _flatshard(*args, *extra) if started == "by its launcher" else _ranks(2, *args, *extra)
     _check_the_loss_fell(out, stage)
-    if extra:  # (1: flatshard.Offload, the whole optimizer; 0.5: a HybridDeviceOptimizer)
+    if extra:  # (1: flatshard.Offload, the whole optimizer, streamed; 0.5: a HybridDeviceOptimizer)
         assert f"{float(extra[1]):.0%} of the optimizer on the host" in out.stdout
+        assert ("stepped on the device" in out.stdout) == ("device" in extra), out.stdout
         assert "on the host" in out.stdout.splitlines()[-1], out.stdout  # (memory_report's homes)
 
 
@@ -81,6 +82,7 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
             ["train", "--offload-fraction", "2"],
             "argument --offload-fraction: expected a number in [0, 1], got '2'",
         ),
+        (["train", "--offload-step", "device"], "it needs --offload-fraction 1, got 0"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["plan"], "one of the arguments --params --model is required"),
         (["plan", "--model", "nosuch"], "neither a GPT preset"),

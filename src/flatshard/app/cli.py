@@ -85,6 +85,13 @@ def build_parser() -> argparse.ArgumentParser:
         "shard(offload=flatshard.Offload(optimizer=F)); 1 puts the whole optimizer there, and at "
         "stage 3 the param shards (default 0)",
     )
+    train.add_argument(
+        "--offload-step",
+        choices=("host", "device"),
+        default="host",
+        help="where the offloaded optimizer steps, with --offload-fraction 1: on the host, or "
+        "streamed to the device a chunk at a time (Offload(step='device')) (default host)",
+    )
     train.add_argument("--seed", type=int, default=0, help="model init seed (default 0)")
     train.add_argument(
         "--checkpoint-dir",
@@ -246,6 +253,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         seed=args.seed,
         device=device,
         offload_fraction=args.offload_fraction,
+        offload_step=args.offload_step,
         micro_batches=args.micro_batches,
         timeout=args.timeout,
         dtype=args.dtype,
@@ -274,6 +282,11 @@ def _check_train_args(args: argparse.Namespace) -> str | None:
     for option, path in (("--data", args.data), ("--init-from", args.init_from)):
         if path is not None and not os.path.isfile(path):
             return f"{option} {path}: no such file"
+    if args.offload_step == "device" and args.offload_fraction != 1.0:
+        return (
+            f"--offload-step device streams all of the optimizer: it needs --offload-fraction 1, "
+            f"got {args.offload_fraction:g}"
+        )
     if args.resume and args.checkpoint_dir is None:
         return "--resume needs --checkpoint-dir"
     if args.checkpoint_dir is not None and os.path.isfile(args.checkpoint_dir):

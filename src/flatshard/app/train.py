@@ -41,6 +41,7 @@ class TrainConfig:
     seed: int = 0
     device: str = "auto"
     offload_fraction: float = 0.0  # share of this rank's optimizer updates run on the host
+    offload_step: str = "host"  # where an offloaded optimizer steps ([Note: streamed step])
     dtype: str = "fp32"  # bf16: bf16 params and compute, fp32 main params
     data: str | None = None  # a text file (byte-level tokens); None: the synthetic corpus
     seq_len: int | None = None  # default: the model's cfg.seq_len
@@ -117,7 +118,7 @@ def build(cfg: TrainConfig, device: torch.device):
     if cfg.dtype != "fp32":
         kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
     if cfg.offload_fraction > 0:  # ([Note: memory tiers])
-        kwargs["offload"] = flatshard.Offload(optimizer=cfg.offload_fraction)
+        kwargs["offload"] = flatshard.Offload(optimizer=cfg.offload_fraction, step=cfg.offload_step)
     model = flatshard.shard(
         module,
         stage=cfg.stage,
@@ -263,6 +264,7 @@ def _finish(cfg, model, optimizer, corpus, records, first_step, tokens_per_s, ra
         "stage": cfg.stage,
         "dtype": cfg.dtype,
         "offload_fraction": cfg.offload_fraction,
+        "offload_step": cfg.offload_step,
         "world_size": world,
         "first_step": first_step,
         "steps": cfg.steps,
