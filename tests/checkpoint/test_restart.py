@@ -11,7 +11,7 @@ import torch
 from flatshard.toolkit.testing import run_script
 
 _JOB = """
-import os, signal, sys
+import os, signal, sys, time
 import torch, torch.distributed as dist
 import flatshard
 from flatshard.toolkit.data import SyntheticCorpus
@@ -38,6 +38,11 @@ for step in range(start, 8):
         flatshard.save_checkpoint(name, model, opt, extra={"step": step}, blocking=False)
     first_try = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if step == kill_at and first_try and dist.get_rank() == 1:  # (its save is in flight)
+        # (as soon as rank 0 has marked the save unfinished, long before it can finish: killed
+        # earlier, the save would leave no trace and a restart nothing to skip by name)
+        mark, waited = os.path.join(root, f"step-{step}.partial", ".flatshard-partial"), time.monotonic()
+        while not os.path.exists(mark) and time.monotonic() - waited < 60:
+            time.sleep(0.001)
         os.kill(os.getpid(), signal.SIGKILL)
 flatshard.wait_for_checkpoint()
 full = model.full_state_dict()
