@@ -265,6 +265,8 @@ def test_plan_cli_json_and_table():
     for stage in "123":  # ([Note: streamed step]: more over the link; no grads' frame at stage 1)
         s, h = streamed["stages"][stage], at_home["stages"][stage]
         assert s["link_bytes_per_step"] > h["link_bytes_per_step"] and s["host"] <= h["host"], stage
+    table = cli("plan", "--model", "tiny", "-n", "2", "--offload", "device").stdout
+    assert "stepped on the device" in table and "step staging" in table, table
     refused = cli("plan", "--params", "7e9", "--offload")
     assert refused.returncode == 2 and "--offload applies to --model only" in refused.stderr
 

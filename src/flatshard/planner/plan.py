@@ -370,10 +370,13 @@ def format_plan(plans: dict[int, StagePlan], title: str) -> str:
     """A table of the plans."""
     heads = ["params", "grads", "main params", "optimizer", "per rank", "comm/step"]
     offloaded = any(p.host for p in plans.values())
+    streamed = any(p.staging for p in plans.values())
     heads += ["on the host", "on the device", "host link/step"] if offloaded else []
+    heads += ["step staging"] if streamed else []
     lines = [title, f"{'stage':>5}" + "".join(f"{h:>15}" for h in heads)]
     for stage, p in plans.items():
         cells = [p.params, p.grads, p.main_params, p.optimizer_state, p.bytes_per_rank, p.comm_bytes_per_step]
         cells += [p.host, p.device, p.link_bytes_per_step] if offloaded else []
+        cells += [p.staging] if streamed else []
         lines.append(f"{stage:>5}" + "".join(f"{_size(c):>15}" for c in cells))
     return "\n".join(lines)
