@@ -157,10 +157,12 @@ def test_the_lightning_trainer_follows_its_ddp(tmp_path, world_size, stages):
         _check_follows(logged)
 
 
-def test_the_lightning_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_path):
+@pytest.mark.parametrize("step", ["host", "device"])
+def test_the_lightning_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_path, step):
     """``Strategy(stage, offload=flatshard.Offload())``: the host step takes torch's fused
-    AdamW, so both sides' modules ask for it (the same kernel); stages 2 and 3."""
-    options = {"offload": flatshard.Offload()}
+    AdamW, so both sides' modules ask for it (the same kernel); stages 2 and 3. ``step="device"``:
+    the state streamed to the device for the step ([Note: streamed step]), the same kernel."""
+    options = {"offload": flatshard.Offload(step=step)}
     for logged in run_distributed(
         _against_ddp, 2, [2, 3], str(tmp_path), options=options, fused=True, init=False
     ):
