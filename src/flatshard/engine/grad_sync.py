@@ -58,7 +58,7 @@ from flatshard.engine.buffer import BufferSet, FlatBuffer, FlatParam
 from flatshard.engine.grad_usage import GradUsage
 from flatshard.engine.grad_view import ExpertSpread, GradViews, Piece, ShardedGrad
 from flatshard.engine.lifecycle import Backward, Grads, advance
-from flatshard.engine.reduction import Reduction, ScratchPool
+from flatshard.engine.reduction import Reduction, ScratchPool, wait_for_host_grads
 from flatshard.engine.tensor_parallel import TensorParallel, local_grad
 from flatshard.errors import ShardedGradError
 from flatshard.planner.layout import BucketLayout
@@ -506,6 +506,7 @@ class GradSync:
         unused = self.usage.unused_everywhere(self.sets, self._holds_exposed)
         for reduction in self.reductions[self._done :]:
             self._finish_reduction(reduction)
+        wait_for_host_grads(self.reductions)
         self._done = len(self.reductions)
         self._set_grads(Grads.REDUCED)
         for param in locally_unused:  # (another rank's grad reached it: it has one, as under DDP)

@@ -344,10 +344,11 @@ class Reduction:
         for bucket in self.buckets:
             shard = self.buffer.shard_range(bucket)
             reduced = self.live_grad[shard.start - self.start : shard.end - self.start]
-            if self.buffer.grads_on_host:  # (down the host link, waited for: [Note: memory tiers])
+            if self.buffer.grads_on_host:  # (down the host link: [Note: memory tiers])
                 self.stats.record(DEVICE_TO_HOST, reduced.numel() * reduced.element_size(), 0)
             if self._shard_fresh:  # (its storage may have been freed by zero_grad)
-                self.buffer.allocate_grad_shard(bucket).copy_(reduced)
+                target = self.buffer.allocate_grad_shard(bucket)
+                target.copy_(reduced, non_blocking=target.is_pinned())  # (waited for: wait_for_host_grads)
             else:
                 target = self.buffer.grad_shard(bucket)
                 target.add_(reduced.to(target.device))
@@ -365,3 +366,15 @@ class Reduction:
         return (
             f"Reduction({self.index}, buffer={self.buffer.layout.index}, buckets=[{buckets}], {self.world})"
         )
+
+
+def wait_for_host_grads(reductions: Sequence[Reduction]) -> None:
+    """At the end of a synced backward: wait for every copy of a reduced grad shard down to
+    its home on the host, queued as each reduction finished ([Note: memory tiers] in
+    ``planner/offload.py``), before anything reads them. One wait a backward, not one a bucket:
+    the backward's kernels are queued meanwhile."""
+    devices = {
+        r.buffer.device for r in reductions if r.buffer.grads_on_host and r.buffer.device.type == "cuda"
+    }
+    for device in devices:
+        torch.cuda.synchronize(device)

@@ -12,8 +12,8 @@ The reasoning is [Note: memory tiers] below."""
 # inner optimizer's state, created there by its first step. Where the grads live depends on
 # the stage. At stages 2-3 a rank keeps only its grad shards between backwards, and those
 # move to the host: each bucket's reduction copies its reduced shard down the host link as
-# it finishes (adding it to what an earlier backward of the step left there), waits for the
-# copy, and frees the device's; every reader of grads (the global norm, clipping, a
+# it finishes (adding it to what an earlier backward of the step left there) and frees the
+# device's; the backward's end waits for the copies once; every reader of grads (the global norm, clipping, a
 # ``ShardedGrad``'s pieces) reads them where they are, scalars brought to them. At stages
 # 0-1 the device's grad buffer is what the collectives reduce in place, so it stays, and the
 # step copies the grads into a host frame. A step is
@@ -43,9 +43,10 @@ The reasoning is [Note: memory tiers] below."""
 #
 # On an accelerator, host tensors are page-locked (``pin_memory``) and copies are asynchronous
 # on the current stream: the grads' copies into a frame (stages 0-1) are waited for once
-# before the host update, the grad shards' (stages 2-3) as each reduction finishes, since
-# the global norm reads them next; the params' copies are queued ahead of the next
-# forward's work on the same stream. On a
+# before the host update, the grad shards' (stages 2-3) once at the end of the backward
+# (``wait_for_host_grads``: the global norm reads them next; a shard added to an earlier
+# backward's waits for its own copy), so the backward's kernels are queued meanwhile; the
+# params' copies are queued ahead of the next forward's work on the same stream. On a
 # CPU-only machine host and device are the same memory: every copy still runs, and the homes
 # are accounted by ownership (``memory_report``'s ``host`` bytes), so a CPU run tests the same
 # code and counts the same bytes as a GPU run.
