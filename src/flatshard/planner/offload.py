@@ -46,7 +46,9 @@ The reasoning is [Note: memory tiers] below."""
 # before the host update, the grad shards' (stages 2-3) once at the end of the backward
 # (``wait_for_host_grads``: the global norm reads them next; a shard added to an earlier
 # backward's waits for its own copy), so the backward's kernels are queued meanwhile; the
-# params' copies are queued ahead of the next forward's work on the same stream. On a
+# params' copies are queued ahead of the next forward's work on the same stream, and so are a
+# stage-3 gather's copies of this rank's part (the host writes those shards only in the step,
+# after the backward's wait, or in a load, which drops what was gathered). On a
 # CPU-only machine host and device are the same memory: every copy still runs, and the homes
 # are accounted by ownership (``memory_report``'s ``host`` bytes), so a CPU run tests the same
 # code and counts the same bytes as a GPU run.

@@ -57,8 +57,8 @@ def start_gather(
     source = part.buffer.gather_source(part.bucket)
     packed = torch.empty(part.bucket.numel, dtype=torch.uint8, device=full.device) if fp8 else None
     mine = part.buffer.own_part(full if packed is None else packed, part.bucket)
-    if packed is None:
-        mine.copy_(source)
+    if packed is None:  # (from page-locked memory, queued: [Note: memory tiers] in planner/offload.py)
+        mine.copy_(source, non_blocking=source.is_pinned())
     else:  # (cast where the shard lives: an offloaded one sends its bytes over the host link)
         assert part.scales is not None
         encoded = mine if source.device == mine.device else torch.empty_like(mine, device=source.device)
