@@ -33,6 +33,11 @@ device may hold, decided before anything runs ([Note: device budget])."""
 # below what the stage needs with everything offloaded is refused naming that. Activations
 # are not model state: the budget is what the model state may take.
 #
+# With ``Offload(step="device")`` ([Note: streamed step] in ``optim/streamed_step.py``) the
+# step holds two chunks of the offloaded optimizer on the device: a candidate fits when its
+# device bytes plus the larger of the units in full and the step's ``staging`` do, and below
+# stage 3 the candidates are nothing and all of it (a streamed step takes all of it).
+#
 # ``shard(..., offload=Offload(device_budget=B))`` is decided when the ``DistributedOptimizer``
 # is built (the optimizer's class sets the state's bytes): every rank plans every rank's
 # shard from the same specs and takes the largest share any of them needs (``least_share``),
