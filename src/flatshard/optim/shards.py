@@ -27,7 +27,7 @@ class BufferShards:
     main_data: torch.Tensor | None  # 1D shard frame the runs view; None: they view the params
     runs: list[Run]
     tensors: list[torch.Tensor]  # one per run: what the inner optimizer steps
-    grads: list[torch.Tensor]  # one per run: its grad (each tensor's .grad where dtypes match, unless streamed)
+    grads: list[torch.Tensor]  # one per run: its grad (its tensor's .grad if dtypes match, unless streamed)
     on_host: bool = False  # its optimizer's home is the host ([Note: memory tiers])
     host_grads: torch.Tensor | None = None  # stages 0-1 on the host: the grads' host frame
     _split_pieces: tuple[list[torch.Tensor], list[torch.Tensor]] | None = field(
