@@ -74,3 +74,17 @@ def write_result(path: str, part: str, cuda: bool, measure: Callable[[], dict], 
     result.update(measure())
     with open(path, "w") as f:
         json.dump(result, f, indent=1, default=str)
+
+
+def drive(
+    script: str, prefix: str, all_parts: list[str], deadlines: dict[str, float], one, cuda: bool, dry: bool
+):
+    """A GPU script's ``main``: run each part of the command line as a child (``run_parts``),
+    or, in a child, run its part on one rank, ``one(part, OUT_DIR/PREFIX-PART.json)``."""
+    out_dir, parts = arguments(all_parts)
+    part = child_part(parts)
+    if part is None:
+        run_parts(script, out_dir, parts, deadlines, dry)
+        return
+    path = os.path.join(out_dir, f"{prefix}-{part}.json")
+    run_one_rank(one, part, path, cuda=cuda, timeout=deadlines[part], threads=4)

@@ -30,14 +30,13 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-from gpu_parts import arguments, child_part, run_one_rank, run_parts, write_result
+from gpu_parts import drive, write_result
 
 DRY = "--dry-run" in sys.argv
 CUDA = torch.cuda.is_available() and not DRY
@@ -292,13 +291,7 @@ def _one(part: str, path: str) -> None:
 
 
 def main() -> None:
-    out_dir, parts = arguments(list(PARTS))
-    part = child_part(parts)
-    if part is None:
-        run_parts(__file__, out_dir, parts, DEADLINES, DRY)
-        return
-    path = os.path.join(out_dir, f"gpu-showcase-{part}.json")
-    run_one_rank(_one, part, path, cuda=CUDA, timeout=DEADLINES[part], threads=4)
+    drive(__file__, "gpu-showcase", list(PARTS), DEADLINES, _one, CUDA, DRY)
 
 
 if __name__ == "__main__":

@@ -220,10 +220,11 @@ def plan_from_specs(
                 sizes = [b.shard_range(rank).size for b in buffer.buckets]
                 up = sum(sent * size * n for size, n in zip(sizes, ups, strict=True))
                 width = (4 if half else pb, gb if policy.shards_grads else 0)  # (main, grads sent)
-                ran = _streamed_runs(buffer, rank, group_of, fmt, (state_bytes, scalar_bytes), width)
+                ran = _run_states(buffer, rank, group_of, fmt, (state_bytes, scalar_bytes))
                 moved = (sum(n * width[0] for n, _ in ran) + state, sum(n * width[1] for n, _ in ran))
                 _add_host(totals, policy, gb * shard, main + state, up, moved if streamed else None)
-                chunked += ran if streamed else []
+                # (a streamed run's bytes on the device: its main params, grads sent, state)
+                chunked += [(n, n * sum(width) + st) for n, st in ran] if streamed else []
         totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
         cut = stream_chunks([n for n, _ in chunked], stream_chunk)
         totals["staging"] = staging_bytes([sum(chunked[i][1] for i in c) for c in cut])
@@ -266,41 +267,29 @@ def _state_bytes(
     fmt: BlockFormat | None,
     rates: tuple[float, int],
 ) -> int:
-    """The inner optimizer's state over ``rank``'s runs of ``buffer``: ``rates`` (bytes an
-    element, bytes a run) for flat runs, a piece run per param part for a blockwise format."""
-    if fmt is None:
-        return sum(int(rates[0] * r.in_shard.size) + rates[1] for r in plan_runs(buffer, rank, group_of))
-    total = 0
-    for bucket in buffer.buckets:
-        numel = {slot.name: slot.numel for slot in bucket.params}
-        for piece in bucket.local_ranges(rank):
-            if piece.name in group_of:
-                total += run_state_bytes(fmt, piece.in_shard.size, numel[piece.name])
-    return total
+    """The inner optimizer's state over ``rank``'s runs of ``buffer`` (``_run_states``)."""
+    return sum(state for _, state in _run_states(buffer, rank, group_of, fmt, rates))
 
 
-def _streamed_runs(
+def _run_states(
     buffer: BufferLayout,
     rank: int,
     group_of: dict[str, int],
     fmt: BlockFormat | None,
     rates: tuple[float, int],
-    width: tuple[int, int],
 ) -> list[tuple[int, int]]:
-    """Each of ``rank``'s runs of ``buffer`` as a streamed step moves it ([Note: streamed
-    step] in ``optim/streamed_step.py``): (elements, bytes on the device: ``width``'s main
-    params and grads sent an element, and its state)."""
-    per = sum(width)
+    """(elements, state bytes) of each of ``rank``'s runs of ``buffer``: ``rates`` (bytes an
+    element, bytes a run) for flat runs, a piece run per param part for a blockwise format."""
     if fmt is None:
         sizes = [r.in_shard.size for r in plan_runs(buffer, rank, group_of)]
-        return [(n, n * per + int(rates[0] * n) + rates[1]) for n in sizes]
+        return [(n, int(rates[0] * n) + rates[1]) for n in sizes]
     out = []
-    for bucket in buffer.buckets:  # (a blockwise format: a piece run a param part)
+    for bucket in buffer.buckets:
         numel = {slot.name: slot.numel for slot in bucket.params}
         for piece in bucket.local_ranges(rank):
             if piece.name in group_of:
                 n = piece.in_shard.size
-                out.append((n, n * per + run_state_bytes(fmt, n, numel[piece.name])))
+                out.append((n, run_state_bytes(fmt, n, numel[piece.name])))
     return out
 
 
