@@ -184,7 +184,7 @@ class StreamedStep:
                 state = inner.state.get(run.tensor) or {}
                 for key, value in list(state.items()):
                     if torch.is_tensor(value):
-                        state[key] = self._receive(homes.get(key), value)
+                        state[key] = self._receive(homes.get(key), value, state=True)
                         staged.made.append(value)  # (made by the step: kept until its copy is done)
                         held += _nbytes(value)
             staged.downloaded = _record(stream)
@@ -199,14 +199,17 @@ class StreamedStep:
         self.stats.record(op, tensor.numel() * tensor.element_size(), 0)
         return tensor.detach().to(self.device, copy=True, non_blocking=tensor.is_pinned())
 
-    def _receive(self, home: torch.Tensor | None, value: torch.Tensor) -> torch.Tensor:
+    def _receive(self, home: torch.Tensor | None, value: torch.Tensor, state: bool = False) -> torch.Tensor:
         """``value`` (on the device) copied into ``home`` where it fits, else into a new host
-        tensor; the host tensor that holds it now."""
+        tensor; the host tensor that holds it now. ``state``: a state tensor, which moves to a
+        page-locked one where it is not and host tensors are (a load makes them unpinned)."""
         self.stats.record(DEVICE_TO_HOST, value.numel() * value.element_size(), 0)
+        unpinned = state and self._pin and type(home) is torch.Tensor and not home.is_pinned()
         if (
             home is not None
             and type(home) is type(value)
             and (home.shape, home.dtype) == (value.shape, value.dtype)
+            and not unpinned
         ):
             return home.copy_(value, non_blocking=home.is_pinned())
         new = value.to("cpu", copy=True)
