@@ -121,6 +121,17 @@ def test_flatshard_plan_prints_each_stage_decision(capsys):
     assert stages["1"]["fits"] and 0 < stages["1"]["share"] < 1 and stages["1"]["device_peak"] <= 300000
     assert not stages["3"]["fits"] and "needs" in stages["3"]["why"]
     assert main(["plan", "--model", "tiny", "--device-budget", "300000", "--offload"]) == 2
+    streamed = ["plan", "--model", "tiny", "-n", "2", "--device-budget", "300000", "--offload", "device"]
+    assert main([*streamed, "--json"]) == 0  # ([Note: streamed step]: all of it or none below stage 3)
+    one_chunk = json.loads(capsys.readouterr().out)["stages"]["1"]  # (the whole optimizer in one chunk)
+    assert not one_chunk["fits"] and "streamed step's chunks" in one_chunk["why"], one_chunk
+    assert (
+        main([*streamed, "--stream-chunk", "2000", "--bucket-size", "3000", "--json"]) == 0
+    )  # (runs < 2000)
+    stages = json.loads(capsys.readouterr().out)["stages"]
+    assert stages["1"]["fits"] and stages["1"]["share"] == 1.0 and stages["1"]["staging"] > 0, stages["1"]
+    assert stages["1"]["device_peak"] <= 300000
+    assert main(["plan", "--model", "tiny", "--stream-chunk", "2000"]) == 2
 
 
 def _train_offloaded(stage: int, offload: flatshard.Offload | None) -> tuple:

@@ -73,11 +73,19 @@ def add_plan(sub) -> None:
         "Offload(step='device'), the optimizer streamed to the device for its step",
     )
     plan.add_argument(
+        "--stream-chunk",
+        type=positive_int,
+        metavar="ELEMENTS",
+        help="with --offload device: the elements a streamed chunk holds at most, as "
+        "Offload(stream_chunk=...) (default 2**25); the device holds two during the step",
+    )
+    plan.add_argument(
         "--device-budget",
         type=positive_int,
         metavar="BYTES",
         help="with --model: the bytes of model state each rank's device may hold (e.g. 24e9); for "
-        "each stage, the least offload that fits (nothing, a share of the optimizer, or all of it), "
+        "each stage, the least offload that fits (nothing, a share of the optimizer, or all of it; "
+        "with --offload device, the step streamed to the device, its chunks counted), "
         "its bytes on the device at the peak (stage 3: with the units in full) and on the host, or "
         "why nothing fits",
     )
@@ -92,7 +100,11 @@ def run_plan(args: argparse.Namespace) -> int:
 
     precision = OptimizerPrecision(plan.DTYPES[args.main_dtype], plan.DTYPES[args.state_dtype])
     if args.params is not None:
-        only_model = (("--offload", args.offload), ("--device-budget", args.device_budget))
+        only_model = (
+            ("--offload", args.offload),
+            ("--device-budget", args.device_budget),
+            ("--stream-chunk", args.stream_chunk),
+        )
         for option, given in (*only_model, ("--fp8-gathers", args.fp8_gathers)):
             if given:
                 print(f"flatshard plan: {option} applies to --model only", file=sys.stderr)
@@ -111,9 +123,12 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         title += f" in {args.pp} pipeline stages" if args.pp > 1 else ""
     else:
+        if args.stream_chunk is not None and args.offload != "device":
+            print("flatshard plan: --stream-chunk applies to --offload device only", file=sys.stderr)
+            return 2
         for option, given in (
             ("--grad-dtype", args.grad_dtype is not None),
-            ("--offload (the budget decides)", args.offload is not None and args.device_budget is not None),
+            ("--offload (the budget decides)", args.offload == "host" and args.device_budget is not None),
             ("--tp", args.tp > 1),
             ("--pp", args.pp > 1),
         ):
@@ -134,8 +149,9 @@ def run_plan(args: argparse.Namespace) -> int:
                 "stage3_frozen_specs": frozen[1],
                 "precision": precision,
             }
-            offload = {"offload": args.offload is not None, "streamed": args.offload == "device"}
-            plans = plan.plan_from_specs(specs, **offload, **planning)
+            plans = plan.plan_from_specs(
+                specs, offload=args.offload is not None, **_streamed(args), **planning
+            )
         except (ValueError, ImportError, AttributeError) as e:
             print(f"flatshard plan: {e}", file=sys.stderr)
             return 2
@@ -159,6 +175,14 @@ def run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _streamed(args: argparse.Namespace) -> dict:
+    """The plan's keywords for ``--offload device`` ([Note: streamed step]): the budget and the
+    plan count the step's chunks."""
+    from flatshard.planner.offload import STREAM_CHUNK
+
+    return {"streamed": args.offload == "device", "stream_chunk": args.stream_chunk or STREAM_CHUNK}
+
+
 def _budget(args: argparse.Namespace, specs, planning: dict, names: list[str]) -> str:
     """Each stage's decision for ``--device-budget`` ([Note: device budget]), as lines or JSON."""
     import json
@@ -172,7 +196,9 @@ def _budget(args: argparse.Namespace, specs, planning: dict, names: list[str]) -
     ]
     for stage in STAGES:
         try:
-            fit = fit_budget(args.device_budget, specs, stage=stage, unit_names=names, **planning)
+            fit = fit_budget(
+                args.device_budget, specs, stage=stage, unit_names=names, **_streamed(args), **planning
+            )
         except ValueError as e:
             out[str(stage)] = {"fits": False, "why": str(e)}
             lines.append(f"  stage {stage}: does not fit: {e}")
