@@ -28,6 +28,7 @@ PARTs (default: all, in this order), each in its own process under its own deadl
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 
@@ -257,6 +258,12 @@ PARTS = {
 
 def _one(part: str, path: str) -> None:
     write_result(path, part, CUDA, PARTS[part], model=_dims(), seq_len=_seq(), cap=CAP)
+    if part == "check":  # (a mismatch fails the part: the lease's log shows it at once)
+        with open(path) as f:
+            result = json.load(f)
+        broken = [stage for stage in ("1", "2", "3") if not result[stage]["streamed_equal"]]
+        if broken:
+            raise AssertionError(f"the streamed step left other params than no offload at stages {broken}")
 
 
 def main() -> None:
