@@ -149,7 +149,7 @@ def _train_offloaded(stage: int, offload: flatshard.Offload | None) -> tuple:
         opt.step()
         opt.zero_grad()
     model.wait_for_params()
-    staging = 0 if opt._streamed is None else opt._streamed.peak_bytes  # ([Note: streamed step])
+    staging = 0 if opt._streamed is None else opt._streamed.staging  # ([Note: streamed step])
     return opt.offload, (flatshard.memory_report(model, opt).device, staging), model.full_state_dict()
 
 

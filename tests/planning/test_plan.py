@@ -113,7 +113,7 @@ def _measured(
     sent = sum(v["wire_bytes"] for op, v in stats.items() if op != "all_reduce" or stage == 0)
     link = sum(stats.get(op, {}).get("payload_bytes", 0) for op in ("host_to_device", "device_to_host"))
     measured = memory_report(model, opt).as_dict()
-    staging = 0 if opt._streamed is None else opt._streamed.peak_bytes
+    staging = 0 if opt._streamed is None else opt._streamed.staging
     return {"measured": measured, "plan": plan.as_dict(), "sent": sent, "link": link, "staging": staging}
 
 

@@ -58,8 +58,9 @@ class _HostCopy:
         return self.upload is not self.master
 
 
-class _Streams:
-    """The two side streams of a CUDA device: device->host grads and host->device params."""
+class SideStreams:
+    """The two side streams of a CUDA device for copies over the host link: device->host and
+    host->device (the hybrid step's grads and params, the streamed step's chunks)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -150,7 +151,7 @@ class HybridDeviceOptimizer(CompositeOptimizer):
         devices = {c.param.device for c in self._host if c.param.device.type == "cuda"}
         if len(devices) > 1:
             raise ValueError(f"offloaded params are on several devices {sorted(map(str, devices))}; use one")
-        self._streams = _Streams(devices.pop()) if devices else None
+        self._streams = SideStreams(devices.pop()) if devices else None
 
     # -- the step --------------------------------------------------------------------------------
     @torch.no_grad()

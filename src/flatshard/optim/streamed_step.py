@@ -33,7 +33,7 @@ The reasoning is [Note: streamed step] below."""
 # On CUDA the copies run on two side streams: chunk i+1 is uploaded while chunk i steps on
 # the current stream, and chunk i is downloaded behind its step; before allocating chunk i+1
 # the host waits for chunk i-1's download, so at most two chunks are on the device at once
-# (``peak_bytes``; the plan's ``staging``, which a device budget counts at the step's peak).
+# (``staging``, as the plan counts it, and a device budget at the step's peak).
 # ``step`` returns after every download is done: the host values are the values of record,
 # which the params' copies (stages 0-2) and the next gathers (stage 3) read. Host tensors
 # are page-locked where ``Offload.pin_memory`` (so these copies are asynchronous); state a
@@ -54,6 +54,7 @@ from typing import Any
 import torch
 
 from flatshard.comm.collectives import DEVICE_TO_HOST, HOST_TO_DEVICE, CommStats
+from flatshard.optim.hybrid import SideStreams
 from flatshard.optim.precision import PrecisionAwareOptimizer
 from flatshard.optim.shards import BufferShards
 from flatshard.planner.offload import staging_bytes, stream_chunks
@@ -98,12 +99,10 @@ class StreamedStep:
         ]
         cut = stream_chunks([r.tensor.numel() for r in runs], chunk)
         self.chunks = [[runs[i] for i in c] for c in cut]
-        self.held: list[int] = []  # each chunk's bytes on the device in the last step
+        self.chunk_bytes: list[int] = []  # each chunk's bytes on the device in the last step
         devices = {s.buffer.device for s in shards if s.on_host}
         self.device = devices.pop() if len(devices) == 1 else torch.device("cpu")
-        cuda = self.device.type == "cuda"
-        self._h2d = torch.cuda.Stream(self.device) if cuda else None
-        self._d2h = torch.cuda.Stream(self.device) if cuda else None
+        self._streams = SideStreams(self.device) if self.device.type == "cuda" else None
         self._pin = any(s.main_data is not None and s.main_data.is_pinned() for s in shards)
 
     @torch.no_grad()
@@ -113,12 +112,13 @@ class StreamedStep:
         if self._resident:
             _step_only(inner, self._resident, self._all, first)
             first = False
-        self.held = []
+        self.chunk_bytes = []
         if not self.chunks:
             return
-        current = torch.cuda.current_stream(self.device) if self._h2d is not None else None
-        if current is not None and self._h2d is not None:  # (grads and main params: written there)
-            self._h2d.wait_stream(current)
+        streams = self._streams
+        current = streams.compute() if streams is not None else None
+        if streams is not None:  # (grads and main params: written on the current stream)
+            streams.h2d.wait_stream(streams.compute())
         behind: _Staged | None = None  # the chunk before: downloading
         ahead = self._upload(inner, self.chunks[0])
         for following in [*self.chunks[1:], None]:
@@ -136,7 +136,8 @@ class StreamedStep:
 
     def _upload(self, inner: torch.optim.Optimizer, runs: list[_Run]) -> _Staged:
         staged = _Staged(runs)
-        with _on(self._h2d):
+        h2d = self._streams.h2d if self._streams is not None else None
+        with _on(h2d):
             for run in runs:
                 state = inner.state.get(run.tensor) or {}
                 tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
@@ -144,7 +145,7 @@ class StreamedStep:
                 copies = {k: self._send(v, HOST_TO_DEVICE) for k, v in tensors.items()}
                 staged.homes.append((run.tensor.data, run.grad.data if grad is not None else None, tensors))
                 staged.copies.append((self._send(run.tensor, HOST_TO_DEVICE), grad, copies))
-            staged.uploaded = _record(self._h2d)
+            staged.uploaded = _record(h2d)
         return staged
 
     def _step_staged(self, inner: torch.optim.Optimizer, staged: _Staged, first: bool) -> None:
@@ -171,9 +172,9 @@ class StreamedStep:
 
     def _download(self, inner: torch.optim.Optimizer, staged: _Staged) -> None:
         """Copy the chunk's stepped main params and state home (behind its step)."""
-        stream = self._d2h
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
+        stream = self._streams.d2h if self._streams is not None else None
+        if self._streams is not None:
+            self._streams.d2h.wait_stream(self._streams.compute())
         with _on(stream):
             held = 0
             for run, (home, _, homes), (copy, grad, _) in zip(
@@ -188,12 +189,13 @@ class StreamedStep:
                         staged.made.append(value)  # (made by the step: kept until its copy is done)
                         held += _nbytes(value)
             staged.downloaded = _record(stream)
-        self.held.append(held)
+        self.chunk_bytes.append(held)
 
     @property
-    def peak_bytes(self) -> int:
-        """The most bytes the last step held on the device at once ([Note: streamed step])."""
-        return staging_bytes(self.held)
+    def staging(self) -> int:
+        """The most bytes the last step held on the device at once: the plan's ``staging``
+        ([Note: streamed step])."""
+        return staging_bytes(self.chunk_bytes)
 
     def _send(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
         self.stats.record(op, tensor.numel() * tensor.element_size(), 0)
