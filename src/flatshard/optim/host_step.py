@@ -85,8 +85,6 @@ def budget_offload(
     if units is not None:  # (stage 3: these units on the host, [Note: unit homes])
         named = tuple(planned.unit_names[int(u)] for u in sorted(units, key=int))
         return replace(offload, device_budget=None, units=named)
-    if share and offload.step == "device":
-        share = 1.0  # (a streamed step takes all of the optimizer: [Note: streamed step])
     return replace(offload, device_budget=None, optimizer=share) if share else None
 
 

@@ -209,7 +209,8 @@ def plan_from_specs(
             totals["params"] += (0 if held_by_main else pb * shard) if policy.shards_params else pb * full
             totals["grads"] += gb * (shard if policy.shards_grads else full)
             main = (4 if half else pb) * shard if held_by_main else 0
-            state = _state_bytes(buffer, rank, group_of, fmt, (state_bytes, scalar_bytes))
+            ran = _run_states(buffer, rank, group_of, fmt, (state_bytes, scalar_bytes))
+            state = sum(st for _, st in ran)
             totals["main_params"] += main
             totals["optimizer_state"] += state
             totals["comm_bytes_per_step"] += sum(
@@ -220,7 +221,6 @@ def plan_from_specs(
                 sizes = [b.shard_range(rank).size for b in buffer.buckets]
                 up = sum(sent * size * n for size, n in zip(sizes, ups, strict=True))
                 width = (4 if half else pb, gb if policy.shards_grads else 0)  # (main, grads sent)
-                ran = _run_states(buffer, rank, group_of, fmt, (state_bytes, scalar_bytes))
                 moved = (sum(n * width[0] for n, _ in ran) + state, sum(n * width[1] for n, _ in ran))
                 _add_host(totals, policy, gb * shard, main + state, up, moved if streamed else None)
                 # (a streamed run's bytes on the device: its main params, grads sent, state)
@@ -258,17 +258,6 @@ def _add_host(
     totals["link_bytes_per_step"] += up + (grads if policy.shards_grads or not streamed else 0)
     if streamed is not None:
         totals["link_bytes_per_step"] += 2 * streamed[0] + streamed[1]
-
-
-def _state_bytes(
-    buffer: BufferLayout,
-    rank: int,
-    group_of: dict[str, int],
-    fmt: BlockFormat | None,
-    rates: tuple[float, int],
-) -> int:
-    """The inner optimizer's state over ``rank``'s runs of ``buffer`` (``_run_states``)."""
-    return sum(state for _, state in _run_states(buffer, rank, group_of, fmt, rates))
 
 
 def _run_states(
