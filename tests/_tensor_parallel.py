@@ -64,7 +64,7 @@ def train_tp_dp(
     batch: int = 2,
     max_norm: float = 0.5,
     compile: str | None = None,
-    offload: bool = False,
+    offload: bool | str = False,
 ) -> dict:
     """At each of ``stages``: ``model`` (``MODELS``) as TP x DP under flatshard
     (``DistributedOptimizer`` over SGD with momentum, grads clipped by torch's
@@ -78,7 +78,8 @@ def train_tp_dp(
     ``compile``: flatshard's model runs under ``torch.compile`` with that backend
     (``module.compile()``, so it keeps its class), the reference eagerly. ``offload``:
     ``shard(..., offload=flatshard.Offload())``, at stage 3 ``Offload(units=("",))``: the root
-    unit on the host, the blocks on the device ([Note: unit homes] in planner/offload.py)."""
+    unit on the host, the blocks on the device ([Note: unit homes] in planner/offload.py);
+    "device" for ``offload``: the same homes, stepped on the device ([Note: streamed step])."""
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
     build, parallel = MODELS[model]
@@ -86,14 +87,15 @@ def train_tp_dp(
     run = partial(
         _train, mesh=mesh, build=build, parallel=parallel, mp=mp, accumulate=accumulate, compile=compile
     )
-    homes = {3: flatshard.Offload(units=("",))}
+    where = offload if isinstance(offload, str) else "host"
+    homes = {3: flatshard.Offload(units=("",), step=where)}
     return {
         stage: run(
             stage,
             steps=steps,
             batch=batch,
             max_norm=max_norm,
-            offload=homes.get(stage, flatshard.Offload()) if offload else None,
+            offload=homes.get(stage, flatshard.Offload(step=where)) if offload else None,
         )
         for stage in stages
     }

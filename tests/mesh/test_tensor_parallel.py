@@ -53,12 +53,14 @@ def test_tensor_parallel_follows_one_process_at_every_stage(world, tp, model):
     assert all(r == results[0] for r in results[1:])  # (every rank measured the same)
 
 
-def test_an_offloaded_tensor_parallel_model_follows_one_process():
+@pytest.mark.parametrize("step", ["host", "device"])
+def test_an_offloaded_tensor_parallel_model_follows_one_process(step):
     """TP2 x DP2 with ``Offload()`` at stage 1: the local shards' main params and SGD's
     momentum on the host (stepped by torch's fused SGD); at stage 3 the root unit's param and
     grad shards on the host too and the blocks' on the device, both homes stepped in one
-    optimizer, their grads' norm taken over tp; the RELATIVE bound."""
-    results = run_distributed(train_tp_dp, 4, [1, 3], 2, "tiny", offload=True, timeout=240)
+    optimizer, their grads' norm taken over tp; the RELATIVE bound. ``step="device"``: the
+    host's runs streamed to the device for the step ([Note: streamed step])."""
+    results = run_distributed(train_tp_dp, 4, [1, 3], 2, "tiny", offload=step, timeout=240)
     for stage, r in results[0].items():
         assert r["ref_norm"] > 0.5, "clipping must scale the grads for the norm to matter"
         assert max(r["loss"]) < RELATIVE, (stage, r["loss"])

@@ -77,13 +77,15 @@ def test_states_offloaded_between_steps_come_back_bit_exact(world_size):
 
 def test_bf16_params_and_the_host_optimizer_come_back_bit_exact():
     """bf16 params with fp32 main params (stage 3: the main params are the shards), and
-    ``Offload()`` (the optimizer already on the host: it stays there), on 2 ranks."""
+    ``Offload()`` (the optimizer already on the host: it stays there), stepped on the host and
+    streamed to the device ([Note: streamed step]), on 2 ranks."""
     (bf16, *_) = run_distributed(
         _offloaded_against_not, 2, STAGES, mixed_precision=MixedPrecision(param_dtype=torch.bfloat16)
     )
     _check(bf16)
-    (host, *_) = run_distributed(_offloaded_against_not, 2, [1, 3], offload=Offload())
-    _check(host)
+    for offload in (Offload(), Offload(step="device", stream_chunk=700)):
+        (host, *_) = run_distributed(_offloaded_against_not, 2, [1, 3], offload=offload)
+        _check(host)
 
 
 def _refusals(stage: int) -> list[str]:
