@@ -41,11 +41,11 @@ def _loop(accelerator, model, optimizer, loader, schedule, after=None) -> list[t
     return out
 
 
-def _side(model, flat_stage: int | None, through: str = "accelerate", freeze: bool = False):
+def _side(model, flat_stage: int | None, through: str = "accelerate", freeze: bool = False, offload=None):
     """``through``: accelerate's own ``prepare``, or flatshard's ``prepare`` (its checks).
     ``freeze``: the first decoder layer is frozen after step 2, each side finding unused
     params (DDP's ``find_unused_parameters=True``, as it needs for a param that stops getting
-    grads; flatshard's, which stage 3 needs)."""
+    grads; flatshard's, which stage 3 needs). ``offload``: ``shard``'s ``offload=``."""
     import flatshard
     import flatshard.hosts.accelerate as fa
 
@@ -55,8 +55,9 @@ def _side(model, flat_stage: int | None, through: str = "accelerate", freeze: bo
     if flat_stage is None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     else:
-        model = flatshard.shard(model, stage=flat_stage, find_unused_parameters=freeze)
+        model = flatshard.shard(model, stage=flat_stage, find_unused_parameters=freeze, offload=offload)
         optimizer = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3, weight_decay=0.01)
+        assert (optimizer.offload is not None) == (offload is not None), optimizer.offload
     prepare = accelerator.prepare if through == "accelerate" else lambda *o: fa.prepare(accelerator, *o)
     model, optimizer, loader = prepare(model, optimizer, loader)
     if flat_stage is not None:
@@ -91,10 +92,30 @@ def _frozen_against_ddp(stages: list[int]) -> dict:
     return logged
 
 
+def _offloaded_against_ddp(stages: list[int]) -> dict:
+    """The optimizer's state on the host, stepped there and streamed to the device for its
+    step (on this CPU one memory, so the arithmetic is DDP's: the host step takes torch's
+    fused CPU kernel at fp32, as DDP's AdamW does not; within the same 1e-5)."""
+    import flatshard
+
+    model = tiny_llama()
+    logged = {"ddp": _side(copy.deepcopy(model), None)}
+    for stage in stages:
+        for step in ("host", "device"):
+            offload = flatshard.Offload(step=step)
+            logged[f"{stage}, stepped on the {step}"] = _side(copy.deepcopy(model), stage, offload=offload)
+    return logged
+
+
 @pytest.mark.parametrize(
     ("world_size", "stages", "run"),
-    [(2, [0, 1, 2, 3], _against_ddp), (3, [2, 3], _against_ddp), (2, [1, 3], _frozen_against_ddp)],
-    ids=["2", "3", "a layer frozen mid-run"],
+    [
+        (2, [0, 1, 2, 3], _against_ddp),
+        (3, [2, 3], _against_ddp),
+        (2, [1, 3], _frozen_against_ddp),
+        (2, [1, 3], _offloaded_against_ddp),
+    ],
+    ids=["2", "3", "a layer frozen mid-run", "the optimizer offloaded"],
 )
 def test_the_accelerate_loop_follows_its_ddp(world_size, stages, run):
     """With a layer frozen after step 2, DDP skips it from step 3 on; so does flatshard

@@ -21,9 +21,12 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=3, n_heads=2)
 FUSED = {"lr": 1e-2, "weight_decay": 0.1, "fused": True}  # (every home: the host's kernel)
 UNMERGED = Stage3(unit_bytes=None)  # (a unit a block)
 HOMES = {"none": None, "units": ("blocks.0", "blocks.2"), "root": ("",), "all": ()}
+STREAMED = Offload(step="device", stream_chunk=700)  # (everything on the host, a dozen chunks a step)
 
 
 def _offload(home: str) -> Offload | None:
+    if home == "streamed":
+        return STREAMED
     units = HOMES[home]
     if units is None:
         return None
@@ -84,19 +87,22 @@ def test_units_on_the_host_change_no_bit_of_training(world_size, bf16):
 
 
 def _compiled_homes() -> dict:
-    runs = [(c, home) for c in ("block", "model") for home in ("none", "units")]
+    runs = [(c, home) for c in ("block", "model") for home in ("none", "units")] + [("model", "streamed")]
     return {(c, home): _gpt(home, False, compiled=c) for c, home in runs}
 
 
 def test_compiled_models_with_units_on_the_host_train_as_without():
     """Each block compiled, and the whole sharded model compiled, on 2 ranks: units on the
-    host change no bit of either (the gathers and copies run in hooks, outside the graphs)."""
+    host change no bit of either (the gathers and copies run in hooks, outside the graphs);
+    nor does the whole optimizer streamed to the device for its step under the compiled
+    model (the step touches only the optimizer's tensors, outside any graph)."""
     for r in run_distributed(_compiled_homes, 2, timeout=300):
-        for c in ("block", "model"):
-            want, got = r[(c, "none")], r[(c, "units")]
-            assert got["losses"] == want["losses"], c
-            assert all(torch.equal(want["params"][k], v) for k, v in got["params"].items()), c
-            assert any(got["homes"]) and got["memory"].host > 0, c
+        for c, home in [("block", "units"), ("model", "units"), ("model", "streamed")]:
+            want, got = r[(c, "none")], r[(c, home)]
+            assert got["losses"] == want["losses"], (c, home)
+            assert all(torch.equal(want["params"][k], v) for k, v in got["params"].items()), (c, home)
+            assert all(got["homes"]) if home == "streamed" else any(got["homes"]), (c, home)
+            assert got["memory"].host > 0, (c, home)
 
 
 def _llama(units: tuple[str, ...] | None) -> tuple[list[float], dict]:
