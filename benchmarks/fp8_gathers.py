@@ -1,12 +1,14 @@
 """fp8 gathers of torchao float8 weights, beside bf16 gathers and FSDP2's, on 2 gloo ranks.
 
     PYTHONPATH=src python benchmarks/fp8_gathers.py OUT.json [--preset small] [--steps 50] [--pow2]
+        [--stage 3]
 
 The bench GPT (its blocks' linears converted to torchao's float8 training, emulated on the
-CPU) trains at stage 3 with bf16 params and fp32 main params, AdamW, the same batches on
-every run:
+CPU) trains with bf16 params and fp32 main params, AdamW, the same batches on every run:
 
-* flatshard, ``enable_fsdp_float8_all_gather=True`` (fp8 gathers) and ``False`` (bf16);
+* flatshard at ``--stage`` (3: the unit gathers; 1 or 2: the gathers after each step, with
+  ``MixedPrecision(fp8_gathers=True)``), ``enable_fsdp_float8_all_gather=True`` (fp8
+  gathers) and ``False`` (bf16);
 * FSDP2 (``fully_shard`` on every block, then the root; bf16 params, fp32 reduce) with
   torchao's fp8 all-gather and ``precompute_float8_dynamic_scale_for_fsdp`` after each step,
   and without it.
@@ -84,18 +86,19 @@ def _fsdp2(model: torch.nn.Module, fp8_gather: bool):
     return model, torch.optim.AdamW(model.parameters(), lr=LR), after
 
 
-def _flatshard(model: torch.nn.Module):
-    mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16)
-    model = flatshard.shard(model, stage=3, mixed_precision=mp)
+def _flatshard(model: torch.nn.Module, stage: int, fp8_gather: bool):
+    asked = True if fp8_gather and stage < 3 else None  # ([Note: fp8 gathers after the step])
+    mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16, fp8_gathers=asked)
+    model = flatshard.shard(model, stage=stage, mixed_precision=mp)
     return model, flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=LR), lambda: None
 
 
-def _run(system: str, fp8_gather: bool, preset: str, steps: int, pow2: bool) -> dict:
+def _run(system: str, fp8_gather: bool, preset: str, steps: int, pow2: bool, stage: int) -> dict:
     torch.set_num_threads(1)
     rank = dist.get_rank()
     raw = _model(preset, fp8_gather, pow2)
     fp8_numel = sum(m.weight.numel() for n, m in raw.named_modules() if type(m).__name__ == "Float8Linear")
-    model, opt, after = _fsdp2(raw, fp8_gather) if system == "fsdp2" else _flatshard(raw)
+    model, opt, after = _fsdp2(raw, fp8_gather) if system == "fsdp2" else _flatshard(raw, stage, fp8_gather)
     corpus = SyntheticCorpus(PRESETS[preset].vocab_size, PRESETS[preset].seq_len)
     losses, times = [], []
     with _GatherBytes() as counted:
@@ -133,12 +136,14 @@ def main() -> None:
     parser.add_argument("--preset", default="small", choices=sorted(PRESETS))
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--pow2", action="store_true", help="scales rounded down to powers of 2")
+    parser.add_argument("--stage", type=int, default=3, choices=[1, 2, 3], help="flatshard's stage")
     args = parser.parse_args()
     runs = {}
     for system in ("flatshard", "fsdp2"):
         for fp8_gather in (True, False):
-            name = f"{system}, {'fp8' if fp8_gather else 'bf16'} gathers"
-            run = (system, fp8_gather, args.preset, args.steps, args.pow2)
+            at = f"-{args.stage}" if system == "flatshard" else ""
+            name = f"{system}{at}, {'fp8' if fp8_gather else 'bf16'} gathers"
+            run = (system, fp8_gather, args.preset, args.steps, args.pow2, args.stage)
             runs[name] = run_distributed(_run, 2, *run, timeout=3600)[0]
     reference = runs["fsdp2, fp8 gathers"]["losses"]
     header = ("run", "gather MB/step", "first loss", "last loss", "vs FSDP2+fp8", "ms/step", "p10-p90")
@@ -151,7 +156,7 @@ def main() -> None:
             f"{r['losses'][-1]:>10.4f} {gap:>12.2%} {r['ms_per_step']:>8.1f} "
             f"{r['ms_per_step_p10_p90'][0]:>6.1f}-{r['ms_per_step_p10_p90'][1]:<6.1f}"
         )
-    ours, plain = runs["flatshard, fp8 gathers"], runs["flatshard, bf16 gathers"]
+    ours, plain = runs[f"flatshard-{args.stage}, fp8 gathers"], runs[f"flatshard-{args.stage}, bf16 gathers"]
     saved = plain["gather_bytes_last_step"] - ours["gather_bytes_last_step"]
     fp8 = ours["fp8_weight_elements"]
     print(
@@ -159,6 +164,7 @@ def main() -> None:
     )
     with open(args.out, "w") as f:
         what = {"preset": args.preset, "steps": args.steps, "pow2": args.pow2, "world_size": 2}
+        what["stage"] = args.stage
         json.dump({**what, "runs": runs}, f, indent=1)
 
 

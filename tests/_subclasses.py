@@ -3,7 +3,23 @@ params] and of what composes with them."""
 
 import torch
 from torch import nn
+from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+from _parity import TiedGPT
+
+BLOCKS = lambda m, name: name.startswith("blocks.")  # noqa: E731 (the linears converted)
+
+
+def float8_gpt(pow2: bool = False, model_cls=TiedGPT) -> nn.Module:
+    """The parity GPT with its blocks' linears converted to float8 training with fp8
+    all-gathers (``pow2``: scales rounded down to a power of 2)."""
+    model = model_cls()
+    config = Float8LinearConfig(
+        emulate=True, enable_fsdp_float8_all_gather=True, round_scales_to_power_of_2=pow2
+    )
+    convert_to_float8_training(model, config=config, module_filter_fn=BLOCKS)
+    return model
 
 
 class LoraNF4(nn.Module):

@@ -65,8 +65,10 @@ class ChecksumError(CheckpointError):
 class ShardedParamError(RuntimeError):
     """A stage-3 param's values were read while they are sharded: outside the forward and
     backward of the unit that holds it and outside ``summon_full_params``; or any param of a
-    flat buffer read while ``offload_states`` holds its bytes on the host. The message names
-    the param, its unit and the operation ([Note: placeholders] in ``units/placeholder.py``)."""
+    flat buffer read while ``offload_states`` holds its bytes on the host; or a param that holds
+    its fp8 value between steps (``MixedPrecision(fp8_gathers=True)`` at stages 1-2) written in place.
+    The message names the param, its unit and the operation ([Note: placeholders] in
+    ``units/placeholder.py``)."""
 
 
 class ShardedGradError(RuntimeError):

@@ -73,6 +73,8 @@ def _measured(
         }
     buckets = flatshard.Buckets(size=3000, align=FORMATS[low_bit.lower()].align if low_bit else None)
     convert = _float8 if fp8 else (lambda module: module)
+    if fp8 and stage in (1, 2):  # ([Note: fp8 gathers after the step])
+        more["mixed_precision"] = flatshard.MixedPrecision(fp8_gathers=True)
     model = flatshard.shard(convert(GPT(CFG).to(torch.bfloat16)), stage=stage, buckets=buckets, **more)
     if low_bit:
         import torchao.optim
@@ -94,7 +96,8 @@ def _measured(
     model.wait_for_params()
     with torch.device("meta"):
         meta = convert(GPT(CFG).to(torch.bfloat16))
-    specs, stage3_specs = model_specs(meta), model_specs(meta, stage=3, unit_bytes=unit_bytes)
+    specs = model_specs(meta, fp8_gathers=True if "mixed_precision" in more else None)
+    stage3_specs = model_specs(meta, stage=3, unit_bytes=unit_bytes)
     homed: bool | frozenset[str] = offload is True
     if named:  # (the layout's ids of the named units)
         homed = unit_ids(offload, [u.names for u in stage3_units(meta, [], None, None)[0]])
@@ -135,13 +138,13 @@ def _float8(module: torch.nn.Module) -> torch.nn.Module:
     return convert_to_float8_training(module, config=config, module_filter_fn=lambda m, n: "blocks." in n)
 
 
-@pytest.mark.parametrize("offload", [False, True])
-def test_the_plan_of_fp8_gathers_equals_what_a_run_measures(offload):
-    """Stage 3 with the blocks' linears in torchao's float8 and fp8 gathers: their weights
-    cross the wire in one byte an element, and (offloaded) the host link too; the plan from
-    the meta model counts the same bytes as the run, role by role and sent (the forward's
-    all-reduce of the weights' amaxes, ``fp8_scales``, included)."""
-    for r in run_distributed(_measured, 3, 3, offload=offload, fp8=True):
+@pytest.mark.parametrize(("stage", "offload"), [(3, False), (3, True), (1, False), (2, True)])
+def test_the_plan_of_fp8_gathers_equals_what_a_run_measures(stage, offload):
+    """The blocks' linears in torchao's float8 and fp8 gathers (at stages 1-2 asked for):
+    their weights cross the wire in one byte an element, and at stage 3 (offloaded) the host
+    link too; the plan from the meta model counts the same bytes as the run, role by role and
+    sent (the all-reduce of the weights' amaxes, ``fp8_scales``, included)."""
+    for r in run_distributed(_measured, 3, stage, offload=offload, fp8=True):
         plan, measured = r["plan"], r["measured"]
         for role in ("params", "grads", "main_params", "optimizer_state"):
             assert plan[role] == measured[role], (role, plan, measured)
@@ -254,10 +257,11 @@ def test_plan_cli_json_and_table():
     assert fp8.returncode == 0, fp8.stderr
     plain = json.loads(cli("plan", "--model", "tiny", "-n", "2", "--json").stdout)["stages"]
     fewer = json.loads(fp8.stdout)["stages"]
-    assert fewer["3"]["comm_bytes_per_step"] < plain["3"]["comm_bytes_per_step"], (fewer, plain)
-    assert fewer["2"] == plain["2"]  # (stages 0-2 gather in the param dtype)
+    for stage in "123":  # (as MixedPrecision(fp8_gathers=True): stages 1-2 too)
+        assert fewer[stage]["comm_bytes_per_step"] < plain[stage]["comm_bytes_per_step"], (fewer, plain)
+    assert fewer["0"] == plain["0"]  # (stage 0 gathers nothing)
     drawn = {s: cli("layout", "--model", "tiny", "--stage", s, "--fp8-gathers").stdout for s in ("2", "3")}
-    assert "gathered in float8_e4m3fn" in drawn["3"] and "gathered in" not in drawn["2"], drawn
+    assert all("gathered in float8_e4m3fn" in d for d in drawn.values()), drawn
     out = cli("plan", "--model", "tiny", "-n", "2", "--offload")  # ([Note: memory tiers])
     assert "the optimizer offloaded" in out.stdout and "host link/step" in out.stdout, out.stdout
     streamed = json.loads(cli("plan", "--model", "tiny", "-n", "2", "--offload", "device", "--json").stdout)

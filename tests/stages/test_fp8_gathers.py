@@ -25,21 +25,10 @@ from _parity import (
     train_against_fsdp2,
     train_optimizer_side_by_side,
 )
+from _subclasses import float8_gpt
 from flatshard.toolkit.testing import run_distributed
 
 WEIGHT = GemmInputRole.WEIGHT
-BLOCKS = lambda m, name: name.startswith("blocks.")  # noqa: E731 (the linears converted)
-
-
-def float8_gpt(pow2: bool = False, model_cls=TiedGPT) -> torch.nn.Module:
-    """The parity GPT with its blocks' linears converted to float8 training with fp8
-    all-gathers (``pow2``: scales rounded down to a power of 2)."""
-    model = model_cls()
-    config = Float8LinearConfig(
-        emulate=True, enable_fsdp_float8_all_gather=True, round_scales_to_power_of_2=pow2
-    )
-    convert_to_float8_training(model, config=config, module_filter_fn=BLOCKS)
-    return model
 
 
 def _against_fsdp2() -> dict:

@@ -88,7 +88,8 @@ def add_layout_options(parser, *, world_size: int, bucket_help: str) -> None:
         "--fp8-gathers",
         action="store_true",
         help="with --model: its linears converted to torchao's float8 training with fp8 all-gathers "
-        "(but the output head): stage 3 gathers their weights in one byte an element",
+        "(but the output head), with MixedPrecision(fp8_gathers=True): stages 1-3 gather their weights in "
+        "one byte an element",
     )
 
 
@@ -131,4 +132,6 @@ def model_specs_of(model: str, dtype, args: argparse.Namespace):
         model_specs(module, frozen=True),
         model_specs(module, stage=3, frozen=True, unit_bytes=args.unit_bytes),
     )
-    return model_specs(module, whole_params=kept), stage3, table, frozen, [u.name for u in units]
+    fp8 = True if getattr(args, "fp8_gathers", False) else None  # (as MixedPrecision(fp8_gathers=True))
+    specs = model_specs(module, whole_params=kept, fp8_gathers=fp8)
+    return specs, stage3, table, frozen, [u.name for u in units]

@@ -168,7 +168,8 @@ def run_plan(args: argparse.Namespace) -> int:
         title += f" ({args.main_dtype} main params, {args.state_dtype} state)" if precision.lowered else ""
         title += ", the optimizer offloaded" if args.offload else ""
         title += ", stepped on the device" if args.offload == "device" else ""
-        title += ", float8 linears gathered in fp8 at stage 3" if args.fp8_gathers else ""
+        fp8 = ", float8 linears gathered in fp8 (MixedPrecision(fp8_gathers=True))"
+        title += fp8 if args.fp8_gathers else ""
         print(plan.format_plan(plans, title))
         if args.model is not None:
             print(units)

@@ -299,11 +299,11 @@ def _write_and_seal(state: dict[str, Any], path: str, save_id: str, writer: Worl
         _seal(partial, path, save_id, writer, saved)
 
 
-def _param_dtype_shards(parts: list[Part]) -> contextlib.ExitStack:
+def _param_dtype_shards(parts: list[Part], loading: bool = False) -> contextlib.ExitStack:
     """``cs.param_dtype_shards`` of every model of ``parts`` at once."""
     stack = contextlib.ExitStack()
     for model, _ in parts:
-        stack.enter_context(cs.param_dtype_shards(model))
+        stack.enter_context(cs.param_dtype_shards(model, loading))
     return stack
 
 
@@ -504,7 +504,7 @@ def _load(path: str, parts: list[Part], extra, restore_rng: bool) -> dict[str, A
     with span("load check"):
         manifest = _check(path, [model for model, _ in parts], world)
     rng = restore_rng and manifest["world_size"] == world.size
-    with _param_dtype_shards(parts):
+    with _param_dtype_shards(parts, loading=True):
         with span("load read"):
             state, finishes, extra_keys = _read(path, manifest, world, parts, rng)
         with span("load apply"):

@@ -123,10 +123,13 @@ def _sharded_sets(model: nn.Module):
     return model.flatshard_state
 
 
-def param_dtype_shards(model: nn.Module) -> AbstractContextManager:
-    """A block in which a stage-3 model's 16-bit shards exist ([Note: main-backed shards]):
+def param_dtype_shards(model: nn.Module, loading: bool = False) -> AbstractContextManager:
+    """A block in which a stage-3 model's 16-bit shards exist ([Note: main-backed shards]) and
+    fp8-gathered params hold their values of record (``loading``: they are written in it):
     ``model_pieces`` reads and writes them."""
-    return model.flatshard_state.param_dtype_shards() if isinstance(model, ShardedModule) else nullcontext()
+    if not isinstance(model, ShardedModule):
+        return nullcontext()
+    return model.flatshard_state.param_dtype_shards(loading)
 
 
 def model_pieces(model: nn.Module, *, load: bool) -> dict[str, Any]:

@@ -177,7 +177,7 @@ def load_source(
     missing, unexpected = cs.check_shapes(model, shapes, src.description, strict=strict)
     state = getattr(model, "flatshard_state", None)
     optimizer = optimizer if optimizer is not None else getattr(state, "optimizer", None)
-    with cs.param_dtype_shards(model):
+    with cs.param_dtype_shards(model, loading=True):
         _copy(src, cs.model_pieces(model, load=True), cs.MODEL)
         if isinstance(optimizer, DistributedOptimizer):
             optimizer.reload_model_params()

@@ -47,13 +47,47 @@ The reasoning is [Note: fp8 gathers] below."""
 #   needs the param itself to be one for the forward (not built).
 # * **Not in fp8** (gathered in the param dtype, as before): a marked weight that another
 #   module holds too (tied back to an embedding after conversion: that module reads the weight
-#   itself, not its fp8 cast); stages 1-2, whose replicated param buffer is what state dicts
-#   and user code read between steps, so it must hold the stepped values, not their fp8
-#   rounding; tensor-parallel (DTensor) weights, whose amax spans the TP mesh too.
+#   itself, not its fp8 cast); stages 1-2 unless asked for (below); tensor-parallel (DTensor)
+#   weights, whose amax spans the TP mesh too.
+
+# [Note: fp8 gathers after the step]
+#
+# At stages 1-2 each step updates this rank's shard and gathers every bucket, so that each
+# rank holds the whole stepped model between steps ([Note: param gather]). With
+# ``MixedPrecision(fp8_gathers=True)`` the marked weights' buckets are gathered as fp8 bytes there too,
+# and each rank decodes every shard into its param buffer, its own included ("decode
+# everywhere", as Megatron's fp8 param gather keeps fp8 params):
+#
+# * **One model on every rank.** Every rank then holds the same ``q / s`` for every element.
+#   A rank that kept its own shard exact would compute ``Float8Linear``'s scale from other
+#   values than its peers and cast the elements near an fp8 rounding boundary otherwise.
+# * **The values of record stay exact in the fp32 main params**, so this needs them:
+#   ``MixedPrecision`` with a 16-bit param dtype and an optimizer that keeps fp32 main params
+#   (fp32 params, or ``OptimizerPrecision(main_dtype=...)`` of the param dtype, are refused
+#   naming why: their param buffer is their record). The step writes ``round(main)`` into the
+#   own shard (``store_main_to_params``) and the gather encodes that: the scale is the amax of
+#   the 16-bit weight, as a one-process run's ``Float8Linear`` computes it, so by the recast
+#   argument above the matmuls read the same fp8 bytes and scale as that run's (stage 3 encodes
+#   the fp32 main params instead, as FSDP2 does).
+# * **Reads.** Between steps such params hold their fp8 values decoded. What reads values of
+#   record reads the main params: ``full_state_dict``, ``save_pretrained``, the hosts' saves,
+#   checkpoints (inside ``ShardState.param_dtype_shards`` the own shard holds ``round(main)``,
+#   so ``model/`` entries are exact; the decoded values come back after). ``state_dict()``
+#   returns what the params hold, and warns once.
+# * **Writes.** A write in place through such a param (``p.mul_(0.9)``, seen by its version
+#   counter, [Note: writes through the params] in ``wrap/changes.py``) would reach the main
+#   params at fp8 precision: it is refused naming the param. Values given whole (a
+#   ``load_state_dict``, a checkpoint load) reach the main params at their own precision, and
+#   the weights they cover are recast on the rank (``Fp8Scales.recast``): a weight's amax is
+#   the same wherever it is taken, and the cast and decode are elementwise, so the recast
+#   equals what a gather of those values gives, with no collective.
+# * **Bytes.** One all-reduce of all fp8 weights' amaxes a step (``fp8_scales``), then each
+#   bucket's bytes, one an element, in flight until the forward pre-hook that waits for the
+#   bucket decodes them. A world of one rank gathers nothing and casts nothing.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -123,11 +157,15 @@ class Fp8Scales:
             norms = torch.stack(torch._foreach_norm(pieces, ord=float("inf"))).to(device, torch.float32)
             amax[torch.tensor(positions, device=device)] = norms
         all_reduce(amax, self.world, op="max", stats=stats, counted_as=SCALES_OP).wait()
-        fp8_max = self._fp8_max.to(device)
-        scales = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_FLOOR)).to(torch.float32)
-        pow2 = self._pow2.to(device)
-        self.scales = torch.where(pow2, torch.exp2(torch.floor(torch.log2(scales))), scales)
+        self.scales = self._from_amax(amax)
         self._copies = {}
+
+    def _from_amax(self, amax: torch.Tensor) -> torch.Tensor:
+        """Each weight's scale (fp32) from its amax, as torchao computes it."""
+        fp8_max = self._fp8_max.to(amax.device)
+        scales = (fp8_max / amax.to(torch.float64).clamp(min=AMAX_FLOOR)).to(torch.float32)
+        pow2 = self._pow2.to(amax.device)
+        return torch.where(pow2, torch.exp2(torch.floor(torch.log2(scales))), scales)
 
     def _scales_on(self, device: torch.device) -> torch.Tensor:
         """The scales where a shard lives (the host, for an offloaded one)."""
@@ -164,6 +202,29 @@ class Fp8Scales:
             lo, hi = slot.start - bucket.start, slot.end - bucket.start
             scale = self.scales[self._position[buffer.layout.index, slot.name]]
             full[lo:hi].copy_(packed[lo:hi].view(dtype).to(torch.float32) / scale)
+
+    def recast(self, buffer: FlatBuffer, names: Collection[str]) -> None:
+        """The weights of ``buffer`` named in ``names``, whole in its param buffer (stages 1-2),
+        replaced by their fp8 values decoded, with scales from their own amaxes: what a gather
+        of them gives ([Note: fp8 gathers after the step])."""
+        dtype = buffer.layout.gather_dtype
+        assert dtype is not None and buffer.param_data is not None
+        slots = [s for s in buffer.layout.params if s.name in names]
+        if not slots:
+            return
+        values = [buffer.param_data[s.start : s.end] for s in slots]
+        amax = torch.zeros(len(self._position), dtype=torch.float32, device=buffer.device)
+        norms = torch.stack(torch._foreach_norm(values, ord=float("inf"))).to(torch.float32)
+        amax[torch.tensor([self._position[buffer.layout.index, s.name] for s in slots])] = norms
+        scales, fp8_max = self._from_amax(amax), torch.finfo(dtype).max
+        for slot, value in zip(slots, values, strict=True):
+            scale = scales[self._position[buffer.layout.index, slot.name]]
+            scaled = value.to(torch.float32) * scale
+            value.copy_(scaled.clamp_(-fp8_max, fp8_max).to(dtype).to(torch.float32) / scale)
+
+    def names(self) -> set[str]:
+        """The weights gathered in fp8."""
+        return {slot.name for buffer in self.buffers for slot in buffer.layout.params}
 
 
 def fp8_scales(buffers: Sequence[FlatBuffer], casts: Mapping[str, Fp8Cast], world: World) -> Fp8Scales | None:

@@ -19,18 +19,27 @@ The reasoning is [Note: param gather] below."""
 #
 # With ``overlap=False`` the step waits for every gather itself. Either way the values are
 # the same: only when they are waited for differs.
+#
+# Buckets of weights gathered in fp8 (``MixedPrecision(fp8_gathers=True)``) send their fp8 bytes and are
+# decoded when waited for ([Note: fp8 gathers after the step] in ``engine/fp8_gathers.py``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 
+import torch
 from torch import nn
 
 from flatshard.comm.collectives import CommStats, Handle, all_gather
 from flatshard.comm.deadline import HERE
-from flatshard.engine.buffer import BufferSet
+from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import eager_pre_hook, whole_outside_graphs
+from flatshard.engine.fp8_gathers import Fp8Scales
+from flatshard.planner.layout import BucketLayout
+
+MainFrame = Callable[[FlatBuffer], "torch.Tensor | None"]
+"""A buffer's main params (its shard frame), where an optimizer keeps them."""
 
 
 class ParamGather:
@@ -42,10 +51,15 @@ class ParamGather:
         sets: Sequence[BufferSet],
         stats: CommStats,
         blocks: Sequence[nn.Module] = (),
+        scales: Sequence[Fp8Scales | None] = (),
     ) -> None:
         """``blocks``: disjoint subtrees of ``module`` whose forward pre-hooks wait for the
-        params inside them (the outermost units of ``units/unit_tree.py``)."""
+        params inside them (the outermost units of ``units/unit_tree.py``); ``scales``: each
+        set's weights gathered in fp8, if any ([Note: fp8 gathers after the step])."""
         self.stats = stats
+        self.scales = [s for s in scales if s is not None]
+        self._fp8 = {id(b): s for s in self.scales for b in s.buffers}  # (buffer id -> its scales)
+        self._packed: dict[int, tuple[FlatBuffer, BucketLayout, torch.Tensor]] = {}  # (fp8 bytes in flight)
         order = {id(p): i for i, p in enumerate(module.parameters())}
         units = []  # (first use, buffer, bucket, world, its params)
         unit_of: dict[int, list[int]] = {}
@@ -74,11 +88,19 @@ class ParamGather:
                 whole_outside_graphs(m)
 
     def launch(self) -> None:
-        """Start every bucket's all-gather (each rank's shard must be written first)."""
+        """Start every bucket's all-gather (each rank's shard must be written first; the fp8
+        weights' scales are taken from the shards first, one all-reduce a set)."""
         self.wait_all()
+        for each in self.scales:
+            each.refresh(lambda buffer, bucket: buffer.param_shard(bucket), self.stats)
         for index, (buffer, bucket, world) in enumerate(self.units):
-            tensor = buffer.param_range(bucket, bucket)
-            mine = buffer.param_shard(bucket)
+            tensor, mine = buffer.param_range(bucket, bucket), buffer.param_shard(bucket)
+            scales = self._fp8.get(id(buffer))
+            if scales is not None:  # (its bytes, decoded into the buffer when waited for)
+                packed = torch.empty(bucket.numel, dtype=torch.uint8, device=tensor.device)
+                scales.encode(buffer, bucket, mine, buffer.own_part(packed, bucket))
+                self._packed[index] = (buffer, bucket, packed)
+                tensor, mine = packed, buffer.own_part(packed, bucket)
             self._pending[index] = all_gather(tensor, mine, world, stats=self.stats, splits=bucket.splits)
 
     def wait(self, units: Sequence[int]) -> None:
@@ -86,6 +108,39 @@ class ParamGather:
             handle = self._pending.pop(index, None)
             if handle is not None:
                 handle.wait()
+            if index in self._packed:
+                buffer, bucket, packed = self._packed.pop(index)
+                self._fp8[id(buffer)].decode(buffer, bucket, packed, buffer.param_range(bucket, bucket))
+
+    def exact_shards(self, main_frame: MainFrame) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """This rank's shards of the fp8-gathered buckets set to their main params rounded (the
+        values of record in the param dtype, for a checkpoint to read); returns each shard
+        with its fp8 values, to put back ([Note: fp8 gathers after the step])."""
+        if not self.scales:
+            return []
+        self.wait_all()
+        kept = []
+        for scales in self.scales:
+            for buffer in scales.buffers:
+                main = main_frame(buffer)
+                if main is None:
+                    continue
+                for bucket in buffer.layout.buckets:
+                    frame, shard = buffer.frame_range(bucket), buffer.param_shard(bucket)
+                    kept.append((shard, shard.clone()))
+                    shard.copy_(main[frame.start : frame.end])
+        return kept
+
+    def decoded(self) -> set[str]:
+        """The params that hold their fp8 values decoded between steps."""
+        return {name for scales in self.scales for name in scales.names()}
+
+    def recast(self, names: Collection[str]) -> None:
+        """The fp8-gathered weights among ``names``, written whole on this rank, recast as a
+        gather would ([Note: fp8 gathers after the step])."""
+        for scales in self.scales:
+            for buffer in scales.buffers:
+                scales.recast(buffer, names)
 
     def wait_all(self) -> None:
         self.wait(sorted(self._pending))

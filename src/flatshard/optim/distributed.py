@@ -58,7 +58,7 @@ from flatshard.optim.inner import check_optimizer_class, make_inner, param_group
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
 from flatshard.optim.rank_state import load_rank_state, rank_state
-from flatshard.optim.shards import BufferShards, build_shards
+from flatshard.optim.shards import BufferShards, build_shards, check_fp8_record
 from flatshard.optim.streamed_step import StreamedStep
 from flatshard.planner.mixed_precision import OptimizerPrecision
 from flatshard.planner.offload import host_homed, unit_ids
@@ -165,6 +165,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
             for buffer in bset.buffers
             for home in [offload if host_homed(offload, buffer.layout.unit, ids) else None]
         ]
+        check_fp8_record(self._buffer_shards, state.fp8_values())
         state.home_frozen_shards(offload, ids)  # (a budget's decision: its units' frozen shards too)
         originals = state.take_originals()
         for shards in self._buffer_shards:

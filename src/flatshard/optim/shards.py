@@ -141,6 +141,22 @@ class BufferShards:
                     stats.record(HOST_TO_DEVICE, shard.numel() * shard.element_size(), 0)
 
 
+def check_fp8_record(all_shards: Sequence[BufferShards], fp8_values: set[str]) -> None:
+    """Params that hold their fp8 values between steps need main params to keep the exact
+    ones ([Note: fp8 gathers after the step] in ``engine/fp8_gathers.py``): refused otherwise,
+    naming one."""
+    for shards in all_shards:
+        names = [slot.name for slot in shards.buffer.layout.params if slot.name in fp8_values]
+        if names and shards.record_main is None:
+            raise ValueError(
+                f"param {names[0]!r} is gathered in fp8 after each step "
+                "(MixedPrecision(fp8_gathers=True)), so its exact values live only in fp32 main "
+                f"params, and this optimizer keeps none for it (main params of "
+                f"{shards.buffer.layout.dtype}); build it with fp32 main params "
+                "(OptimizerPrecision(main_dtype=torch.float32)), or leave fp8_gathers unset"
+            )
+
+
 def describe_nonfinite(all_shards: Sequence[BufferShards], most: int = 8) -> str:
     """Which params have non-finite grads on this rank, in words (for an error)."""
     names = [name for shards in all_shards for name in shards.nonfinite_grads()]

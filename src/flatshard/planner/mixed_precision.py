@@ -38,18 +38,27 @@ HALF_DTYPES = (torch.float16, torch.bfloat16)
 class MixedPrecision:
     """``param_dtype``: the dtype params are stored and computed in (None: as they are);
     ``reduce_dtype``: the dtype grads are reduced in (None: their accumulation dtype);
-    ``grad_dtype``: the dtype 16-bit params' grads accumulate in (None: fp32; or bf16)."""
+    ``grad_dtype``: the dtype 16-bit params' grads accumulate in (None: fp32; or bf16);
+    ``fp8_gathers``: torchao's float8 weights (converted with ``enable_fsdp_float8_all_gather=
+    True``) gathered as fp8 bytes. None: at stage 3 ([Note: fp8 gathers] in
+    ``engine/fp8_gathers.py``); True: after each step at stages 1-2 too, where between steps
+    those params hold their fp8 values decoded and fp32 main params keep the exact ones (16-bit
+    params only: [Note: fp8 gathers after the step]); False: never."""
 
     param_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     reduce_dtype: torch.dtype | None = None
     grad_dtype: torch.dtype | None = None
+    fp8_gathers: bool | None = None
 
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "grad_dtype"):
             value = getattr(self, field)
             if value is not None and not (isinstance(value, torch.dtype) and value.is_floating_point):
                 raise ValueError(f"MixedPrecision.{field} must be a floating torch.dtype, got {value!r}")
+        if not (self.fp8_gathers is None or isinstance(self.fp8_gathers, bool)):
+            asked = self.fp8_gathers
+            raise ValueError(f"MixedPrecision.fp8_gathers must be None, True or False, got {asked!r}")
         if self.grad_dtype not in (None, torch.float32, torch.bfloat16):
             raise ValueError(
                 f"MixedPrecision.grad_dtype must be None, torch.float32 or torch.bfloat16, got "

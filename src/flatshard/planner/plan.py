@@ -18,7 +18,7 @@ counted) ahead of its implementation.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -190,6 +190,8 @@ def plan_from_specs(
     for stage in STAGES:
         policy = StagePolicy(stage)
         staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
+        if not _gathers(policy):  # (stage 0 gathers nothing: no buffers of fp8 gathers)
+            staged = [replace(spec, gather_dtype=None) for spec in staged]
         per_unit = not isinstance(offload, bool)  # (units named: buffers unit by unit)
         layout = layout_at(policy, staged, world_size, bucket_size, fmt.align if fmt else None, per_unit)
         gathers = _gathers_per_bucket(staged)
@@ -202,7 +204,7 @@ def plan_from_specs(
         for buffer in layout.buffers:
             host = _on_host(offload, buffer, policy)
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
-            sent = buffer.gather_dtype.itemsize if buffer.gather_dtype and policy.gathers_units else pb
+            sent = buffer.gather_dtype.itemsize if buffer.gather_dtype and _gathers(policy) else pb
             full, shard = buffer.numel, buffer.shard_numel(rank)
             half = buffer.dtype in HALF_DTYPES and fp32_main  # (at stage 3 they hold the 16-bit shard)
             held_by_main = half or host  # (offloaded fp32 params get a host copy too)
@@ -219,7 +221,8 @@ def plan_from_specs(
             if host:
                 ups = [gathers(b) if policy.shards_params else 1 for b in buffer.buckets]
                 sizes = [b.shard_range(rank).size for b in buffer.buckets]
-                up = sum(sent * size * n for size, n in zip(sizes, ups, strict=True))
+                over = sent if policy.shards_params else pb  # (stages 1-2: the stepped shard goes up)
+                up = sum(over * size * n for size, n in zip(sizes, ups, strict=True))
                 width = (4 if half else pb, gb if policy.shards_grads else 0)  # (main, grads sent)
                 moved = (sum(n * width[0] for n, _ in ran) + state, sum(n * width[1] for n, _ in ran))
                 _add_host(totals, policy, gb * shard, main + state, up, moved if streamed else None)
@@ -328,12 +331,18 @@ def _add_frozen(
     totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
 
 
+def _gathers(policy: StagePolicy) -> bool:
+    """Whether params are gathered at this stage (by unit, or after the step)."""
+    return policy.gathers_units or policy.gathers_buckets_after_step
+
+
 def _fp8_scales_bytes(layout: Layout, policy: StagePolicy) -> int:
-    """Stage 3: the wire bytes of one forward's all-reduce of the fp8 weights' amaxes (fp32,
-    one a weight; [Note: fp8 gathers] in ``engine/fp8_gathers.py``), as ``CommStats`` counts it."""
+    """The wire bytes of the all-reduce of the fp8 weights' amaxes (fp32, one a weight), once a
+    forward at stage 3 and once a step at stages 1-2 ([Note: fp8 gathers] and [Note: fp8
+    gathers after the step] in ``engine/fp8_gathers.py``), as ``CommStats`` counts it."""
     count = sum(len(list(b.params)) for b in layout.buffers if b.gather_dtype is not None)
     n = layout.world_size
-    return 2 * (n - 1) * 4 * count // n if policy.gathers_units and count and n > 1 else 0
+    return 2 * (n - 1) * 4 * count // n if _gathers(policy) and count and n > 1 else 0
 
 
 def _size(nbytes: int) -> str:

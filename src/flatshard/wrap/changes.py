@@ -60,6 +60,7 @@ import torch
 from torch import nn
 
 from flatshard.engine.tensor_parallel import local, rebind
+from flatshard.errors import ShardedParamError
 from flatshard.planner.mixed_precision import HALF_DTYPES
 
 Rebound = Callable[[dict[str, torch.Tensor]], None]
@@ -69,10 +70,20 @@ class WrappedTree:
     """What ``shard`` wrapped: every module's own params (by identity, with
     ``requires_grad``) and its numbers of child modules and params."""
 
-    def __init__(self, module: nn.Module, rebound: Rebound | None = None, watch_fp32: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        rebound: Rebound | None = None,
+        watch_fp32: bool = False,
+        fp8_values: frozenset[str] = frozenset(),
+    ) -> None:
         """``rebound``: when given (stages 0-2), params whose ``.data`` left their buffer view
         are put back, and it is called with their names and values; ``watch_fp32``: writes to
-        fp32 params are looked for too (their optimizer steps a host copy: [Note: memory tiers])."""
+        fp32 params are looked for too (their optimizer steps a host copy: [Note: memory tiers]);
+        ``fp8_values``: params that hold their fp8 values between steps, written in place only
+        at a loss ([Note: fp8 gathers after the step] in ``engine/fp8_gathers.py``)."""
+        self.fp8_values = fp8_values
+        self.versions: list[int] = []
         named = list(module.named_modules(remove_duplicate=False))
         self.modules = [(name or "(root)", m, len(m._modules), len(m._parameters)) for name, m in named]
         self.params = [
@@ -123,6 +134,14 @@ class WrappedTree:
         written = {name: local(p) for (name, p), seen in versions if p._version != seen}
         if not (moved or written):
             return
+        lossy = sorted(self.fp8_values.intersection(written))
+        if lossy:
+            raise ShardedParamError(
+                f"param {lossy[0]!r} was written in place, but between steps it holds its fp8 value "
+                "(MixedPrecision(fp8_gathers=True) at stages 1-2), so the write would reach its fp32 main "
+                "params at fp8 precision. Load values whole instead (load_state_dict, "
+                "flatshard.load_weights), or leave fp8_gathers unset"
+            )
         with torch.no_grad():
             for name, p, view, _ in self.bound:
                 if name in moved:
@@ -130,6 +149,14 @@ class WrappedTree:
                     rebind(p, view)
         self.forget_writes()  # (before rebound, which may look again)
         self.rebound({**written, **moved})
+
+    def drop_fp8_writes(self) -> None:
+        """Forget writes in place through params that hold their fp8 values (about to be
+        loaded over, [Note: fp8 gathers after the step] in ``engine/fp8_gathers.py``)."""
+        self.versions = [
+            p._version if name in self.fp8_values else seen
+            for (name, p), seen in zip(self.watched, self.versions, strict=True)
+        ]
 
     def take_storages(self) -> None:
         """The buffer views' storages were reallocated by flatshard itself (``reload_states``,
@@ -169,7 +196,10 @@ class LoadHooks:
     def before(self, module: nn.Module, state_dict, prefix: str, *rest) -> None:
         """Before torch copies values into ``module``'s own params: note where they come from.
         The values are read in ``after``: load hooks the user registered later on the same
-        module (a rename of an old key) run between the two, as torch's copy does."""
+        module (a rename of an old key) run between the two, as torch's copy does. A refused
+        write through a param that holds its fp8 value is what a load replaces: not refused
+        again here."""
+        self.tree.drop_fp8_writes()
         self.wait()
         self.sources[id(module)] = (state_dict, prefix)
 

@@ -3,10 +3,11 @@ FSDP2, so the user's ``forward``, parameter names and state-dict keys stay as th
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from functools import partial
 from typing import Any, Protocol
@@ -81,6 +82,8 @@ class ShardState:
     # what an Offload(device_budget=...) is decided from ([Note: device budget] in planner/budget.py)
     budget_specs: Any = None
     _materialized: int = 0  # depth of param_dtype_shards() blocks
+    _decoded_shards: list = field(default_factory=list)  # (shard, its fp8 values) in such a block
+    _warned_fp8: bool = False  # state_dict() said once that fp8-gathered params hold fp8 values
     # while set, settle_gathers does nothing: the root's forward (it waits for the gathers
     # bucket by bucket) or zero_grad (it reads no value) is running
     settle_paused: bool = False
@@ -123,14 +126,19 @@ class ShardState:
         return originals
 
     @contextmanager
-    def param_dtype_shards(self) -> Iterator[None]:
+    def param_dtype_shards(self, loading: bool = False) -> Iterator[None]:
         """Stage-3 16-bit shards that exist inside the block, for code that reads or writes
         them; what was written reaches the main params on exit ([Note: main-backed shards]
-        in ``engine/buffer.py``). Blocks nest; elsewhere a no-op."""
+        in ``engine/buffer.py``). At stages 1-2, the shards of weights gathered in fp8 hold
+        their main params rounded inside it, and their fp8 values after (recast from what was
+        written, ``loading``: [Note: fp8 gathers after the step]). Blocks nest."""
         buffers = [b for bset in self.sets.values() for b in bset.buffers if b.main_backed]
+        gather = self.param_gather
         if self._materialized == 0:
             for buffer in buffers:
                 buffer.materialize_shard()
+            if gather is not None and self.optimizer is not None:
+                self._decoded_shards = gather.exact_shards(self.optimizer.main_frame)
         self._materialized += 1
         try:
             yield
@@ -140,6 +148,12 @@ class ShardState:
                 written = [buffer.release_shard() for buffer in buffers]
                 if any(written) and self.optimizer is not None:
                     self.optimizer.main_params_changed()
+                kept, self._decoded_shards = self._decoded_shards, []
+                if gather is not None and loading:
+                    gather.recast(gather.decoded())
+                else:
+                    for shard, decoded in kept:
+                        shard.copy_(decoded)
 
     def check_resident(self, what: str) -> None:
         """Refuse ``what`` while ``offload_states`` holds the model's bytes on the host."""
@@ -192,6 +206,13 @@ class ShardState:
             for name, value in values.items():
                 if name in self.originals:
                     self.originals[name].copy_(value)
+        if self.param_gather is not None:  # ([Note: fp8 gathers after the step])
+            self.param_gather.recast(values.keys())
+
+    def fp8_values(self) -> set[str]:
+        """The params that hold their fp8 values decoded between steps (stages 1-2 with
+        ``MixedPrecision(fp8_gathers=True)``)."""
+        return set() if self.param_gather is None else self.param_gather.decoded()
 
 
 class ShardedModule(nn.Module):
@@ -257,6 +278,15 @@ class ShardedModule(nn.Module):
             )
         if not state.policy.shards_params:
             state.wait_for_params()
+            if state.fp8_values() and not state._warned_fp8:
+                state._warned_fp8 = True
+                warnings.warn(
+                    "state_dict(): the params gathered in fp8 after each step "
+                    "(MixedPrecision(fp8_gathers=True)) hold their fp8 values; model.full_state_dict() "
+                    "and flatshard's checkpoints give the exact ones, from the fp32 main params "
+                    "([Note: fp8 gathers after the step])",
+                    stacklevel=2,
+                )
             return super().state_dict(*args, **kwargs)
         out = super().state_dict(*args, **kwargs)
         if not kwargs.get("keep_vars", False):  # (copies: summon_full_params frees the gathered

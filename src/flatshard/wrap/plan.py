@@ -22,7 +22,7 @@ from flatshard.comm.world import ONE, World, resolve_world, resolve_worlds
 from flatshard.engine.fp8_gathers import Fp8Cast
 from flatshard.engine.tensor_parallel import TensorParallel, describe, is_distributed, mesh_of, refuse
 from flatshard.planner.layout import ParamSpec
-from flatshard.planner.mixed_precision import MixedPrecision, cast_params
+from flatshard.planner.mixed_precision import HALF_DTYPES, MixedPrecision, cast_params
 from flatshard.planner.offload import Offload, unit_ids
 from flatshard.planner.stage import SCHEDULE, Buckets, Stage3, StagePolicy
 from flatshard.units.build import is_meta_model, replace_meta_params
@@ -202,7 +202,7 @@ def plan_wrap(
         stage3_units(module, named, s3.units, s3.unit_bytes) if policy.gathers_units else ([], {})
     )
     _check_offload_units(offload, policy, units)
-    fp8 = _fp8_gathered(module, marked, policy)
+    fp8 = _fp8_gathered(module, marked, policy, mp.fp8_gathers)
     specs_of = partial(
         param_specs, tied=tied_params(module), unit_of=unit_of, whole=kept_whole, mixed_precision=mp, fp8=fp8
     )
@@ -260,11 +260,34 @@ def _check_offload_units(offload: Offload | None, policy: StagePolicy, units: li
 
 
 def _fp8_gathered(
-    module: nn.Module, marked: Mapping[str, Fp8Cast], policy: StagePolicy
+    module: nn.Module,
+    marked: Mapping[str, Fp8Cast],
+    policy: StagePolicy,
+    asked: bool | None,
 ) -> dict[str, Fp8Cast]:
-    """The weights gathered in fp8 ([Note: fp8 gathers]): at stage 3, those torchao marked
-    for it, but tensor-parallel ones."""
-    if not policy.gathers_units:
+    """The weights gathered in fp8 ([Note: fp8 gathers]): those torchao marked for it, but
+    tensor-parallel ones, at stage 3 unless ``asked`` is False, and after the step at
+    stages 1-2 where ``asked`` ([Note: fp8 gathers after the step])."""
+    if asked is True and not marked:
+        raise ValueError(
+            "MixedPrecision(fp8_gathers=True), but no weight is marked for fp8 gathers: convert the "
+            "model with torchao.float8.convert_to_float8_training(..., config=Float8LinearConfig("
+            "enable_fsdp_float8_all_gather=True)) first"
+        )
+    if asked is True and not (policy.gathers_units or policy.gathers_buckets_after_step):
+        raise ValueError(
+            f"MixedPrecision(fp8_gathers=True) at stage {policy.stage}, which gathers no params: "
+            "use stages 1-3"
+        )
+    dtype = next((module.get_parameter(n).dtype for n in marked), None)  # (after the cast)
+    if asked is True and not policy.gathers_units and dtype not in HALF_DTYPES:
+        raise ValueError(
+            f"MixedPrecision(fp8_gathers=True) at stage {policy.stage} with {dtype} params: between "
+            "steps the params then hold their fp8 values, and only fp32 main params of 16-bit params "
+            "keep the exact ones; pass mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), "
+            "or use stage 3, whose fp8 gathers leave the shards exact"
+        )
+    if asked is False or (asked is None and not policy.gathers_units):
         return {}
     return {n: cast for n, cast in marked.items() if not is_distributed(module.get_parameter(n))}
 

@@ -21,6 +21,7 @@ from flatshard.comm.deadline import DEFAULT_TIMEOUT
 from flatshard.comm.world import check_ranks_agree
 from flatshard.engine.buffer import BufferSet, FlatBuffer
 from flatshard.engine.dynamo import eager
+from flatshard.engine.fp8_gathers import fp8_scales
 from flatshard.engine.grad_sync import GradSync, build_reductions
 from flatshard.engine.grad_view import ExpertSpread
 from flatshard.engine.param_gather import ParamGather
@@ -170,7 +171,8 @@ def attach(module: nn.Module, plan: WrapPlan, sets: Mapping[str, BufferSet]) -> 
     reductions = build_reductions(list(trained.values()), plan.buckets.per_launch, stats, reduce_dtype)
     gather = unsharder = None
     if policy.gathers_buckets_after_step:
-        gather = ParamGather(module, list(trained.values()), stats, outer_blocks(module))
+        scales = [fp8_scales(bset.buffers, plan.fp8, bset.world) for bset in trained.values()]
+        gather = ParamGather(module, list(trained.values()), stats, outer_blocks(module), scales)
     if policy.gathers_units:
         unsharder = _unsharder(plan, [*trained.values(), *([frozen] if frozen is not None else [])], stats)
     sync = GradSync(
@@ -273,7 +275,8 @@ def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_wo
     mixed-precision input cast."""
     state = sharded.flatshard_state
     offloaded = state.offload is not None and state.offload.fraction == 1.0
-    tree = WrappedTree(sharded, None if state.policy.shards_params else state.take_values, offloaded)
+    rebound = None if state.policy.shards_params else state.take_values
+    tree = WrappedTree(sharded, rebound, offloaded, frozenset(state.fp8_values()))
     state.tree = tree
     if not state.policy.shards_params:
         LoadHooks(tree, state.wait_for_params).register(sharded)

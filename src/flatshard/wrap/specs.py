@@ -113,10 +113,12 @@ def model_specs(
     frozen: bool = False,
     whole_params: WholeParams = None,
     unit_bytes: int | None = DEFAULT_UNIT_BYTES,
+    fp8_gathers: bool | None = None,
 ) -> list[ParamSpec]:
     """``param_specs`` of a module's trainable params (``frozen``: of its frozen floating
-    params) as ``shard(module, stage=stage, whole_params=..., stage3=Stage3(unit_bytes=...))`` lays them out
-    (works on the meta device; torchao's fp8-gather weights are gathered in fp8 at stage 3)."""
+    params) as ``shard(module, stage=stage, whole_params=..., stage3=Stage3(unit_bytes=...),
+    fp8_gathers=...)`` lays them out (works on the meta device; torchao's fp8-gather weights
+    are gathered in fp8 at stage 3, and at stages 0-2 with ``fp8_gathers=True``)."""
     named = [
         (n, p)
         for n, p in module.named_parameters()
@@ -126,7 +128,8 @@ def model_specs(
     unit_of = stage3_units(module, named, units, unit_bytes)[1] if gathers_units else {}
     fp8 = {n: c for n, c in fp8_marked(module).items() if not is_distributed(module.get_parameter(n))}
     whole = whole_param_names(module, whole_params)
-    return param_specs(named, tied_params(module), unit_of, whole, fp8=fp8 if gathers_units else None)
+    in_fp8 = fp8_gathers is True or (gathers_units and fp8_gathers is None)
+    return param_specs(named, tied_params(module), unit_of, whole, fp8=fp8 if in_fp8 else None)
 
 
 def names_by_param(module: nn.Module) -> dict[int, list[str]]:
