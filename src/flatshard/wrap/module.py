@@ -137,7 +137,7 @@ class ShardState:
         if self._materialized == 0:
             for buffer in buffers:
                 buffer.materialize_shard()
-            if gather is not None and self.optimizer is not None:
+            if gather is not None and self.optimizer is not None and not loading:
                 self._decoded_shards = gather.exact_shards(self.optimizer.main_frame)
         self._materialized += 1
         try:
