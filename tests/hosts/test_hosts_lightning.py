@@ -48,6 +48,7 @@ class _Module(pl.LightningModule):
         self.norms: list[float] = []
         self.reductions: list[int] = []  # (flatshard's side: reductions so far, at each micro-batch)
         self.fused = False  # torch's fused AdamW (the kernel an offloaded step takes)
+        self.low_bit: str | None = None  # a torchao low-bit AdamW's name ([Note: blockwise state])
 
     def training_step(self, batch, index):
         self._note_reductions()
@@ -75,14 +76,16 @@ class _Module(pl.LightningModule):
 
     def configure_optimizers(self):
         named = list(self.named_parameters())
-        optimizer = torch.optim.AdamW(
-            [
-                {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.01},
-                {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
-            ],
-            lr=1e-3,
-            fused=self.fused or None,
-        )
+        groups = [
+            {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": 0.01},
+            {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+        ]
+        if self.low_bit is not None:
+            import torchao.optim
+
+            optimizer = getattr(torchao.optim, self.low_bit)(groups, lr=1e-3)
+        else:
+            optimizer = torch.optim.AdamW(groups, lr=1e-3, fused=self.fused or None)
         schedule = torch.optim.lr_scheduler.LinearLR(optimizer, 1.0, 0.25, total_iters=4)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
 
@@ -119,6 +122,7 @@ def _against_ddp(stages: list[int], out: str, **more) -> dict:
     for stage in ["ddp", *stages]:
         module = _Module(copy.deepcopy(model))
         module.fused = more.get("fused", False)
+        module.low_bit = more.get("low_bit")
         if stage == "ddp":
             name = "ddp_find_unused_parameters_true" if unused else "ddp"
         elif unused or options:
@@ -126,7 +130,7 @@ def _against_ddp(stages: list[int], out: str, **more) -> dict:
         else:
             name = f"flatshard_stage_{stage}"
         plugins = {"plugins": more["plugins_each"]()} if "plugins_each" in more else {}
-        settings = {k: v for k, v in more.items() if k not in ("plugins_each", "fused")}
+        settings = {k: v for k, v in more.items() if k not in ("plugins_each", "fused", "low_bit")}
         trainer = _trainer(name, f"{out}/{stage}", world_size, **settings, **plugins)
         trainer.fit(module, _loader())
         (validated,) = trainer.validate(module, _loader(), verbose=False)
@@ -165,6 +169,29 @@ def test_the_lightning_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_
     options = {"offload": flatshard.Offload(step=step)}
     for logged in run_distributed(
         _against_ddp, 2, [2, 3], str(tmp_path), options=options, fused=True, init=False
+    ):
+        _check_follows(logged)
+
+
+def _eager_against_ddp(*args, **kwargs) -> dict:
+    """``_against_ddp`` with torchao's compiled optimizer step on dynamo's "eager" backend
+    (the same graph op by op on both sides; see tests/optim/test_blockwise_state.py)."""
+    torch.compiler.set_default_backend("eager")
+    try:
+        return _against_ddp(*args, **kwargs)
+    finally:
+        torch.compiler.set_default_backend(None)
+
+
+def test_torchaos_8bit_adamw_under_lightning_follows_its_ddp(tmp_path):
+    """``configure_optimizers`` returns torchao's ``AdamW8bit`` with two weight-decay groups;
+    flatshard steps it over shards cut at its blocks' bounds (``Buckets(align=256)``, [Note:
+    blockwise state]) at stage 3 (stage 1 under the HF Trainer: ``test_hosts_hf.py``), so the
+    quantized moments are one process's and the run follows Lightning's DDP with the same
+    optimizer as an fp32-state run does."""
+    options = {"buckets": flatshard.Buckets(align=256)}
+    for logged in run_distributed(
+        _eager_against_ddp, 2, [3], str(tmp_path), options=options, low_bit="AdamW8bit", init=False
     ):
         _check_follows(logged)
 
