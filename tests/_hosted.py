@@ -59,3 +59,14 @@ def tiny_llama() -> torch.nn.Module:
 
 float8_linears = partial(_float8_linears, emulate=True)
 """A model's linears in torchao's float8 training with fp8 all-gathers, emulated (a CPU)."""
+
+
+def on_eager_dynamo(run, *args, **kwargs):
+    """``run(*args, **kwargs)`` with dynamo's "eager" backend as torch.compile's default: torchao's
+    low-bit optimizers compile their step, the same graph op by op on both sides, instead of
+    ~20 s of inductor a test (see tests/optim/test_blockwise_state.py)."""
+    torch.compiler.set_default_backend("eager")
+    try:
+        return run(*args, **kwargs)
+    finally:
+        torch.compiler.set_default_backend(None)

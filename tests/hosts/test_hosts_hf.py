@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import copy
 import os
+from functools import partial
 
 import pytest
 import torch
 
 import flatshard
-from _hosted import SETTINGS, Tokens, float8_linears, logged_steps, tiny_llama
+from _hosted import SETTINGS, Tokens, float8_linears, logged_steps, on_eager_dynamo, tiny_llama
 from flatshard.toolkit.testing import run_distributed
 
 transformers = pytest.importorskip("transformers")
@@ -425,14 +426,7 @@ def test_a_device_budget_under_the_trainer_follows_its_ddp(tmp_path):
         _check_follows(logged, rel=1e-5)
 
 
-def _eager_against_ddp(*args, **kwargs) -> dict:
-    """``_against_ddp`` with torchao's compiled optimizer step on dynamo's "eager" backend
-    (the same graph op by op on both sides; see tests/optim/test_blockwise_state.py)."""
-    torch.compiler.set_default_backend("eager")
-    try:
-        return _against_ddp(*args, **kwargs)
-    finally:
-        torch.compiler.set_default_backend(None)
+_eager_against_ddp = partial(on_eager_dynamo, _against_ddp)  # (torchao compiles its step)
 
 
 def test_the_trainers_torchao_8bit_adamw_over_aligned_shards_follows_its_ddp(tmp_path):

@@ -15,12 +15,13 @@ import copy
 import itertools
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
 
 import flatshard
-from _hosted import Tokens, float8_linears, tiny_llama
+from _hosted import Tokens, float8_linears, on_eager_dynamo, tiny_llama
 from flatshard.toolkit.testing import run_distributed
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -173,14 +174,7 @@ def test_the_lightning_trainer_follows_its_ddp_with_the_optimizer_offloaded(tmp_
         _check_follows(logged)
 
 
-def _eager_against_ddp(*args, **kwargs) -> dict:
-    """``_against_ddp`` with torchao's compiled optimizer step on dynamo's "eager" backend
-    (the same graph op by op on both sides; see tests/optim/test_blockwise_state.py)."""
-    torch.compiler.set_default_backend("eager")
-    try:
-        return _against_ddp(*args, **kwargs)
-    finally:
-        torch.compiler.set_default_backend(None)
+_eager_against_ddp = partial(on_eager_dynamo, _against_ddp)  # (torchao compiles its step)
 
 
 def test_torchaos_8bit_adamw_under_lightning_follows_its_ddp(tmp_path):
