@@ -86,6 +86,33 @@ def test_the_native_loop_is_the_fused_step(dtypes, threads):
         assert (a == b).double().mean() > 0.99, case
 
 
+def test_non_finite_values_come_out_as_the_fused_step_writes_them():
+    """NaN and inf grads, params and moments (a NaN's payload in its low mantissa bits, which
+    rounding can turn into an infinity, or in its high ones) give the fused step's moments:
+    the same bits, but a NaN is a NaN on both sides with bits of its own (torch's vectorized
+    CPU conversion writes 0xFFFF, the native loop c10's 0x7FC0)."""
+    n = 4099
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")])
+    payloads = torch.tensor([0x7F800001, 0x7F812345, 0xFFC00001, 0x7FFFFFFF], dtype=torch.int64)
+    for dtypes in ((BF16, F32, BF16), (BF16, BF16, BF16), (F32, F32, BF16)):
+        tensors = _inputs(dtypes, n)
+        for k, t in enumerate(tensors):
+            values = torch.cat([specials, payloads.to(torch.int32).view(torch.float32)])
+            t[100 * k : 100 * k + 8] = values.to(t.dtype)
+        case = (n, 77, 0.0, False, (0.9, 0.95))
+        halves, hyper = _salts_and_hyper(case)
+        ops = [t.clone() for t in tensors]
+        fused_adam.adam_chunk(*ops, torch.tensor([77, *halves]), torch.tensor(hyper), 0.0, False)
+        native = [t.clone() for t in tensors]
+        assert cpu_adam.step(*native, 77, halves, hyper, 0.0, False)
+        for a, b in zip(ops[2:], native[2:], strict=True):
+            nan = a.isnan()
+            assert torch.equal(nan, b.isnan()) and nan.any(), dtypes
+            bits = torch.int16 if a.dtype == BF16 else torch.int32
+            assert torch.equal(a[~nan].view(bits), b[~nan].view(bits)), dtypes
+            assert a.isinf().any(), dtypes  # (infinities reached the moments too)
+
+
 def test_a_run_in_pieces_draws_what_it_draws_whole():
     """Two calls over pieces of a run (the second starting at its place) equal one call."""
     n, start, l2, maximize, _ = case = CASES[2]
