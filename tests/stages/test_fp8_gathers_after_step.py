@@ -246,3 +246,21 @@ def test_what_cannot_keep_the_exact_values_is_refused(case, said):
     """On 2 ranks (one gathers nothing, so it needs no exact copy), each before any step."""
     for got in run_distributed(_refused, 2, case):
         assert re.search(said, got), got
+
+
+def _layouts(stage: int, fp8: bool | None) -> list[bool]:
+    mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16, fp8_gathers=fp8)
+    model = flatshard.shard(float8_gpt(), stage=stage, mixed_precision=mp)
+    return [b.gather_dtype is not None for b in model.layouts["main"].buffers]
+
+
+def _every_choice() -> dict:
+    return {(stage, fp8): _layouts(stage, fp8) for stage in (1, 3) for fp8 in (None, True, False)}
+
+
+def test_where_weights_are_gathered_in_fp8_is_the_choice_made():
+    """None: at stage 3 only; True: at stages 1 and 3; False: at neither (a buffer of fp8
+    gathers is a buffer of its own, so the layout says)."""
+    (r, _) = run_distributed(_every_choice, 2)
+    assert [any(r[k]) for k in ((1, None), (1, True), (1, False))] == [False, True, False]
+    assert [any(r[k]) for k in ((3, None), (3, True), (3, False))] == [True, True, False]

@@ -54,9 +54,9 @@ The reasoning is [Note: fp8 gathers] below."""
 #
 # At stages 1-2 each step updates this rank's shard and gathers every bucket, so that each
 # rank holds the whole stepped model between steps ([Note: param gather]). With
-# ``MixedPrecision(fp8_gathers=True)`` the marked weights' buckets are gathered as fp8 bytes there too,
-# and each rank decodes every shard into its param buffer, its own included ("decode
-# everywhere", as Megatron's fp8 param gather keeps fp8 params):
+# ``MixedPrecision(fp8_gathers=True)`` the marked weights' buckets are gathered as fp8 bytes
+# there too, and each rank decodes every shard into its param buffer, its own included
+# ("decode everywhere", as Megatron's fp8 param gather keeps fp8 params):
 #
 # * **One model on every rank.** Every rank then holds the same ``q / s`` for every element.
 #   A rank that kept its own shard exact would compute ``Float8Linear``'s scale from other

@@ -20,8 +20,9 @@ The reasoning is [Note: param gather] below."""
 # With ``overlap=False`` the step waits for every gather itself. Either way the values are
 # the same: only when they are waited for differs.
 #
-# Buckets of weights gathered in fp8 (``MixedPrecision(fp8_gathers=True)``) send their fp8 bytes and are
-# decoded when waited for ([Note: fp8 gathers after the step] in ``engine/fp8_gathers.py``).
+# Buckets of weights gathered in fp8 (``MixedPrecision(fp8_gathers=True)``) send their fp8
+# bytes and are decoded when waited for ([Note: fp8 gathers after the step] in
+# ``engine/fp8_gathers.py``).
 
 from __future__ import annotations
 
