@@ -44,7 +44,7 @@ def _check_the_loss_fell(out: subprocess.CompletedProcess, stage: str) -> None:
     ("stage", "extra", "started"),
     [
         ("0", [], "by its launcher"),
-        ("1", ["--offload-fraction", "0.5"], "as under torchrun"),
+        ("1", ["--offload-fraction", "0.5", "--fp8-gathers", "--dtype", "bf16"], "as under torchrun"),
         ("3", ["--offload-fraction", "1", "--offload-step", "device"], "as under torchrun"),
     ],
 )
@@ -56,6 +56,8 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
     args += ["--stage", stage]
     out = _flatshard(*args, *extra) if started == "by its launcher" else _ranks(2, *args, *extra)
     _check_the_loss_fell(out, stage)
+    # (float8 linears in bf16, gathered in fp8 after each step at stage 1)
+    assert ("float8 linears gathered in fp8" in out.stdout) == ("--fp8-gathers" in extra), out.stdout
     if extra:  # (1: flatshard.Offload, the whole optimizer, streamed; 0.5: a HybridDeviceOptimizer)
         assert f"{float(extra[1]):.0%} of the optimizer on the host" in out.stdout
         assert ("stepped on the device" in out.stdout) == ("device" in extra), out.stdout
@@ -83,6 +85,7 @@ def test_train_starts_its_ranks_and_the_loss_falls(stage, extra, started):
             "argument --offload-fraction: expected a number in [0, 1], got '2'",
         ),
         (["train", "--offload-step", "device"], "it needs --offload-fraction 1, got 0"),
+        (["train", "--stage", "1", "--fp8-gathers"], "--fp8-gathers at stage 1 needs --dtype bf16"),
         (["frobnicate"], "invalid choice: 'frobnicate'"),
         (["plan"], "one of the arguments --params --model is required"),
         (["plan", "--model", "nosuch"], "neither a GPT preset"),

@@ -92,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="where the offloaded optimizer steps, with --offload-fraction 1: on the host, or "
         "streamed to the device a chunk at a time (Offload(step='device')) (default host)",
     )
+    train.add_argument(
+        "--fp8-gathers",
+        action="store_true",
+        help="the model's linears (but the output head) in torchao's float8 training, emulated on a "
+        "CPU, their weights gathered in fp8: MixedPrecision(fp8_gathers=True); at stages 1-2 with "
+        "--dtype bf16",
+    )
     train.add_argument("--seed", type=int, default=0, help="model init seed (default 0)")
     train.add_argument(
         "--checkpoint-dir",
@@ -254,6 +261,7 @@ def _train(args: argparse.Namespace, argv: list[str]) -> int:
         device=device,
         offload_fraction=args.offload_fraction,
         offload_step=args.offload_step,
+        fp8_gathers=args.fp8_gathers,
         micro_batches=args.micro_batches,
         timeout=args.timeout,
         dtype=args.dtype,
@@ -286,6 +294,14 @@ def _check_train_args(args: argparse.Namespace) -> str | None:
         return (
             f"--offload-step device streams all of the optimizer: it needs --offload-fraction 1, "
             f"got {args.offload_fraction:g}"
+        )
+    policy = StagePolicy(args.stage)
+    if args.fp8_gathers and not (policy.gathers_units or policy.gathers_buckets_after_step):
+        return "--fp8-gathers: stage 0 gathers no params; use stages 1-3"
+    if args.fp8_gathers and not policy.gathers_units and args.dtype != "bf16":
+        return (
+            f"--fp8-gathers at stage {args.stage} needs --dtype bf16 (fp32 main params keep the exact "
+            "values while the params hold their fp8 ones)"
         )
     if args.resume and args.checkpoint_dir is None:
         return "--resume needs --checkpoint-dir"

@@ -23,6 +23,7 @@ from flatshard.planner.stage import DEFAULT_BUCKET_SIZE
 from flatshard.toolkit.data import ByteCorpus, SyntheticCorpus
 from flatshard.toolkit.malloc import retain_freed_cpu_memory
 from flatshard.toolkit.models import lm_loss, model_dims, model_factory
+from flatshard.toolkit.models.float8 import float8_linears
 
 KEEP_CHECKPOINTS = 2  # the newest complete checkpoints kept under --checkpoint-dir
 
@@ -42,6 +43,7 @@ class TrainConfig:
     device: str = "auto"
     offload_fraction: float = 0.0  # share of this rank's optimizer updates run on the host
     offload_step: str = "host"  # where an offloaded optimizer steps ([Note: streamed step])
+    fp8_gathers: bool = False  # float8 linears, gathered in fp8 ([Note: fp8 gathers])
     dtype: str = "fp32"  # bf16: bf16 params and compute, fp32 main params
     data: str | None = None  # a text file (byte-level tokens); None: the synthetic corpus
     seq_len: int | None = None  # default: the model's cfg.seq_len
@@ -115,8 +117,13 @@ def build(cfg: TrainConfig, device: torch.device):
     else:
         corpus = SyntheticCorpus(vocab, seq_len, seed=1234)
     kwargs: dict[str, Any] = {}
-    if cfg.dtype != "fp32":
-        kwargs["mixed_precision"] = flatshard.MixedPrecision(param_dtype=plan.DTYPES[cfg.dtype])
+    if cfg.fp8_gathers:
+        float8_linears(module, emulate=device.type != "cuda")
+    if cfg.dtype != "fp32" or cfg.fp8_gathers:
+        dtype = plan.DTYPES[cfg.dtype] if cfg.dtype != "fp32" else None
+        kwargs["mixed_precision"] = flatshard.MixedPrecision(
+            param_dtype=dtype, fp8_gathers=cfg.fp8_gathers or None
+        )
     if cfg.offload_fraction > 0:  # ([Note: memory tiers])
         kwargs["offload"] = flatshard.Offload(optimizer=cfg.offload_fraction, step=cfg.offload_step)
     model = flatshard.shard(
@@ -265,6 +272,7 @@ def _finish(cfg, model, optimizer, corpus, records, first_step, tokens_per_s, ra
         "dtype": cfg.dtype,
         "offload_fraction": cfg.offload_fraction,
         "offload_step": cfg.offload_step,
+        "fp8_gathers": cfg.fp8_gathers,
         "world_size": world,
         "first_step": first_step,
         "steps": cfg.steps,

@@ -21,7 +21,8 @@ def format_summary(s: dict) -> str:
             f"flatshard train: {s['model']} ({s['params']:,} params), stage {s['stage']}, "
             f"{s['world_size']} rank(s), {s['dtype']}"
             + (f", {offload:.0%} of the optimizer on the host" if offload else "")
-            + (", stepped on the device" if offload and s.get("offload_step") == "device" else ""),
+            + (", stepped on the device" if offload and s.get("offload_step") == "device" else "")
+            + (", float8 linears gathered in fp8" if s.get("fp8_gathers") else ""),
             f"  steps            {s['first_step']} -> {s['steps']}",
             f"  tokens/s         {s['tokens_per_s']:,.0f}",
             f"  loss             {s['first_loss']:.3f} -> {s['final_loss']:.3f}  "
