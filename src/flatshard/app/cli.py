@@ -296,7 +296,7 @@ def _check_train_args(args: argparse.Namespace) -> str | None:
             f"got {args.offload_fraction:g}"
         )
     policy = StagePolicy(args.stage)
-    if args.fp8_gathers and not (policy.gathers_units or policy.gathers_buckets_after_step):
+    if args.fp8_gathers and not policy.gathers_params:
         return "--fp8-gathers: stage 0 gathers no params; use stages 1-3"
     if args.fp8_gathers and not policy.gathers_units and args.dtype != "bf16":
         return (

@@ -132,7 +132,7 @@ class ParamGather:
                     shard.copy_(main[frame.start : frame.end])
         return kept
 
-    def decoded(self) -> set[str]:
+    def fp8_values(self) -> set[str]:
         """The params that hold their fp8 values decoded between steps."""
         return {name for scales in self.scales for name in scales.names()}
 

@@ -190,7 +190,7 @@ def plan_from_specs(
     for stage in STAGES:
         policy = StagePolicy(stage)
         staged = stage3_specs if policy.gathers_units and stage3_specs is not None else specs
-        if not _gathers(policy):  # (stage 0 gathers nothing: no buffers of fp8 gathers)
+        if not policy.gathers_params:  # (stage 0 gathers nothing: no buffers of fp8 gathers)
             staged = [replace(spec, gather_dtype=None) for spec in staged]
         per_unit = not isinstance(offload, bool)  # (units named: buffers unit by unit)
         layout = layout_at(policy, staged, world_size, bucket_size, fmt.align if fmt else None, per_unit)
@@ -204,7 +204,7 @@ def plan_from_specs(
         for buffer in layout.buffers:
             host = _on_host(offload, buffer, policy)
             pb, gb = buffer.dtype.itemsize, buffer.grad_dtype.itemsize
-            sent = buffer.gather_dtype.itemsize if buffer.gather_dtype and _gathers(policy) else pb
+            sent = buffer.gather_dtype.itemsize if buffer.gather_dtype else pb  # (none at stage 0)
             full, shard = buffer.numel, buffer.shard_numel(rank)
             half = buffer.dtype in HALF_DTYPES and fp32_main  # (at stage 3 they hold the 16-bit shard)
             held_by_main = half or host  # (offloaded fp32 params get a host copy too)
@@ -331,18 +331,13 @@ def _add_frozen(
     totals["comm_bytes_per_step"] += _fp8_scales_bytes(layout, policy)
 
 
-def _gathers(policy: StagePolicy) -> bool:
-    """Whether params are gathered at this stage (by unit, or after the step)."""
-    return policy.gathers_units or policy.gathers_buckets_after_step
-
-
 def _fp8_scales_bytes(layout: Layout, policy: StagePolicy) -> int:
     """The wire bytes of the all-reduce of the fp8 weights' amaxes (fp32, one a weight), once a
     forward at stage 3 and once a step at stages 1-2 ([Note: fp8 gathers] and [Note: fp8
     gathers after the step] in ``engine/fp8_gathers.py``), as ``CommStats`` counts it."""
     count = sum(len(list(b.params)) for b in layout.buffers if b.gather_dtype is not None)
     n = layout.world_size
-    return 2 * (n - 1) * 4 * count // n if _gathers(policy) and count and n > 1 else 0
+    return 2 * (n - 1) * 4 * count // n if policy.gathers_params and count and n > 1 else 0
 
 
 def _size(nbytes: int) -> str:

@@ -212,6 +212,11 @@ class StagePolicy:
         return "reduce_scatter" if self.shards_optimizer else "all_reduce"
 
     @property
+    def gathers_params(self) -> bool:
+        """Params are all-gathered at all: after the step (stages 1-2) or unit by unit (3)."""
+        return self.shards_optimizer
+
+    @property
     def gathers_buckets_after_step(self) -> bool:
         """Each bucket's updated params are all-gathered after the step (stages 1-2)."""
         return self.shards_optimizer and not self.shards_params

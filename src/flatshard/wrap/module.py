@@ -150,7 +150,7 @@ class ShardState:
                     self.optimizer.main_params_changed()
                 kept, self._decoded_shards = self._decoded_shards, []
                 if gather is not None and loading:
-                    gather.recast(gather.decoded())
+                    gather.recast(gather.fp8_values())
                 else:
                     for shard, decoded in kept:
                         shard.copy_(decoded)
@@ -212,7 +212,7 @@ class ShardState:
     def fp8_values(self) -> set[str]:
         """The params that hold their fp8 values decoded between steps (stages 1-2 with
         ``MixedPrecision(fp8_gathers=True)``)."""
-        return set() if self.param_gather is None else self.param_gather.decoded()
+        return set() if self.param_gather is None else self.param_gather.fp8_values()
 
 
 class ShardedModule(nn.Module):

@@ -274,15 +274,17 @@ def _fp8_gathered(
             "model with torchao.float8.convert_to_float8_training(..., config=Float8LinearConfig("
             "enable_fsdp_float8_all_gather=True)) first"
         )
-    if asked is True and not (policy.gathers_units or policy.gathers_buckets_after_step):
+    if asked is True and not policy.gathers_params:
         raise ValueError(
             f"MixedPrecision(fp8_gathers=True) at stage {policy.stage}, which gathers no params: "
             "use stages 1-3"
         )
-    dtype = next((module.get_parameter(n).dtype for n in marked), None)  # (after the cast)
-    if asked is True and not policy.gathers_units and dtype not in HALF_DTYPES:
+    wide = next((n for n in marked if module.get_parameter(n).dtype not in HALF_DTYPES), None)
+    if asked is True and not policy.gathers_units and wide is not None:  # (dtypes after the cast)
+        dtype = module.get_parameter(wide).dtype
         raise ValueError(
-            f"MixedPrecision(fp8_gathers=True) at stage {policy.stage} with {dtype} params: between "
+            f"MixedPrecision(fp8_gathers=True) at stage {policy.stage} with {dtype} params ({wide!r} "
+            "among them): between "
             "steps the params then hold their fp8 values, and only fp32 main params of 16-bit params "
             "keep the exact ones; pass mixed_precision=MixedPrecision(param_dtype=torch.bfloat16), "
             "or use stage 3, whose fp8 gathers leave the shards exact"
