@@ -40,9 +40,9 @@ from gpu_showcase import (
     _dims,
     _flops_per_token,
     _mem,
-    _rates,
     _release,
     _timed,
+    warm_then_timed,
 )
 
 WARMUP, STEPS = (1, 2) if DRY else (2, 30)
@@ -67,12 +67,7 @@ def _trained(fp8: bool, compiled: bool) -> dict:
     _release()
     corpus = MarkovTokens(_dims()["vocab_size"], SEQ)
     out: dict = {"fp8": fp8, "compiled": compiled, "flops_per_token": flops}
-    out["warmup"] = _timed(model, opt, corpus, 0, WARMUP)  # (compiles: the layers, the fused step)
-    if CUDA:
-        torch.cuda.reset_peak_memory_stats()
-    out["steps"] = _timed(model, opt, corpus, WARMUP, STEPS)
-    out["steps"] |= _rates(out["steps"], flops)
-    out["memory"] = _mem()
+    out |= warm_then_timed(model, opt, corpus, flops, WARMUP, STEPS)  # (warm-up compiles)
     r = out["steps"]
     print(
         f"{'fp8' if fp8 else 'bf16'}{' compiled' if compiled else ''}: step {r['step_ms']:.0f} ms, "

@@ -46,7 +46,7 @@ from gpu_showcase import (
     _mem,
     _rates,
     _release,
-    _timed,
+    warm_then_timed,
 )
 
 CAP = 24 * 10**9  # bytes the GPU may hold (GPU.md: "capped at 24 GB")
@@ -131,16 +131,10 @@ def _flatshard_capped(offload_of) -> dict:
     out["offload"] = repr(opt.offload)
     _release()
     corpus = MarkovTokens(_dims()["vocab_size"], _seq())
-    out["warmup"] = _timed(model, opt, corpus, 0, WARMUP)
-    if CUDA:
-        torch.cuda.reset_peak_memory_stats()
     stats = model.comm_stats
-    stats.reset()
-    out["steps"] = _timed(model, opt, corpus, WARMUP, STEPS)
-    out["steps"] |= _rates(out["steps"], flops)
+    out |= warm_then_timed(model, opt, corpus, flops, WARMUP, STEPS, before=stats.reset)
     link = sum(stats.payload_bytes[op] for op in ("host_to_device", "device_to_host"))
     out["link_bytes_per_step"] = link / STEPS
-    out["memory"] = _mem()
     out["report"] = flatshard.memory_report(model, opt).as_dict()
     try:
         with torch.device("meta"):
@@ -180,12 +174,7 @@ def part_fsdp2() -> dict:
     opt = torch.optim.AdamW(model.parameters(), **HYPER)
     _release()
     corpus = MarkovTokens(_dims()["vocab_size"], _seq())
-    out["warmup"] = _timed(model, opt, corpus, 0, WARMUP)
-    if CUDA:
-        torch.cuda.reset_peak_memory_stats()
-    out["steps"] = _timed(model, opt, corpus, WARMUP, STEPS)
-    out["steps"] |= _rates(out["steps"], flops)
-    out["memory"] = _mem()
+    out |= warm_then_timed(model, opt, corpus, flops, WARMUP, STEPS)
     print(f"fsdp2 CPUOffloadPolicy: {out['steps']}", flush=True)
     return out
 

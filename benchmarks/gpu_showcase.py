@@ -181,6 +181,20 @@ def _rates(row: dict, flops_per_token: float) -> dict:
     return {"tokens_per_s": tokens_s, "mfu": tokens_s * flops_per_token / PEAK_FLOPS}
 
 
+def warm_then_timed(model, opt, corpus, flops: float, warmup: int, steps: int, before=None) -> dict:
+    """``warmup`` steps, then the allocator's peak reset (and ``before()``, e.g. a counter's
+    reset), then ``steps`` timed steps with their rates: {"warmup", "steps", "memory"}."""
+    out = {"warmup": _timed(model, opt, corpus, 0, warmup)}
+    if CUDA:
+        torch.cuda.reset_peak_memory_stats()
+    if before is not None:
+        before()
+    out["steps"] = _timed(model, opt, corpus, warmup, steps)
+    out["steps"] |= _rates(out["steps"], flops)
+    out["memory"] = _mem()
+    return out
+
+
 def _mem() -> dict:
     if not CUDA:
         return {}
