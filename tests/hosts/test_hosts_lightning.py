@@ -532,3 +532,33 @@ def test_a_compiled_lightning_module_follows_its_ddp(tmp_path):
         for stage, got in logged.items():
             for key in ("losses", "norms"):
                 assert got[key] == pytest.approx(want[key], rel=1e-5), (stage, key, got, want)
+
+
+def _fp8_after_the_step(out: str) -> dict:
+    """A float8 Llama at stage 2 in bf16 under a real ``lightning.Trainer``, its weights
+    gathered after each step in bf16 and in fp8 (``MixedPrecision(fp8_gathers=True)``)."""
+    import flatshard.hosts.lightning
+
+    model, world_size, logged = float8_linears(tiny_llama()), int(os.environ["WORLD_SIZE"]), {}
+    for fp8 in (None, True):
+        mp = flatshard.MixedPrecision(param_dtype=torch.bfloat16, fp8_gathers=fp8)
+        module = _Module(copy.deepcopy(model))
+        strategy = flatshard.hosts.lightning.Strategy(2, mixed_precision=mp)
+        _trainer(strategy, f"{out}/{fp8}", world_size).fit(module, _loader())
+        buffers = [b for layout in module.layouts.values() for b in layout.buffers]
+        logged[fp8] = {"losses": module.losses, "norms": module.norms}
+        logged[fp8]["fp8"] = any(b.gather_dtype is not None for b in buffers)
+    return logged
+
+
+def test_fp8_gathers_after_the_step_under_lightning(tmp_path):
+    """Lightning's loop (accumulation, clipping, a schedule) with the float8 weights gathered
+    in fp8 after each step follows the bf16-gathering run within 1e-5: the matmul operands are
+    the same (``tests/stages/test_fp8_gathers_after_step.py``), the clipping norm summed over
+    the fp8 weights' own buffers in another order. (Lightning's DDP has no fp32 main params of
+    bf16 params to compare with; the bf16-gathering run follows it in fp32 above.)"""
+    for r in run_distributed(_fp8_after_the_step, 2, str(tmp_path), init=False):
+        assert r[True]["fp8"] and not r[None]["fp8"]
+        for key in ("losses", "norms"):
+            assert len(r[True][key]) == len(r[None][key]) > 0, key
+            assert r[True][key] == pytest.approx(r[None][key], rel=1e-5), key
