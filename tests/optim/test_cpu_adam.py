@@ -88,9 +88,10 @@ def test_the_native_loop_is_the_fused_step(dtypes, threads):
 
 def test_non_finite_values_come_out_as_the_fused_step_writes_them():
     """NaN and inf grads, params and moments (a NaN's payload in its low mantissa bits, which
-    rounding can turn into an infinity, or in its high ones) give the fused step's moments:
-    the same bits, but a NaN is a NaN on both sides with bits of its own (torch's vectorized
-    CPU conversion writes 0xFFFF, the native loop c10's 0x7FC0)."""
+    rounding would carry into an infinity's bits or, from 0x7FFFFFFF, a GPU's NaN, into -0.0,
+    or in its high ones) give the fused step's moments: the same bits, but a NaN is a NaN on
+    both sides with bits of its own (torch's vectorized CPU conversion writes 0xFFFF, the
+    native loop c10's 0x7FC0), wherever the step in fp32 gives a NaN."""
     n = 4099
     specials = torch.tensor([float("nan"), float("inf"), -float("inf"), -float("nan")])
     payloads = torch.tensor([0x7F800001, 0x7F812345, 0xFFC00001, 0x7FFFFFFF], dtype=torch.int64)
@@ -101,13 +102,17 @@ def test_non_finite_values_come_out_as_the_fused_step_writes_them():
             t[100 * k : 100 * k + 8] = values.to(t.dtype)
         case = (n, 77, 0.0, False, (0.9, 0.95))
         halves, hyper = _salts_and_hyper(case)
+        unrounded = [t.float() for t in tensors]  # (the same step in fp32: where it gives NaNs)
+        fused_adam.adam_chunk(*unrounded, torch.tensor([77, *halves]), torch.tensor(hyper), 0.0, False)
         ops = [t.clone() for t in tensors]
         fused_adam.adam_chunk(*ops, torch.tensor([77, *halves]), torch.tensor(hyper), 0.0, False)
         native = [t.clone() for t in tensors]
         assert cpu_adam.step(*native, 77, halves, hyper, 0.0, False)
+        for a, b, ref in zip(ops, native, unrounded, strict=True):
+            nan = ref.isnan()
+            assert nan.any() and torch.equal(a.isnan(), nan) and torch.equal(b.isnan(), nan), dtypes
         for a, b in zip(ops[2:], native[2:], strict=True):
             nan = a.isnan()
-            assert torch.equal(nan, b.isnan()) and nan.any(), dtypes
             bits = torch.int16 if a.dtype == BF16 else torch.int32
             assert torch.equal(a[~nan].view(bits), b[~nan].view(bits)), dtypes
             assert a.isinf().any(), dtypes  # (infinities reached the moments too)

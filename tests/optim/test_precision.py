@@ -44,7 +44,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import flatshard
 from _parity import CFG, TiedGPT
-from flatshard.optim import cpu_adam, fused_adam
+from flatshard.optim import cpu_adam, fused_adam, rounding
 from flatshard.optim.precision import PrecisionAwareOptimizer
 from flatshard.optim.rounding import noise, round_into, salt, shift_of
 from flatshard.toolkit.data import SyntheticCorpus
@@ -91,6 +91,29 @@ def test_stochastic_rounding_is_unbiased_exact_where_it_can_be_and_replays():
     special = torch.tensor([float("inf"), -float("inf"), 0.0, -0.0])
     round_into(out[:4], special, salt(0, 1, 0, 0, "param"))
     assert out[:4].float().tolist() == special.tolist()
+
+
+@pytest.mark.parametrize("path", ["eager", "compiled"])
+def test_a_nan_rounds_to_a_nan_whatever_its_bits(path):
+    """Rounding adds to a value's low bits: a NaN's payload there would carry into its
+    exponent and sign. 0x7FFFFFFF (the NaN a GPU's fp32 arithmetic writes) became -0.0 and
+    0x7F800001 an infinity, so a NaN in a step on a GPU turned bf16 params into zeros without a
+    word. Every NaN, either sign, any payload and any rounding bits, stays a NaN; infinities
+    stay themselves."""
+    nans = torch.tensor(
+        [0x7FFFFFFF, 0x7F800001, 0x7FC00000, 0x7F80FFFF, -1, -4194304, -8388607], dtype=torch.int32
+    ).view(torch.float32)  # (-1: 0xFFFFFFFF, -4194304: 0xFFC00000 (a CPU's), -8388607: 0xFF800001)
+    value = torch.cat([nans.repeat(64), torch.tensor([float("inf"), -float("inf")])])
+    for key in ("param", "exp_avg", "exp_avg_sq"):
+        out = torch.empty(value.numel(), dtype=BF16)
+        halves = salt(0, 1, 0, 0, key)
+        if path == "eager":
+            round_into(out, value, halves, shift=shift_of(key))
+        else:  # (the kernel an accelerator runs, compiled here for the CPU)
+            ints = torch.tensor([0, *halves, shift_of(key)])
+            rounding._compiled_round()(out, value, ints, False)
+        assert out[:-2].isnan().all(), key
+        assert out[-2:].float().tolist() == [float("inf"), -float("inf")], key
 
 
 def test_the_rounding_bits_are_uniform():

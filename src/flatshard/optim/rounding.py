@@ -97,9 +97,13 @@ def noise(
 def stochastic(value: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """fp32 ``value`` with its low 16 bits cleared after adding ``bits``: a bf16 value (exactly
     representable, so a later cast is exact), rounded up with probability equal to the dropped
-    bits' fraction of an ulp. Infinities, zeros and bf16 values are left as they are."""
+    bits' fraction of an ulp. Infinities, zeros and bf16 values are left as they are, and a NaN
+    stays a NaN whatever its bits: added to, a NaN's low bits would carry into its exponent and
+    sign (0x7FFFFFFF, the NaN a GPU's arithmetic writes, would become -0.0) or leave only an
+    infinity's bits (0x7F800001)."""
     raw = value.contiguous().view(torch.int32) + bits.to(torch.int32)
-    return (raw & -65536).view(torch.float32)  # (0xFFFF0000: the bf16 bits)
+    rounded = (raw & -65536).view(torch.float32)  # (0xFFFF0000: the bf16 bits)
+    return torch.where(value.isnan(), value, rounded)
 
 
 def round_into(
