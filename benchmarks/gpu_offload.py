@@ -11,7 +11,10 @@ PARTs (default: all, in this order), each in its own process under its own deadl
   ``Offload()`` (asynchronous grad-shard copies down, asynchronous part copies up at each
   gather). fp32 params and torch's fused AdamW on the device: the streamed run must equal the
   unoffloaded one to the bit (the same kernel on the same values); the host step differs only
-  by the CPU's kernel (a bound printed, not asserted here). A race shows as a mismatch.
+  by the CPU's kernel (a bound printed, not asserted here). A race shows as a mismatch. Each
+  step also runs a forward under ``no_grad`` between the backward and the step, not waited
+  for: its loss must be the step's own (a gather still reading a host frame the host step
+  writes would see new weights).
 - ``flatshard-host``, ``flatshard-device``, ``flatshard-budget``: the Llama-3-8B-shaped model
   (bf16 params and grads, the 4-byte optimizer state) on one GPU capped at ``CAP`` bytes
   (``torch.cuda.set_per_process_memory_fraction``), activation checkpointing on, at stage 3
@@ -65,7 +68,7 @@ def _cap() -> dict:
     return {"cap": CAP, "total": total}
 
 
-def _check_run(stage: int, offload) -> tuple[list[float], dict]:
+def _check_run(stage: int, offload) -> tuple[list[float], dict, float]:
     import flatshard
     from flatshard.toolkit.models import lm_loss, tiny_model
 
@@ -77,16 +80,20 @@ def _check_run(stage: int, offload) -> tuple[list[float], dict]:
     model = flatshard.shard(model, stage=stage, offload=offload)
     opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, fused=True, **HYPER)
     corpus = MarkovTokens(512, 128)
-    losses = []
+    losses, evals = [], []
     for step in range(4):
         x, y = (t.to(device) for t in corpus.batch(step))
         loss = lm_loss(model, x, y)
         loss.backward()  # (no clipping: a norm summed on the host rounds unlike the device's)
+        with torch.no_grad():  # (a forward between the backward and the step, not waited for:
+            evals.append(lm_loss(model, x, y))  # its gathers read the host frames the step writes)
         opt.step()
         opt.zero_grad()
         losses.append(float(loss))
     model.wait_for_params()
-    return losses, {k: v.float().cpu() for k, v in model.full_state_dict().items()}
+    state = {k: v.float().cpu() for k, v in model.full_state_dict().items()}
+    eval_diff = max(abs(float(e) - v) for e, v in zip(evals, losses, strict=True))
+    return losses, state, eval_diff
 
 
 def part_check() -> dict:
@@ -102,6 +109,9 @@ def part_check() -> dict:
             "streamed_equal": streamed[0] == none[0]
             and all(torch.equal(streamed[1][k], v) for k, v in none[1].items()),
             "host_max_param_diff": diff,
+            # (the same weights and batch with and without grad: a gather racing the host
+            # step would show here as a step's change of the loss, ~1e-2)
+            "eval_minus_train_loss": {"none": none[2], "streamed": streamed[2], "host": host[2]},
             "losses": {"none": none[0], "streamed": streamed[0], "host": host[0]},
         }
         print(f"check stage {stage}: {out[str(stage)]}", flush=True)

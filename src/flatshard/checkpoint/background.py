@@ -132,21 +132,25 @@ def stage(state: dict[str, Any]) -> dict[str, Any]:
     the same key, dtype and size; everything else deep-copied."""
     snapshot.drop()  # (its buffers are staged over now)
     out: dict[str, Any] = {}
+    devices: set[torch.device] = set()
     for key, value in state.items():
         if isinstance(value, Piece):
-            out[key] = value._replace(tensor=_staged(key, value.tensor))
+            out[key] = value._replace(tensor=_staged(key, value.tensor, devices))
         elif type(value) in (torch.Tensor, torch.nn.Parameter):
-            out[key] = _staged(key, value)
+            out[key] = _staged(key, value, devices)
         else:  # (a tensor subclass, such as a DTensor, copies itself)
             out[key] = copy.deepcopy(value)
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.current_stream().synchronize()  # (the copies to pinned buffers, before the writer reads)
+    for device in devices:  # (the copies to pinned buffers, on each tensor's device, before the writer reads)
+        torch.cuda.current_stream(device).synchronize()
     return out
 
 
-def _staged(key: str, tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor``'s values in this process's host buffer for ``key`` (made on first use)."""
+def _staged(key: str, tensor: torch.Tensor, devices: set[torch.device]) -> torch.Tensor:
+    """``tensor``'s values in this process's host buffer for ``key`` (made on first use); a
+    CUDA tensor's device joins ``devices``, whose streams the copy is queued on."""
     tensor = tensor.detach()
+    if tensor.device.type == "cuda":
+        devices.add(tensor.device)
     shape_key = (key, tensor.dtype, tensor.numel())
     buffer = _BUFFERS.get(shape_key)
     if buffer is None:

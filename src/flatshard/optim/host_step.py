@@ -116,10 +116,12 @@ def resolve_offload(
 
 def fetch_grads(shards: Sequence[BufferShards], stats: CommStats) -> None:
     """The grads of every offloaded buffer copied to the host (counted in ``stats``), and
-    waited for."""
+    waited for; and every queued copy out of a host frame the step is to write (a gather of
+    a forward run between the backward and the step reads the main params there) done."""
     fetched = [s for s in shards if s.host_grads is not None]
     for s in fetched:
         s.fetch_grads(stats)
-    devices = {s.buffer.device for s in fetched if s.buffer.device.type == "cuda"}
-    for device in devices:  # (asynchronous copies into pinned memory: done before the host reads)
+    read = [s for s in shards if s.host_grads is not None or s.on_host]
+    devices = {s.buffer.device for s in read if s.buffer.device.type == "cuda"}
+    for device in devices:  # (asynchronous copies from or into pinned memory: done before the host writes)
         torch.cuda.current_stream(device).synchronize()
