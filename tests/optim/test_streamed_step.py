@@ -8,6 +8,7 @@ the same values. Chunks are made small here (``Offload.stream_chunk``) so that e
 several, with runs of several buckets and groups in each."""
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -199,6 +200,33 @@ def test_a_streamed_checkpoint_loads_at_another_world_size_stage_and_step_place(
     assert all(torch.equal(start_d[k], v) and torch.equal(start_h[k], v) for k, v in saved["saved"].items())
     assert all(torch.equal(moved_h[k], v) for k, v in moved_d.items())
     assert any(not torch.equal(start_d[k], v) for k, v in moved_d.items())
+
+
+def test_a_chunk_and_the_one_before_never_share_the_arena():
+    """[Note: streamed step]: chunks take pieces of one arena from its two ends by turns, so
+    the two on the device at once are disjoint; the arena is the plan's staging (the largest
+    pair of consecutive chunks) with each piece's start aligned."""
+    from flatshard.optim.streamed_step import _Arena
+    from flatshard.planner.offload import staging_bytes
+
+    sizes = [[100, 300], [1000], [10, 20, 30], [700], [5]]
+    arena = _Arena(torch.device("cpu"), sizes)
+    align = _Arena.ALIGN
+    aligned = [[-(-n // align) * align for n in chunk] for chunk in sizes]
+    assert arena.memory.numel() == staging_bytes([sum(c) for c in aligned])
+    base = arena.memory.data_ptr()
+    spans = []
+    for index in range(len(sizes)):
+        pieces = list(arena.chunk(index))
+        assert [p.numel() for p in pieces] == aligned[index]
+        starts = [p.data_ptr() - base for p in pieces]
+        assert all(
+            s % align == 0 and s >= 0 and s + p.numel() <= arena.memory.numel()
+            for s, p in zip(starts, pieces, strict=True)
+        )
+        spans.append({b for s, p in zip(starts, pieces, strict=True) for b in range(s, s + p.numel())})
+    for a, b in itertools.pairwise(spans):
+        assert not a & b
 
 
 def test_where_the_step_runs_is_checked():

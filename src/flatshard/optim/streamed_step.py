@@ -33,7 +33,12 @@ The reasoning is [Note: streamed step] below."""
 # On CUDA the copies run on two side streams: chunk i+1 is uploaded while chunk i steps on
 # the current stream, and chunk i is downloaded behind its step; before allocating chunk i+1
 # the host waits for chunk i-1's download, so at most two chunks are on the device at once
-# (``staging``, as the plan counts it, and a device budget at the step's peak).
+# (``staging``, as the plan counts it, and a device budget at the step's peak). Their copies
+# are pieces of one arena (``_Arena``) made on the current stream before the side streams
+# wait for it: memory a copy allocates on a side stream stays cached for that stream, out of
+# reach of the next forward, whereas the arena's goes back to the current stream's when the
+# step ends, which is what a budget taking the larger of the step's peak and the units' in
+# flight assumes.
 # ``step`` returns after every download is done: the host values are the values of record,
 # which the params' copies (stages 0-2) and the next gathers (stage 3) read. Host tensors
 # are page-locked where ``Offload.pin_memory`` (so these copies are asynchronous); state a
@@ -47,7 +52,7 @@ The reasoning is [Note: streamed step] below."""
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -117,11 +122,12 @@ class StreamedStep:
             return
         streams = self._streams
         current = streams.compute() if streams is not None else None
-        if streams is not None:  # (grads and main params: written on the current stream)
+        arena = _Arena(self.device, [self._upload_sizes(inner, c) for c in self.chunks])
+        if streams is not None:  # (grads and main params written, the arena made: on the current stream)
             streams.h2d.wait_stream(streams.compute())
         behind: _Staged | None = None  # the chunk before: downloading
-        ahead = self._upload(inner, self.chunks[0])
-        for following in [*self.chunks[1:], None]:
+        ahead = self._upload(inner, self.chunks[0], arena.chunk(0))
+        for index, following in enumerate([*self.chunks[1:], None], start=1):
             staged = ahead
             if current is not None:
                 current.wait_event(staged.uploaded)
@@ -131,20 +137,32 @@ class StreamedStep:
             _wait(behind)  # (its device copies released before the next chunk's are made)
             behind = staged
             if following is not None:
-                ahead = self._upload(inner, following)
-        _wait(behind)
+                ahead = self._upload(inner, following, arena.chunk(index))
+        _wait(behind)  # (then the arena goes back to the current stream's memory)
 
-    def _upload(self, inner: torch.optim.Optimizer, runs: list[_Run]) -> _Staged:
+    def _upload_sizes(self, inner: torch.optim.Optimizer, runs: list[_Run]) -> list[int]:
+        """The bytes of each tensor ``_upload`` carves from the arena for ``runs``, in its order."""
+        sizes = []
+        for run in runs:
+            state = inner.state.get(run.tensor) or {}
+            sizes += [_nbytes(run.grad)] if run.grad_on_host else []
+            sizes += [_nbytes(v) for v in state.values() if type(v) is torch.Tensor]
+            sizes.append(_nbytes(run.tensor))
+        return sizes
+
+    def _upload(
+        self, inner: torch.optim.Optimizer, runs: list[_Run], place: Iterator[torch.Tensor]
+    ) -> _Staged:
         staged = _Staged(runs)
         h2d = self._streams.h2d if self._streams is not None else None
         with _on(h2d):
             for run in runs:
                 state = inner.state.get(run.tensor) or {}
                 tensors = {k: v for k, v in state.items() if torch.is_tensor(v)}
-                grad = self._send(run.grad, HOST_TO_DEVICE) if run.grad_on_host else None
-                copies = {k: self._send(v, HOST_TO_DEVICE) for k, v in tensors.items()}
+                grad = self._send(run.grad, place) if run.grad_on_host else None
+                copies = {k: self._send(v, place) for k, v in tensors.items()}
                 staged.homes.append((run.tensor.data, run.grad.data if grad is not None else None, tensors))
-                staged.copies.append((self._send(run.tensor, HOST_TO_DEVICE), grad, copies))
+                staged.copies.append((self._send(run.tensor, place), grad, copies))
             staged.uploaded = _record(h2d)
         return staged
 
@@ -197,9 +215,15 @@ class StreamedStep:
         ([Note: streamed step])."""
         return staging_bytes(self.chunk_bytes)
 
-    def _send(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
-        self.stats.record(op, tensor.numel() * tensor.element_size(), 0)
-        return tensor.detach().to(self.device, copy=True, non_blocking=tensor.is_pinned())
+    def _send(self, tensor: torch.Tensor, place: Iterator[torch.Tensor]) -> torch.Tensor:
+        """``tensor``'s device copy: into the arena's next piece (a plain tensor), or made by
+        ``to`` (a tensor subclass, such as torchao's low-bit state, copies itself)."""
+        self.stats.record(HOST_TO_DEVICE, _nbytes(tensor), 0)
+        tensor = tensor.detach()
+        if type(tensor) is not torch.Tensor:
+            return tensor.to(self.device, copy=True, non_blocking=tensor.is_pinned())
+        piece = next(place)[: _nbytes(tensor)].view(tensor.dtype).view(tensor.shape)
+        return piece.copy_(tensor, non_blocking=tensor.is_pinned())
 
     def _receive(self, home: torch.Tensor | None, value: torch.Tensor, state: bool = False) -> torch.Tensor:
         """``value`` (on the device) copied into ``home`` where it fits, else into a new host
@@ -216,6 +240,31 @@ class StreamedStep:
             return home.copy_(value, non_blocking=home.is_pinned())
         new = value.to("cpu", copy=True)
         return new.pin_memory() if self._pin and type(new) is torch.Tensor else new
+
+
+class _Arena:
+    """The device memory of a step's chunks: one tensor made on the current stream, so that
+    what the step frees returns to the memory the forward and backward allocate from (a copy
+    made on a side stream stays cached for that stream alone). Chunks take turns from its two
+    ends, even ones from the front and odd ones from the back, so a chunk and the one before
+    it, the two on the device at once ([Note: streamed step]), never overlap in it: its size
+    is the largest such pair's (the plan's ``staging``, with each tensor's start rounded up to
+    ``ALIGN`` bytes)."""
+
+    ALIGN = 256
+
+    def __init__(self, device: torch.device, sizes: list[list[int]]) -> None:
+        self.sizes = [[-(-n // self.ALIGN) * self.ALIGN for n in chunk] for chunk in sizes]
+        total = staging_bytes([sum(chunk) for chunk in self.sizes])
+        self.memory = torch.empty(total, dtype=torch.uint8, device=device)
+
+    def chunk(self, index: int) -> Iterator[torch.Tensor]:
+        """Chunk ``index``'s pieces in its sizes' order."""
+        sizes = self.sizes[index]
+        start = 0 if index % 2 == 0 else self.memory.numel() - sum(sizes)
+        for n in sizes:
+            yield self.memory[start : start + n]
+            start += n
 
 
 def _step_only(
