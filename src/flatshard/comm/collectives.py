@@ -162,6 +162,21 @@ def all_reduce(
         return world.watch(_all_reduce(tensor, world, reduce_op), "all_reduce")
 
 
+def all_reduce_max(tensor: torch.Tensor, world: World, *, stats: CommStats | None = None) -> None:
+    """Max floating ``tensor`` in place across ``world``, and wait: NaN wherever any rank's is
+    NaN, as ``torch.maximum`` gives. A backend's MAX alone does not: gloo's keeps a NaN only
+    when it is the local operand, NCCL's (``fmax``) never, so one rank's NaN would vanish into
+    the others' values. Each value rides with a NaN flag in the one all-reduce."""
+    if world.group is None:
+        return
+    flat = tensor.reshape(-1)
+    nan = flat.isnan()
+    joined = torch.cat([flat.masked_fill(nan, -math.inf), nan.to(flat.dtype)])
+    all_reduce(joined, world, stats=stats, op="max").wait()
+    n = flat.numel()
+    tensor.copy_(joined[:n].masked_fill(joined[n:] > 0, math.nan).view_as(tensor))
+
+
 def broadcast(tensor: torch.Tensor, world: World, *, src: int = 0, stats: CommStats | None = None) -> Handle:
     """Copy rank ``src``'s ``tensor`` (a rank within ``world``) to every rank; asynchronous."""
     if world.group is None:

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from flatshard.comm.collectives import CommStats, all_reduce
+from flatshard.comm.collectives import CommStats, all_reduce, all_reduce_max
 from flatshard.comm.world import World
 from flatshard.engine.buffer import FlatBuffer, FlatParam
 from flatshard.engine.tensor_parallel import TensorParallel, check_alike_over_tp, is_distributed
@@ -290,7 +290,7 @@ class GradViews:
         joined = torch.stack(parts) if parts else torch.zeros(0, dtype=torch.float64, device=device)
         if total is not None:
             joined = torch.cat([joined, torch.stack([total, total.square()])])
-        all_reduce(joined, tp.world, stats=self._stats, op=op).wait()
+        _reduce(joined, tp.world, op, self._stats)
         if total is not None:
             check_alike_over_tp(joined[-2], joined[-1], tp)
         sums.update(zip(split, joined[: len(split)].unbind(), strict=True))
@@ -333,14 +333,23 @@ def _reduce_partials(
     main world whose copies of ``world`` each hold whole grads at stage 0."""
     if experts is not None and experts.in_main:
         if experts.over.size > 1:
-            all_reduce(partial, experts.over, stats=stats, op=op).wait()
+            _reduce(partial, experts.over, op, stats)
         if not sharded and op == "sum":
             partial /= world.size
         return
     if sharded and world.size > 1:
-        all_reduce(partial, world, stats=stats, op=op).wait()
+        _reduce(partial, world, op, stats)
     if experts is not None and experts.over.size > 1:
-        all_reduce(partial, experts.over, stats=stats, op=op).wait()
+        _reduce(partial, experts.over, op, stats)
+
+
+def _reduce(partial: torch.Tensor, world: World, op: str, stats: CommStats) -> None:
+    """Partial norms summed over ``world``, or maxed (an inf-norm: NaN where any rank's is,
+    as DDP's norm of the whole grad is)."""
+    if op == "max":
+        all_reduce_max(partial, world, stats=stats)
+    else:
+        all_reduce(partial, world, stats=stats, op=op).wait()
 
 
 NORM_CHUNK = 1 << 16

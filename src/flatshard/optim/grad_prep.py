@@ -170,7 +170,9 @@ class GradPreparation:
                 f"the total norm of the grads is {norm.item()}: non-finite, so it cannot be clipped "
                 f"({self._nonfinite_names()})"
             )
-        if not self._found_inf:
+        if not self._found_inf or (self.nonfinite == "step" and self.loss_scaler is None):
+            # (a step taken anyway clips as torch's clip_grad_norm_ does: by NaN for a NaN norm
+            # (min keeps it), by 0 for an infinite one)
             coef = min(float(max_norm) / (norm.item() + 1e-6), 1.0)
             pipeline = self._sharded.pipeline  # (a pipeline chunk's clips the whole model's)
             for optimizer in [self] if pipeline is None else _chunk_optimizers(pipeline):
