@@ -100,7 +100,8 @@ def offload_states(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     state.parked = parked
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        torch.cuda.empty_cache()
+        with torch.cuda.device(device):  # (not the current device's: it may be another)
+            torch.cuda.empty_cache()
 
 
 def reload_states(model: nn.Module) -> None:

@@ -566,3 +566,20 @@ def test_bad_input_is_refused_with_a_clear_error(case, tmp_path, capsys):
     assert re.search(case.names, message, re.S), (
         f"{case.name}: the message does not name the value:\n{message}"
     )
+
+
+def test_params_on_another_cuda_device_than_the_current_one_are_refused_under_nccl(monkeypatch):
+    """Under NCCL the control collectives run on the current device: params on cuda:3 with
+    cuda:0 current (a torchrun script that never called set_device) would put every rank on
+    cuda:0, which NCCL refuses or hangs on. Refused before any collective, naming the fix; gloo
+    (host control tensors) and a matching current device are left alone. (CUDA is faked: the
+    rule reads only the current device's index.)"""
+    from flatshard.wrap.arguments import check_current_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    with pytest.raises(ValueError, match=re.escape("cuda:3 but the current CUDA device is cuda:0")) as e:
+        check_current_device(torch.device("cuda", 3), "nccl")
+    assert "torch.cuda.set_device(3)" in str(e.value)
+    check_current_device(torch.device("cuda", 3), "gloo")
+    check_current_device(torch.device("cuda", 0), "nccl")
+    check_current_device(torch.device("cpu"), "nccl")

@@ -132,10 +132,13 @@ def _optimizer_entries(model, optimizer, *, load: bool, saved=None):
 
 
 # -- extra: the rest of a run ---------------------------------------------------------------------
-def _rng_state() -> dict[str, Any]:
+def _rng_state(device: torch.device) -> dict[str, Any]:
+    """The generators this rank draws from: the host's, and its model's device's (only that
+    one: a rank that resumes on another index, or on a node with fewer devices, gets back the
+    stream it drew from)."""
     state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
     try:
         import numpy
 
@@ -145,15 +148,23 @@ def _rng_state() -> dict[str, Any]:
     return state
 
 
-def _set_rng_state(state: dict[str, Any]) -> None:
+def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    cuda = state.get("cuda")
+    if isinstance(cuda, (list, tuple)):  # (saved before 2026-11-30: every visible device's)
+        cuda = cuda[device.index] if device.type == "cuda" and device.index < len(cuda) else None
+    if cuda is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(cuda, device)
     if "numpy" in state:
         import numpy
 
         numpy.random.set_state(state["numpy"])
+
+
+def _device(model: nn.Module) -> torch.device:
+    """Where ``model``'s params live (one device: ``check_devices`` in ``wrap/arguments.py``)."""
+    return next(iter(model.parameters())).device
 
 
 def _extra_to_save(extra: Mapping[str, Any] | None) -> dict[str, Any]:
@@ -322,7 +333,7 @@ def _collect(parts: list[Part], extra, rank: int) -> dict[str, Any]:
     if groups:
         state[cs.GROUPS] = united_groups(groups)
     state[f"{EXTRA}/{rank}"] = _extra_to_save(extra)
-    state[f"rng/{rank}"] = _rng_state()
+    state[f"rng/{rank}"] = _rng_state(_device(parts[0][0]))
     return state
 
 
@@ -512,7 +523,7 @@ def _load(path: str, parts: list[Part], extra, restore_rng: bool) -> dict[str, A
                 finish(state)
     with span("load restore"):
         if rng:
-            _set_rng_state(state[f"rng/{world.rank}"])
+            _set_rng_state(state[f"rng/{world.rank}"], _device(parts[0][0]))
         read = {key: state[key] for key in extra_keys}
         return _restore_extra(path, read, manifest["world_size"], world.size, extra)
 

@@ -151,8 +151,11 @@ class PieceLoadPlanner(DefaultLoadPlanner):
         super().set_up_planner(rest, metadata, is_coordinator)
 
     def load_bytes(self, read_item: ReadItem, value) -> None:
-        """Objects land in the caller's state dict, in place of their placeholders."""
-        self.target[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+        """Objects land in the caller's state dict, in place of their placeholders, their
+        tensors on the host."""
+        # (on the host: tensors saved from a device, e.g. a callback's best score, would come
+        # back on the saving rank's, which this rank may not have or not own)
+        self.target[read_item.dest_index.fqn] = torch.load(value, weights_only=False, map_location="cpu")
 
     def create_local_plan(self) -> LoadPlan:
         plan = super().create_local_plan()

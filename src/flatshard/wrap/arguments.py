@@ -76,6 +76,23 @@ def _check_not_wrapped(module: nn.Module) -> None:
             )
 
 
+def check_current_device(device: torch.device, backend: str) -> None:
+    """Params on ``cuda:k`` under NCCL need ``cuda:k`` to be the current device: NCCL runs
+    the small control collectives (and torch's own barrier) on the current device, and eight
+    ranks all on ``cuda:0`` crash or hang there. ``ValueError`` naming both, before any
+    collective."""
+    if device.type != "cuda" or backend != "nccl" or device.index is None:
+        return
+    current = torch.cuda.current_device()
+    if current != device.index:
+        raise ValueError(
+            f"the params are on {device} but the current CUDA device is cuda:{current}: under NCCL "
+            f"each rank needs its own device current. Call torch.cuda.set_device({device.index}) "
+            "(torchrun: torch.cuda.set_device(int(os.environ['LOCAL_RANK']))) before "
+            "init_process_group and shard, as DDP and FSDP2 scripts do"
+        )
+
+
 def check_devices(named: list[tuple[str, nn.Parameter]]) -> None:
     if not named:
         return

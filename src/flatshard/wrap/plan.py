@@ -30,6 +30,7 @@ from flatshard.units.unit_tree import Unit
 from flatshard.wrap.arguments import (
     bucket_options,
     check_arguments,
+    check_current_device,
     check_devices,
     check_flags,
     check_grad_scale,
@@ -198,6 +199,8 @@ def plan_wrap(
     kept_whole = whole_param_names(module, whole_params)  # (names: a meta model's params are replaced)
     _check_tensor_parallel(module, policy, kept_whole)
     named, meta, device, originals = _prepare_params(module, policy, mp, s3.device, replicated)
+    if named:
+        check_current_device(named[0][1].device, world.backend_for(named[0][1].device))
     units, unit_of = (
         stage3_units(module, named, s3.units, s3.unit_bytes) if policy.gathers_units else ([], {})
     )
