@@ -99,7 +99,8 @@ def _fsdp2(reshard_after_forward: bool, offload: bool = False) -> Peer:
 
         mesh = init_device_mesh(next(model.parameters()).device.type, (dist.get_world_size(),))
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32 if compute else None)
-        where = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if offload else OffloadPolicy()
+        pin = next(model.parameters()).device.type == "cuda"  # (a CPU run on a GPU machine pins nothing)
+        where = CPUOffloadPolicy(pin_memory=pin) if offload else OffloadPolicy()
         reshard = reshard_after_forward
         for block in blocks(model):
             fully_shard(
@@ -124,7 +125,7 @@ def _deepspeed(stage: int, offload: bool = False) -> Peer:
         zero: dict = {"stage": stage}
         extra: dict = {}
         if offload:  # (DeepSpeed steps an offloaded optimizer with its CPU Adam, from the config)
-            pin = torch.cuda.is_available()
+            pin = next(model.parameters()).device.type == "cuda"
             zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
             if StagePolicy(stage).shards_params:  # (ZeRO-3's param offload)
                 zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
@@ -307,9 +308,8 @@ def _flatshard_muon(stage: int) -> Peer:
 def prepare(name: str):
     """Import what peer ``name`` needs beyond torch (before memory is measured, so that no
     peer's RSS counts its imports); the DeepSpeed module for DeepSpeed's peers."""
-    if name.startswith("deepspeed"):
-        if not torch.cuda.is_available():
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    if name.startswith("deepspeed"):  # (the bench's ranks run on the host, gloo: a GPU machine's too)
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed
 
         deepspeed.utils.logger.setLevel(logging.WARNING)
