@@ -59,6 +59,40 @@ def test_params_unused_on_some_ranks_do_not_hang_and_match_ddp(world_size, bucke
     run_distributed(_divergent_control_flow, world_size, bucket_size, timeout=60)
 
 
+def _zeroed_not_none(stage):
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = TwoPaths()  # (its branch never runs: no rank's backward reaches it)
+    before = [p.detach().clone() for p in model.branch.parameters()]
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ours = flatshard.shard(model, stage=stage, find_unused_parameters=True)
+    kwargs = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
+    ref_opt = torch.optim.SGD(ref.parameters(), **kwargs)
+    opt = flatshard.DistributedOptimizer(ours, torch.optim.SGD, **kwargs)
+    for o in (ref_opt, opt):  # (before any backward too: every .grad None stays None)
+        o.zero_grad(set_to_none=False)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(100 * step + rank))
+        for net, o in ((ref, ref_opt), (ours, opt)):
+            net(x, False).backward()
+            o.step()
+            o.zero_grad(set_to_none=False)
+    ours.wait_for_params()
+    with ours.summon_full_params(writeback=False):
+        for (name, p), q in zip(ours.named_parameters(), ref.module.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7, msg=name)
+        return [torch.equal(a, b) for a, b in zip(model.branch.parameters(), before, strict=True)]
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_zero_grad_keeping_tensors_leaves_a_param_without_a_grad_without_one(stage):
+    """torch's zero_grad(set_to_none=False) zeroes the grads that exist and leaves None where
+    there is none, so SGD with momentum and weight decay never moves a param no backward
+    reached. At stage 0 flatshard handed every param a zeroed grad, so weight decay moved it."""
+    for unmoved in run_distributed(_zeroed_not_none, 2, stage):
+        assert unmoved == [True, True]
+
+
 def _bf16_grads_accumulate_in_fp32(world_size):
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -581,7 +581,7 @@ class GradSync:
             for bset in self.sets:
                 for buffer in bset.buffers:
                     buffer.zero_grads()
-            for bset in self.sets:
+            for bset in self.sets:  # (a param without a grad keeps none, as torch's zero_grad leaves it)
                 for p in bset.params:
-                    if id(p) in self._exposed:
+                    if id(p) in self._exposed and p.grad is not None:
                         p.grad = p.main_grad
