@@ -93,6 +93,41 @@ def test_zero_grad_keeping_tensors_leaves_a_param_without_a_grad_without_one(sta
         assert unmoved == [True, True]
 
 
+def _backward_after_step(stage):
+    """The GAN mistake: a second backward through a graph recorded before the step."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    ref = DDP(copy.deepcopy(net))
+    ours = flatshard.shard(net, stage=stage)
+    messages = []
+    for model, opt in (
+        (ref, torch.optim.SGD(ref.parameters(), lr=0.5)),
+        (ours, flatshard.DistributedOptimizer(ours, torch.optim.SGD, lr=0.5)),
+    ):
+        out = model(torch.randn(8, 4, generator=torch.Generator().manual_seed(rank)))
+        out.square().mean().backward(retain_graph=True)
+        opt.step()
+        opt.zero_grad()
+        try:
+            out.mean().backward()
+            messages.append(None)
+        except RuntimeError as e:
+            messages.append(str(e).split(":")[0])
+    return messages
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_a_backward_through_a_graph_recorded_before_the_step_raises_as_in_ddp(stage):
+    """torch's optimizers update params in place, which autograd sees: a later backward
+    through activations of the old values raises. flatshard's step writes flat buffers, which
+    autograd did not see, so that backward ran and paired the new params with the old
+    activations; the step now marks the params it changed."""
+    for ddp, ours in run_distributed(_backward_after_step, 2, stage):
+        assert ddp is not None and "modified by an inplace operation" in ddp
+        assert ours == ddp
+
+
 def _bf16_grads_accumulate_in_fp32(world_size):
     rank = dist.get_rank()
     torch.manual_seed(0)

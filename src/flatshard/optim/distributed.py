@@ -320,6 +320,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
         if self.loss_scaler is not None:
             self.loss_scaler.update(False)
         self._publish_params()
+        self._sharded.mark_stepped(without)
 
     def check_settings(self) -> None:
         """Raise ``ValueError`` on every rank (every rank calls this) if the ranks' param

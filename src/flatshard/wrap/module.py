@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -177,6 +177,25 @@ class ShardState:
             self.unsharder.settle()
         if self.tree is not None:
             self.tree.absorb_writes()
+
+    def mark_stepped(self, without: Collection[str]) -> None:
+        """The params a step changed (all but ``without``) are marked changed in place, as
+        torch's optimizers' in-place updates mark them: a backward through a graph recorded
+        before the step raises as torch's does, instead of pairing the new values with
+        activations of the old (the step writes flat buffers, which autograd does not see).
+        The marks are flatshard's own writes, not the user's ([Note: writes through the
+        params])."""
+        skipped = set(without)
+        stepped = [
+            p
+            for bset in self.sets.values()  # (not the frozen set: nothing steps it)
+            for name, p in zip(bset.names, bset.params, strict=True)
+            if name not in skipped
+        ]
+        if stepped:
+            torch.autograd.graph.increment_version(stepped)
+        if self.tree is not None:
+            self.tree.forget_writes()
 
     def take_dropped_grads(self, module: nn.Module, args: tuple) -> None:
         """Before the root's forward: a ``zero_grad`` that bypassed flatshard's is taken as
