@@ -261,17 +261,32 @@ def _batchnorm_side_by_side(stage: int, broadcast_buffers: bool, steps: int = 3)
         if stage
         else torch.optim.SGD(ours.parameters(), lr=0.1)
     )
+    evals = []
     for step in range(steps):
         g = torch.Generator().manual_seed(100 + 10 * step + rank)
         x, y = torch.randn(6, 8, generator=g), torch.randn(6, 1, generator=g)
         for model, opt in zip((reference, ours), opts, strict=True):
-            model(x, y).backward()
+            if step == 1:  # (two micro-batches: the first under no_sync)
+                with model.no_sync():
+                    model(x[:3], y[:3]).backward()
+                model(x[3:], y[3:]).backward()
+            else:
+                model(x, y).backward()
             opt.step()
             opt.zero_grad()
+            model.eval()  # (an eval forward between steps: DDP broadcasts before it)
+            with torch.no_grad():
+                evals.append(model(x, y).item())
+            model.train()
     ref_params = list(reference.module.parameters())
     diffs = [max_rel_diff(p, q) for p, q in zip(full_params(ours), ref_params, strict=True)]
     buffers = zip(ours.buffers(), reference.module.buffers(), strict=True)
-    return {"params": max(diffs), "buffers": max(max_rel_diff(b, c) for b, c in buffers)}
+    evals_diff = max(abs(a - b) / abs(b) for a, b in zip(evals[1::2], evals[::2], strict=True))
+    return {
+        "params": max(diffs),
+        "buffers": max(max_rel_diff(b, c) for b, c in buffers),
+        "evals": evals_diff,
+    }
 
 
 @pytest.mark.parametrize("broadcast_buffers", [True, False])
@@ -280,9 +295,12 @@ def test_ranks_seeded_apart_and_batchnorm_buffers_follow_ddp(stage, broadcast_bu
     """SGD at 3 ranks: params within 1e-5 ([Note: parity tolerances]); the buffers are rank
     0's running statistics on every rank (or each rank's own, like DDP's, when not broadcast).
     Before, ranks kept their own seeds' params at every stage and BatchNorm's statistics were
-    never synchronised."""
+    never synchronised. An eval forward after each step, and a no_sync micro-batch: DDP sends
+    rank 0's buffers before a forward when the one before it synced grads (so the eval sees
+    them, and the forward after an eval does not); flatshard sent them before each forward
+    that syncs, so other ranks evaluated with their own statistics."""
     for result in run_distributed(_batchnorm_side_by_side, 3, stage, broadcast_buffers):
-        assert result["params"] < 1e-5 and result["buffers"] < 1e-5, result
+        assert result["params"] < 1e-5 and result["buffers"] < 1e-5 and result["evals"] < 1e-5, result
 
 
 def _unfreeze(model):

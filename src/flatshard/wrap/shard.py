@@ -43,7 +43,7 @@ from flatshard.wrap.sync_states import (
     broadcast_before_binding,
     broadcast_originals,
     broadcast_states,
-    buffer_broadcast_hook,
+    buffer_broadcast_hooks,
 )
 
 __all__ = ["Experts", "shard"]
@@ -286,7 +286,9 @@ def _add_forward_pre_hooks(sharded: ShardedModule, mp: MixedPrecision, buffer_wo
     sharded.register_forward_pre_hook(eager(state.check_resident_hook), prepend=True)  # (first)
     sharded.register_forward_hook(eager(state.forward_ended), always_call=True)
     if buffer_worlds and any(w.size > 1 for w in buffer_worlds) and any(True for _ in sharded.buffers()):
-        sharded.register_forward_pre_hook(eager(buffer_broadcast_hook(buffer_worlds)))
+        before, after = buffer_broadcast_hooks(buffer_worlds)
+        sharded.register_forward_pre_hook(eager(before))
+        sharded.register_forward_hook(eager(after))
     if mp.param_dtype is not None:
         sharded.register_forward_pre_hook(
             eager(_mixed_precision_hook(sharded.flatshard_state, mp)), with_kwargs=True

@@ -2,8 +2,8 @@
 
 At stage 3 rank 0's full values are sent before each rank keeps its shards; below it each
 flat buffer is sent whole after binding, over its own world, with the fp32 values a
-mixed-precision cast left. The module's buffers are sent again before each forward that will
-sync grads, as torch DDP does."""
+mixed-precision cast left. The module's buffers are sent again before a forward when the one
+before it synced grads, as torch DDP does."""
 
 from __future__ import annotations
 
@@ -65,16 +65,23 @@ def broadcast_originals(originals: dict[str, torch.Tensor], sets: list[BufferSet
         h.wait()
 
 
-def buffer_broadcast_hook(worlds: tuple[World, World]):
-    """Rank 0's buffers on every rank before each forward that will sync grads (grad enabled,
-    not under ``no_sync``: when DDP syncs them), within each shard row, then across rows,
-    coalesced. The buffers are looked up each time, so one a module replaces is broadcast too."""
+def buffer_broadcast_hooks(worlds: tuple[World, World]):
+    """(pre-forward, post-forward) hooks: rank 0's buffers on every rank before a forward when
+    the forward before it (or none: the first) ran with grad enabled and grads to sync, DDP's
+    rule, within each shard row, then across rows, coalesced. So an eval forward right after a
+    training one sees rank 0's running statistics on every rank, and the training forward after
+    an eval, or after a ``no_sync`` micro-batch, is not preceded by a broadcast, as under DDP.
+    The buffers are looked up each time, so one a module replaces is broadcast too."""
+    due = [True]  # (DDP's require_forward_param_sync)
 
-    def hook(module: ShardedModule, args: tuple) -> None:
-        if not (torch.is_grad_enabled() and module.flatshard_state.grad_sync.sync_enabled):
-            return  # (an eval forward, generate(), a no_sync micro-batch: as DDP, no broadcast)
+    def before(module: ShardedModule, args: tuple) -> None:
+        if not due[0]:
+            return
         buffers = list(module.buffers())
         for w in worlds:  # one after the other: rank 0's row, then from it across the rows
             broadcast_values([(b, w) for b in buffers])
 
-    return hook
+    def after(module: ShardedModule, args: tuple, output: object) -> None:
+        due[0] = torch.is_grad_enabled() and module.flatshard_state.grad_sync.sync_enabled
+
+    return before, after
