@@ -78,6 +78,39 @@ def test_ranks_out_of_step_raise_a_desync_error_naming_every_rank(stage, case, t
         assert not (tmp_path / "ckpt").exists()
 
 
+def _uneven_micro_batches() -> dict:
+    """Stage 3, three steps of gradient accumulation: rank 1 runs one more no_sync
+    micro-batch a step than rank 0 (each forward gathers at stage 3)."""
+    torch.manual_seed(0)
+    rank = dist.get_rank()
+    model = flatshard.shard(GPT(CFG), stage=3, timeout=DEADLINE)
+    opt = flatshard.DistributedOptimizer(model, torch.optim.AdamW, lr=1e-3)
+    corpus = SyntheticCorpus(CFG.vocab_size, CFG.seq_len)
+    try:
+        for step in range(3):
+            for micro in range(2 + rank):
+                with model.no_sync():
+                    model(*corpus.batch(10 * step + micro, rank, 2)).backward()
+            model(*corpus.batch(10 * step + 9, rank, 2)).backward()
+            opt.step()
+            opt.zero_grad()
+    except flatshard.DesyncError as e:
+        return {"error": str(e)}
+    return {"error": None}
+
+
+def test_ranks_running_different_numbers_of_micro_batches_are_told_so():
+    """Under no_sync each stage-3 forward still gathers, so a rank with one more micro-batch
+    falls out of step. The error named positions only; it now says how many forwards each
+    rank began in the step, and what to do."""
+    results = run_distributed(_uneven_micro_batches, 2, timeout=60)
+    errors = [r["error"] for r in results if r["error"] is not None]
+    assert errors, results
+    for error in errors:
+        assert "the ranks began different numbers of forwards in this step" in error, error
+        assert "give every rank the same number of micro-batches" in error, error
+
+
 def _skip_a_backward(stage: int, native: bool) -> dict:
     """Rank 1 skips step 2's backward; what each rank's error says and the collectives'
     implementations this world chose (``native``: the backend's own reduce-scatter and

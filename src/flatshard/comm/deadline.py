@@ -82,14 +82,15 @@ class Phase(str, Enum):
 
 
 class Position:
-    """Where this process stands: the steps it has finished, its phase, the collective it
-    issued last (``op`` #``seq`` within the step) and the one it is waiting on, if any.
-    ``version`` changes with every move, so the publisher sends only what is new."""
+    """Where this process stands: the steps it has finished, its phase, the forwards it has
+    begun in this step (micro-batches), the collective it issued last (``op`` #``seq`` within
+    the step) and the one it is waiting on, if any. ``version`` changes with every move, so the
+    publisher sends only what is new."""
 
-    __slots__ = ("op", "phase", "seq", "steps", "version", "waiting", "waiting_since")
+    __slots__ = ("forwards", "op", "phase", "seq", "steps", "version", "waiting", "waiting_since")
 
     def __init__(self) -> None:
-        self.steps, self.phase, self.op, self.seq = 0, Phase.START, "", 0
+        self.steps, self.phase, self.op, self.seq, self.forwards = 0, Phase.START, "", 0, 0
         self.waiting: Watched | None = None
         self.waiting_since = 0.0  # time.time() when that wait began
         self.version = 0
@@ -103,6 +104,7 @@ class Position:
         """Entering a forward (a recomputation inside a backward stays in the backward)."""
         if self.phase is not Phase.FORWARD and self.phase is not Phase.BACKWARD:
             self.phase = Phase.FORWARD
+            self.forwards += 1
             self.version += 1
 
     @contextmanager
@@ -117,7 +119,7 @@ class Position:
 
     def step_done(self) -> None:
         self.steps += 1
-        self.phase, self.seq = Phase.AFTER_STEP, 0
+        self.phase, self.seq, self.forwards = Phase.AFTER_STEP, 0, 0
         self.version += 1
 
     def issued(self, op: str) -> int:
@@ -137,6 +139,7 @@ class Position:
             "op": self.op,
             "op_step": step,
             "seq": self.seq,
+            "forwards": self.forwards,
             "waiting_since": None,
         }
         if self.waiting is not None:
@@ -162,6 +165,8 @@ def describe(where: dict | None, now: float, rank: int | None = None) -> str:
         done = where["step"] - 1
         return f"exited after {done} step{'s' if done != 1 else ''}"
     text = f"step {where['step']}, {where['phase']}"
+    if where.get("forwards", 0) > 1:  # (micro-batches: say which)
+        text = f"step {where['step']}, forward {where['forwards']} of the step, {where['phase']}"
     if where["op"]:
         since = where["waiting_since"]
         state = f"waiting {now - since:.1f} s on" if since is not None else "last issued"
@@ -318,6 +323,7 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
     if _PUBLISHER is not None:  # the others keep reading where this rank failed, not its exit
         _PUBLISHER.stopped.set()
     lines = [f"  rank {r}: {describe(where, now, r)}" for r, where in found.items()]
+    lines += _uneven_forwards(found)
     if any(where is STORE_GONE for where in found.values()):
         host = "torchrun's agent" if store_rank() is None else f"rank {store_rank()}"
         lines.append(
@@ -335,6 +341,20 @@ def desync(watched: Watched, err: Exception, since: float) -> DesyncError:
         f"{dist.get_rank()}: the ranks are not at the same collective, or one has stopped. "
         f"Where each rank is:\n" + "\n".join(lines) + f"\n(the backend said: {cause})"
     )
+
+
+def _uneven_forwards(found: dict[int, dict | None]) -> list[str]:
+    """A line naming the likely cause when ranks at the same step ran different numbers of
+    forwards in it (micro-batches of gradient accumulation), else none."""
+    live = {r: w for r, w in found.items() if w and "step" in w and w["phase"] != Phase.EXITED.value}
+    if len({w["step"] for w in live.values()}) != 1 or len({w.get("forwards") for w in live.values()}) < 2:
+        return []
+    counts = ", ".join(f"rank {r}: {w.get('forwards')}" for r, w in live.items())
+    return [
+        f"  the ranks began different numbers of forwards in this step ({counts}): under no_sync a "
+        "rank that runs more micro-batches than the others gathers (stage 3) or reduces alone; "
+        "give every rank the same number of micro-batches a step"
+    ]
 
 
 def disagreement(ranks: list[int], what: str) -> DesyncError:

@@ -204,6 +204,7 @@ class ShardState:
 
     def forward_began(self, module: nn.Module, args: tuple) -> None:
         self.settle_paused = True
+        HERE.forward()  # (counted: a desync names ranks that ran different numbers of micro-batches)
 
     def forward_ended(self, module: nn.Module, args: tuple, output: object) -> None:
         self.settle_paused = False
