@@ -128,6 +128,56 @@ def test_a_backward_through_a_graph_recorded_before_the_step_raises_as_in_ddp(st
         assert ours == ddp
 
 
+class _ActivationFirst(nn.Module):
+    """Blocks small enough to merge into one stage-3 unit, the first without params (an
+    activation in a ModuleList); ``skip`` leaves blocks out (LayerDrop)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([nn.Tanh(), nn.Linear(8, 8), nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x, skip=()):
+        x = self.inp(x)
+        for i, block in enumerate(self.blocks):
+            if i not in skip:
+                x = block(x)
+        return self.head(x).square().mean()
+
+
+def _layer_dropped_on_one_rank():
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = _ActivationFirst()
+    ref = DDP(copy.deepcopy(model), find_unused_parameters=True)
+    ours = flatshard.shard(model, stage=3, find_unused_parameters=True, timeout=20)
+    assert any(len(u.modules) > 1 for u in ours.flatshard_state.unsharder.units)  # (merged)
+    kwargs = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}
+    opts = (
+        torch.optim.SGD(ref.parameters(), **kwargs),
+        flatshard.DistributedOptimizer(ours, torch.optim.SGD, **kwargs),
+    )
+    for step in range(2):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        for net, opt in zip((ref, ours), opts, strict=True):
+            net(x, skip=(1,) if rank == 0 else ()).backward()
+            opt.step()
+            opt.zero_grad()
+    with ours.summon_full_params(writeback=False):
+        pairs = zip(ours.parameters(), ref.module.parameters(), strict=True)
+        return max((p - q).abs().max().item() for p, q in pairs)
+
+
+def test_a_layer_dropped_on_one_rank_in_a_merged_unit_with_an_activation_follows_ddp():
+    """LayerDrop on rank 0 in a stage-3 unit merged from an activation and two linears: the
+    activation's output grad gathered the unit again after the linears' grads had freed it,
+    on the rank that ran them all only, and the ranks hung. A member holding none of the
+    unit's params no longer gathers for its backward."""
+    for diff in run_distributed(_layer_dropped_on_one_rank, 2, timeout=90):
+        assert diff < 1e-6, diff
+
+
 def _bf16_grads_accumulate_in_fp32(world_size):
     rank = dist.get_rank()
     torch.manual_seed(0)

@@ -39,6 +39,11 @@ The reasoning is in the notes below ([Note: units], ...)."""
 # * Indices stay in pre-order of each unit's first module, so the root is still 0 and a
 #   param's unit is the merged unit of the unit it had.
 # * ``unit_bytes=None`` merges nothing (a unit per module, as before merging existed).
+# * A merged unit is gathered for the backward of each member that holds some of its params,
+#   not of a member that holds none (an activation in a ModuleList): that member's output
+#   grad comes after the others' grads have freed the unit, and gathering it again there,
+#   only on the ranks that ran every member (a layer dropped on some ranks), put the ranks
+#   out of step.
 
 from __future__ import annotations
 

@@ -193,10 +193,16 @@ class Unsharder:
         self._entry: nn.Module | None = None  # the module whose forward began the current one
         for unit, unit_parts in zip(units, parts, strict=True):
             if unit_parts and unit.index != 0:
+                held = {id(p.params[s.index]) for p in unit_parts for s in p.bucket.params}
                 for member, module in enumerate(unit.modules):
                     pre = eager_pre_hook(self._pre_forward_hook(unit.index))
                     self._hooks.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-                    post = eager(self._post_forward_hook(unit.index, member))
+                    # (a member holding none of the unit's params, an activation in a merged
+                    # unit, needs no gather for its backward: its output's grad would gather the
+                    # unit again after the members that hold them freed it, on the ranks that
+                    # ran them all only: [Note: merged units])
+                    uses = any(id(q) in held for q in module.parameters())
+                    post = eager(self._post_forward_hook(unit.index, member, backward=uses))
                     self._hooks.append(module.register_forward_hook(post))
                     whole_outside_graphs(module)
         # the root's hooks (which also end each forward) on every module a forward may begin at
@@ -468,7 +474,10 @@ class Unsharder:
         """Whether ``u`` is freed once its forward is done (not kept full for backward)."""
         return not torch.is_grad_enabled() or (self.options.reshard_after_forward and u not in self._kept)
 
-    def _post_forward_hook(self, u: int, member: int):
+    def _post_forward_hook(self, u: int, member: int, backward: bool = True):
+        """After a member of ``u`` ran: free ``u`` once all ran (if it is freed after forward);
+        ``backward``: gather ``u`` again before the backward of its output."""
+
         def hook(module: nn.Module, args: object, output: object) -> None:
             if _in_backward():  # a recomputation: its backward follows at once
                 return
@@ -481,6 +490,8 @@ class Unsharder:
                     self.reshard(u)
             if u == 0:
                 self._end_forward()
+            if not backward:
+                return
             tensors = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.requires_grad]
             if len(tensors) == 1 and torch.is_grad_enabled():  # (the usual block; a cheaper hook)
                 tensors[0].register_hook(lambda grad: self._pre_backward(u))
