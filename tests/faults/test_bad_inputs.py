@@ -583,3 +583,13 @@ def test_params_on_another_cuda_device_than_the_current_one_are_refused_under_nc
     check_current_device(torch.device("cuda", 3), "gloo")
     check_current_device(torch.device("cuda", 0), "nccl")
     check_current_device(torch.device("cpu"), "nccl")
+
+
+def test_shard_under_a_launcher_before_the_process_group_is_refused(monkeypatch):
+    """torchrun sets WORLD_SIZE; a script that shards before init_process_group got a world of
+    one on every rank, each training alone without a word (DDP raises: no default group)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ValueError, match="WORLD_SIZE=4 in the environment but no process group"):
+        flatshard.shard(nn.Linear(4, 4))
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    flatshard.shard(nn.Linear(4, 4))  # (a launcher's world of one is one)

@@ -8,6 +8,7 @@ first step of building (``wrap/shard.py``)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
@@ -325,6 +326,13 @@ def _check_tensor_parallel(module: nn.Module, policy: StagePolicy, kept_whole: f
 def _worlds(group: object, policy: StagePolicy, timeout: float | timedelta | None) -> tuple[World, World]:
     """(shard world, replicate world) of ``group`` with the collectives' deadline; this rank
     starts publishing its position ([Note: deadlines])."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if group is None and launched > 1 and not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            f"group=None with WORLD_SIZE={launched} in the environment but no process group: each "
+            "rank would train alone, as a world of one. Call torch.distributed.init_process_group() "
+            "before shard (the HF Trainer, accelerate and Lightning make it before they shard)"
+        )
     world, replicate = resolve_worlds(group, as_timeout(timeout))
     if replicate.size > 1 and not policy.allows_replicated_mesh:
         raise ValueError(
