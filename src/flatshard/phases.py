@@ -91,7 +91,7 @@ def offload_states(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
         )
     optimizer = optimizer if optimizer is not None else state.optimizer
     state.wait_for_params()  # (the gathers in flight; stage 3: no unit left gathered)
-    device = _device(state)
+    device = state.device
     parked = Parked(device)
     in_buffers = {id(p): p for bset in state.param_sets() for p in bset.params}
     _hide(model, state, in_buffers, parked)
@@ -142,10 +142,6 @@ def _state(model: nn.Module, what: str):
     if not isinstance(module, ShardedModule):
         raise TypeError(f"{what} takes a model wrapped by flatshard.shard, got {type(module).__name__}")
     return module.flatshard_state
-
-
-def _device(state) -> torch.device:
-    return next(b.device for bset in state.param_sets() for b in bset.buffers)
 
 
 def _hide(model: nn.Module, state, in_buffers: dict[int, nn.Parameter], parked: Parked) -> None:

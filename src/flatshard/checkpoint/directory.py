@@ -111,6 +111,12 @@ def _stage(model: nn.Module) -> int | None:
     return None if state is None else state.stage
 
 
+def _device(model: nn.Module) -> torch.device:
+    """Where ``model`` lives: a sharded model's buffers' device, else its first param's."""
+    state = getattr(model, "flatshard_state", None)
+    return state.device if state is not None else next(iter(model.parameters())).device
+
+
 def _optimizer_entries(model, optimizer, *, load: bool, saved=None):
     if optimizer is None:
         return {}, None
@@ -160,11 +166,6 @@ def _set_rng_state(state: dict[str, Any], device: torch.device) -> None:
         import numpy
 
         numpy.random.set_state(state["numpy"])
-
-
-def _device(model: nn.Module) -> torch.device:
-    """Where ``model``'s params live (one device: ``check_devices`` in ``wrap/arguments.py``)."""
-    return next(iter(model.parameters())).device
 
 
 def _extra_to_save(extra: Mapping[str, Any] | None) -> dict[str, Any]:

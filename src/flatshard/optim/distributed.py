@@ -53,7 +53,7 @@ from flatshard.optim.blockwise import adopt, piece_params, state_block
 from flatshard.optim.composite import run_closure
 from flatshard.optim.grad_prep import GradPreparation
 from flatshard.optim.held import HeldBack
-from flatshard.optim.host_step import budget_offload, fetch_grads, resolve_offload
+from flatshard.optim.host_step import budget_offload, ready_host_frames, resolve_offload
 from flatshard.optim.inner import check_optimizer_class, make_inner, param_groups, steps_flat, whole_shapes
 from flatshard.optim.loss_scale import StaticLossScaler, make_loss_scaler
 from flatshard.optim.precision import PrecisionAwareOptimizer, resolve_precision
@@ -308,7 +308,7 @@ class DistributedOptimizer(GradPreparation, torch.optim.Optimizer):
             self._settings.after_step(self.inner)
         self._norm_checked_settings = False
         self._apply_grad_factor()
-        fetch_grads(self._buffer_shards, self._sharded.stats)  # (offloaded: [Note: memory tiers])
+        ready_host_frames(self._buffer_shards, self._sharded.stats)  # (offloaded: [Note: memory tiers])
         self._sharded.wait_for_params()  # a shard may still be the source of a gather
         with self._held.step(self.inner, self._buffer_shards, without):
             if self._streamed is not None:

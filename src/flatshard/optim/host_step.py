@@ -114,7 +114,7 @@ def resolve_offload(
     return None, HybridDeviceOptimizer, {**defaults, **hybrid}
 
 
-def fetch_grads(shards: Sequence[BufferShards], stats: CommStats) -> None:
+def ready_host_frames(shards: Sequence[BufferShards], stats: CommStats) -> None:
     """The grads of every offloaded buffer copied to the host (counted in ``stats``), and
     waited for; and every queued copy out of a host frame the step is to write (a gather of
     a forward run between the backward and the step reads the main params there) done."""

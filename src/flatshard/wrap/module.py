@@ -108,6 +108,12 @@ class ShardState:
         """The deadline of this module's collectives ([Note: deadlines] in ``comm/deadline.py``)."""
         return next((bset.world.timeout for bset in self.param_sets()), None)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this model's flat buffers live (one device: ``check_devices`` in
+        ``wrap/arguments.py``)."""
+        return next(b.device for bset in self.param_sets() for b in bset.buffers)
+
     def param_sets(self) -> list[BufferSet]:
         """Every buffer set holding params: the trainable ones (``sets``), then the frozen
         one at stage 3 (no grads, no optimizer)."""
@@ -185,13 +191,9 @@ class ShardState:
         activations of the old (the step writes flat buffers, which autograd does not see).
         The marks are flatshard's own writes, not the user's ([Note: writes through the
         params])."""
-        skipped = set(without)
-        stepped = [
-            p
-            for bset in self.sets.values()  # (not the frozen set: nothing steps it)
-            for name, p in zip(bset.names, bset.params, strict=True)
-            if name not in skipped
-        ]
+        named = [(n, p) for bset in self.sets.values() for n, p in zip(bset.names, bset.params, strict=True)]
+        skipped = set(without)  # (usually none: every param, one call; the frozen set never steps)
+        stepped = [p for n, p in named if n not in skipped] if skipped else [p for _, p in named]
         if stepped:
             torch.autograd.graph.increment_version(stepped)
         if self.tree is not None:
