@@ -488,3 +488,36 @@ def test_fp8_gathers_after_the_step_under_the_trainer(tmp_path):
     for r in results:
         _check_follows({"ddp": r["logged"][None], "fp8": r["logged"][True]}, rel=1e-5)
     assert results[0]["saved"] > 0 and results[0]["same"]  # (rank 0 writes)
+
+
+class _BatchNormOverHidden(torch.nn.Module):
+    """BatchNorm1d over the hidden features, in place of the final norm: buffers training
+    changes (its running statistics), which ``evaluate`` reads."""
+
+    def __init__(self, hidden: int) -> None:
+        super().__init__()
+        self.bn = torch.nn.BatchNorm1d(hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.bn(x.transpose(1, 2)).transpose(1, 2)
+
+
+def _with_batchnorm(model: torch.nn.Module) -> torch.nn.Module:
+    model.model.norm = _BatchNormOverHidden(model.config.hidden_size)
+    return model
+
+
+def test_batchnorm_statistics_in_the_trainers_evaluate_follow_its_ddp(tmp_path):
+    """Each rank's running statistics move with its own batches. The Trainer's DDP sends rank
+    0's before the first micro-batch of each step (the forward before it, the last of the
+    step before, synced), and its evaluation runs on the plain model, without DDP: each rank
+    with its own. flatshard sent them before the synced micro-batch instead, and (after the
+    rule was made DDP's) before the evaluation too: the mean eval loss over ranks moved by a
+    few 1e-6, inside the tolerance, so it is compared to the bit here (the training losses
+    are bit-equal in this run too)."""
+    for logged in run_distributed(
+        _against_ddp, 2, [1, 3], str(tmp_path), "adamw_torch", prepare=_with_batchnorm, init=False
+    ):
+        evals = {stage: got[-1] for stage, got in logged.items()}
+        _check_follows(logged, rel=1e-5)
+        assert all(e == evals["ddp"] for e in evals.values()), evals

@@ -16,7 +16,9 @@ The reasoning is [Note: hosted training] below."""
 #   place (the same object, so every reference the host holds stays valid). At stage 3 a
 #   frozen reference model (DPO's ``ref_model``) is sharded too.
 # * **No wrapper on top.** The host prepares the model for evaluation only (autocast, no
-#   DDP): flatshard's hooks reduce the grads (DDP on top is refused anyway).
+#   DDP): flatshard's hooks reduce the grads (DDP on top is refused anyway). Its evaluation
+#   runs the plain model under its DDP, so there the buffers (BatchNorm's statistics) are
+#   neither sent nor armed to be (``buffer_broadcast_hooks`` in ``wrap/sync_states.py``).
 # * **Only flatshard's optimizer steps.** The host's choice of optimizer (``args.optim``, or
 #   ``optimizer_cls_and_kwargs``), its hyperparameters and its weight-decay groups become a
 #   ``DistributedOptimizer`` of that class; LR schedulers see its param groups as usual. An
@@ -128,6 +130,16 @@ class ShardedTrainerMixin:
         return self.accelerator.prepare_model(  # type: ignore[attr-defined]
             model, device_placement=False, evaluation_mode=True
         )
+
+    def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
+        """The host's evaluation, whose forwards its DDP never sees (it evaluates the plain
+        model): they neither send rank 0's buffers nor arm the next training forward's send."""
+        state = self.model.flatshard_state  # type: ignore[attr-defined]
+        state.buffers_as_unwrapped = True
+        try:
+            return super().evaluation_loop(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            state.buffers_as_unwrapped = False
 
     def create_optimizer(self, model: nn.Module | None = None) -> torch.optim.Optimizer:
         if self.optimizer is None:

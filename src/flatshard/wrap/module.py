@@ -87,6 +87,9 @@ class ShardState:
     # while set, settle_gathers does nothing: the root's forward (it waits for the gathers
     # bucket by bucket) or zero_grad (it reads no value) is running
     settle_paused: bool = False
+    # while set, forwards are outside the data-parallel rule for buffers: a host that runs
+    # them without its DDP (the HF Trainer's evaluation) neither sends nor arms the broadcast
+    buffers_as_unwrapped: bool = False
 
     @property
     def stage(self) -> int:

@@ -71,17 +71,21 @@ def buffer_broadcast_hooks(worlds: tuple[World, World]):
     rule, within each shard row, then across rows, coalesced. So an eval forward right after a
     training one sees rank 0's running statistics on every rank, and the training forward after
     an eval, or after a ``no_sync`` micro-batch, is not preceded by a broadcast, as under DDP.
+    Forwards under ``buffers_as_unwrapped`` (a host evaluating without its DDP, as the HF
+    Trainer does) take no part.
     The buffers are looked up each time, so one a module replaces is broadcast too."""
     due = [True]  # (DDP's require_forward_param_sync)
 
     def before(module: ShardedModule, args: tuple) -> None:
-        if not due[0]:
+        if not due[0] or module.flatshard_state.buffers_as_unwrapped:
             return
         buffers = list(module.buffers())
         for w in worlds:  # one after the other: rank 0's row, then from it across the rows
             broadcast_values([(b, w) for b in buffers])
 
     def after(module: ShardedModule, args: tuple, output: object) -> None:
+        if module.flatshard_state.buffers_as_unwrapped:  # (a forward the host's DDP would not see)
+            return
         due[0] = torch.is_grad_enabled() and module.flatshard_state.grad_sync.sync_enabled
 
     return before, after
